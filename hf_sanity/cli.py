@@ -1,0 +1,189 @@
+"""The `hf-sanity` command line. It parses arguments and calls the library; nothing else lives here."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markdown import Markdown
+from rich.table import Table
+
+from hf_sanity.errors import UserInputError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Sanity checks for Hugging Face fine-tuning: finds the silent bugs before and during training.",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+SelectOpt = Annotated[
+    list[str] | None,
+    typer.Option("--select", help="Only these rules (slugs, stages or ALL; repeat or comma-separate)."),
+]
+IgnoreOpt = Annotated[
+    list[str] | None, typer.Option("--ignore", help="Silence these rules (slugs or stages).")
+]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this file.")]
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _finish(report, json_path: Path | None) -> None:
+    console.print(report)
+    if json_path is not None:
+        report.write_json(json_path)
+        console.print(f"[dim]report written to {json_path}[/dim]")
+    raise typer.Exit(report.exit_code)
+
+
+@app.command("rules")
+def rules_command(
+    stage: Annotated[str | None, typer.Option(help="Only the rules of this stage.")] = None,
+) -> None:
+    """List every rule: slug, default severity, stage and the symptom it explains."""
+    from hf_sanity import catalog
+
+    rules = catalog.all_rules()
+    if stage is not None:
+        if stage not in catalog.STAGES:
+            raise UserInputError(f"unknown stage {stage!r}; use one of {', '.join(catalog.STAGES)}")
+        rules = [r for r in rules if r.stage == stage]
+    table = Table(show_edge=False, header_style="bold")
+    for column in ("rule", "severity", "stage", "symptom"):
+        table.add_column(column, overflow="fold")
+    for rule in rules:
+        table.add_row(rule.slug, rule.severity, rule.stage, rule.symptom)
+    console.print(table)
+
+
+@app.command("explain")
+def explain_command(slug: Annotated[str, typer.Argument(help="A rule slug, e.g. prompt-in-loss.")]) -> None:
+    """Print one rule: the symptom, how it is detected, and the fix."""
+    from hf_sanity import catalog
+
+    console.print(Markdown(catalog.get(slug).explain()))
+
+
+@app.command("preflight")
+def preflight_command(
+    model: Annotated[
+        str, typer.Option(help="Model folder or hub id (its tokenizer is used unless --tokenizer).")
+    ],
+    dataset: Annotated[
+        str, typer.Option(help="JSON/JSONL/CSV/Parquet file, save_to_disk folder, or hub id.")
+    ],
+    tokenizer: Annotated[
+        str | None, typer.Option(help="Tokenizer folder or hub id (default: --model).")
+    ] = None,
+    split: Annotated[str, typer.Option(help="Dataset split to inspect.")] = "train",
+    eval_dataset: Annotated[str | None, typer.Option(help="Eval dataset (for split-leakage).")] = None,
+    eval_split: Annotated[
+        str | None, typer.Option(help="Eval split of --dataset (for split-leakage).")
+    ] = None,
+    max_len: Annotated[
+        int | None, typer.Option(help="Training max_length (truncation keeps the start).")
+    ] = None,
+    adapter: Annotated[
+        str | None, typer.Option(help="A saved PEFT adapter folder to check against the model.")
+    ] = None,
+    inference_tokenizer: Annotated[
+        str | None, typer.Option(help="Tokenizer used at inference, for template parity.")
+    ] = None,
+    loss_on: Annotated[
+        str, typer.Option(help="completion (labels on completions only) or all.")
+    ] = "completion",
+    format: Annotated[
+        str | None,
+        typer.Option("--format", help="messages, prompt-completion, text or tokens (default: detect)."),
+    ] = None,
+    sample: Annotated[int, typer.Option(help="Examples for the model-side checks.")] = 256,
+    num_proc: Annotated[int | None, typer.Option(help="Processes for tokenization.")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow custom model/tokenizer code.")] = False,
+    json: JsonOpt = None,
+    select: SelectOpt = None,
+    ignore: IgnoreOpt = None,
+) -> None:
+    """Inspect model, tokenizer, data and adapter before a single training step."""
+    _quiet_libraries()
+    from hf_sanity.preflight import preflight
+    from hf_sanity.preflight.sources import load_config, load_dataset_ref, load_model, load_tokenizer
+
+    if eval_dataset and eval_split:
+        raise UserInputError("pass --eval-dataset or --eval-split, not both")
+    config = load_config(model, trust_remote_code=trust_remote_code)  # fails early on a broken model folder
+    tok = load_tokenizer(tokenizer or model, trust_remote_code=trust_remote_code)
+    data = load_dataset_ref(dataset, split)
+    eval_data = None
+    if eval_dataset:
+        eval_data = load_dataset_ref(eval_dataset, eval_split or split)
+    elif eval_split:
+        eval_data = load_dataset_ref(dataset, eval_split)
+    inference_tok = (
+        load_tokenizer(inference_tokenizer, trust_remote_code=trust_remote_code)
+        if inference_tokenizer
+        else None
+    )
+    report = preflight(
+        model=lambda: load_model(model, trust_remote_code=trust_remote_code),
+        model_config=config,
+        tokenizer=tok,
+        dataset=data,
+        eval_dataset=eval_data,
+        max_len=max_len,
+        loss_on=loss_on,
+        format=format,
+        adapter=adapter,
+        inference_tokenizer=inference_tok,
+        sample=sample,
+        num_proc=num_proc,
+        select=select,
+        ignore=ignore,
+    )
+    _finish(report, json)
+
+
+@app.command("demo")
+def demo_command() -> None:
+    """Show what hf-sanity does on the embedded tiny model: a correct setup, then a broken one."""
+    _quiet_libraries()
+    from hf_sanity.demo import run_demo
+
+    raise typer.Exit(run_demo(console))
+
+
+def main() -> None:
+    """Entry point: bad input is one line on stderr and exit code 2, never a traceback."""
+    try:
+        code = app(standalone_mode=False)  # click returns the typer.Exit code in this mode
+        sys.exit(code or 0)
+    except UserInputError as exc:
+        err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True, markup=True)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        err_console.print("aborted")
+        sys.exit(130)
+    except Exception as exc:
+        # Usage errors from click (which typer may vendor): they know how to show themselves, exit 2.
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""The one result type every check produces."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from hf_sanity.tokenview import TokenView
+
+Severity = Literal["error", "warning", "info"]
+SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
+SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
+
+
+@dataclass
+class Finding:
+    """One diagnosed problem: which rule, how bad, the key number, the evidence, and the fix.
+
+    ``evidence`` must be JSON-serialisable (counts, fractions, row indices, the offending step);
+    ``example`` is the token view of the first offending example, where tokens are involved.
+    """
+
+    rule: str
+    severity: Severity
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    fix: str = ""
+    step: int | None = None
+    example: TokenView | None = None
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITIES:
+            raise ValueError(f"severity must be one of {SEVERITIES}, got {self.severity!r}")
+        self.evidence = jsonable(self.evidence)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "rule": self.rule,
+            "severity": self.severity,
+            "message": self.message,
+            "evidence": self.evidence,
+            "fix": self.fix,
+            "step": self.step,
+        }
+        if self.example is not None:
+            out["example"] = self.example.plain()
+        return out
+
+
+def jsonable(value: Any) -> Any:
+    """Turn numpy/torch scalars, tuples, sets and non-finite floats into plain JSON values."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
+        return [jsonable(v) for v in items]
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # numpy / torch scalar
+        return jsonable(value.item())
+    if hasattr(value, "tolist"):
+        return jsonable(value.tolist())
+    return str(value)

@@ -1,0 +1,228 @@
+"""The shared, cached context every preflight rule reads.
+
+Load once -> tokenize and measure once (``encoded``) -> each rule reads columns and yields findings.
+Model work (a forward pass over a bounded sample) is done once, lazily, only if a rule asks for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from hf_sanity.preflight.encode import EncodeOptions, Encoder, own_families
+from hf_sanity.preflight.markers import Span, TemplateMarkers, derive_markers
+from hf_sanity.tokenview import IGNORE_INDEX, TokenView
+
+
+class Context:
+    def __init__(
+        self,
+        *,
+        tokenizer,
+        dataset=None,
+        fmt: str = "messages",
+        options: EncodeOptions | None = None,
+        model=None,
+        model_loader: Callable[[], Any] | None = None,
+        eval_dataset=None,
+        inference_tokenizer=None,
+        adapter_path: str | None = None,
+        trainer=None,
+        sample: int = 256,
+        num_proc: int | None = None,
+        encoded=None,
+        model_config=None,
+    ):
+        self.tokenizer = tokenizer
+        self.dataset = dataset
+        self.fmt = fmt
+        self.options = options or EncodeOptions(fmt=fmt)
+        self._model = model
+        self._model_loader = model_loader
+        self.eval_dataset = eval_dataset
+        self.inference_tokenizer = inference_tokenizer
+        self.adapter_path = adapter_path
+        self.trainer = trainer
+        self.sample = sample
+        self.num_proc = num_proc
+        self._config = model_config
+        self._columns: dict[str, np.ndarray] = {}
+        if encoded is not None:
+            self.__dict__["encoded"] = encoded
+
+    # -- tokens ------------------------------------------------------------------------------------
+    @cached_property
+    def markers(self) -> TemplateMarkers:
+        return derive_markers(self.tokenizer)
+
+    @cached_property
+    def own_families(self) -> frozenset[str]:
+        return own_families(self.tokenizer)
+
+    @cached_property
+    def encoder(self) -> Encoder:
+        return Encoder(self.tokenizer, self.options, self.markers)
+
+    @cached_property
+    def encoded(self):
+        """The dataset as training tokens plus one column per measurement (see ``encode.MEASURES``)."""
+        return self._encode(self.dataset)
+
+    @cached_property
+    def eval_encoded(self):
+        return None if self.eval_dataset is None else self._encode(self.eval_dataset)
+
+    def _encode(self, dataset):
+        import datasets
+
+        quiet = len(dataset) < 5000 and not datasets.utils.are_progress_bars_disabled()
+        if quiet:  # a progress bar for a second of work is noise
+            datasets.disable_progress_bars()
+        try:
+            return dataset.map(
+                self.encoder,
+                batched=True,
+                batch_size=256,
+                num_proc=self.num_proc if self.num_proc and self.num_proc > 1 else None,
+                remove_columns=dataset.column_names,
+                desc="hf-sanity: tokenizing",
+                load_from_cache_file=False,
+            )
+        finally:
+            if quiet:
+                datasets.enable_progress_bars()
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+    def col(self, name: str) -> np.ndarray:
+        """One scalar measurement for every example, as an array (read once, cached)."""
+        if name not in self._columns:
+            self._columns[name] = np.asarray(self.encoded[name])
+        return self._columns[name]
+
+    @cached_property
+    def valid(self) -> np.ndarray:
+        """Rows that encoded (no ``error``)."""
+        return self.col("error") == ""
+
+    def row(self, index: int) -> dict[str, Any]:
+        return self.encoded[int(index)]
+
+    def spans(self, index: int) -> list[Span]:
+        flat = self.row(index)["spans"]
+        return [Span(*flat[i : i + 3]) for i in range(0, len(flat), 3)]
+
+    def view(self, index: int, *, focus: int | None = None, title: str | None = None) -> TokenView:
+        """The token view of one encoded example (positions from max_len on are marked cut)."""
+        row = self.row(index)
+        return TokenView.from_ids(
+            self.tokenizer,
+            row["input_ids"],
+            row["labels"],
+            focus=focus,
+            title=title or f"example {int(index)}",
+            cut=self.options.max_len,
+        )
+
+    def first(self, mask: np.ndarray, limit: int = 10) -> list[int]:
+        return [int(i) for i in np.flatnonzero(mask)[:limit]]
+
+    # -- model -------------------------------------------------------------------------------------
+    @property
+    def has_model(self) -> bool:
+        return self._model is not None or self._model_loader is not None
+
+    @cached_property
+    def model_config(self):
+        """The model's config, without loading weights when it was given as a path."""
+        if self._config is not None:
+            return self._config
+        if self._model is not None:
+            return getattr(self._model, "config", None)
+        return self.model.config if self.has_model else None
+
+    @cached_property
+    def model(self):
+        if self._model is None and self._model_loader is not None:
+            self._model = self._model_loader()
+        return self._model
+
+    @cached_property
+    def sample_indices(self) -> list[int]:
+        """A bounded, evenly spread sample of valid rows for model-side checks."""
+        valid = np.flatnonzero(self.valid & (self.col("n_supervised_kept") > 0))
+        if len(valid) <= self.sample:
+            return [int(i) for i in valid]
+        picks = np.linspace(0, len(valid) - 1, self.sample).round().astype(int)
+        return [int(valid[i]) for i in picks]
+
+    def sample_batches(self, batch_size: int = 8) -> list[dict[str, Any]]:
+        """The sampled examples, truncated to max_len, padded, as tensor batches."""
+        import torch
+
+        max_len = self.options.max_len
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        batches = []
+        idx = self.sample_indices
+        for lo in range(0, len(idx), batch_size):
+            rows = [self.row(i) for i in idx[lo : lo + batch_size]]
+            seqs = [(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows]
+            width = max(len(ids) for ids, _ in seqs)
+            input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+            labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
+            mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for j, (ids, labs) in enumerate(seqs):
+                input_ids[j, : len(ids)] = torch.tensor(ids)
+                labels[j, : len(labs)] = torch.tensor(labs)
+                mask[j, : len(ids)] = 1
+            batches.append({"input_ids": input_ids, "labels": labels, "attention_mask": mask})
+        return batches
+
+    @cached_property
+    def init_loss(self) -> dict[str, float] | None:
+        """Mean step-0 loss over the supervised tokens of the sample (one no-grad pass, model state kept)."""
+        if not self.has_model or not self.sample_indices:
+            return None
+        return token_loss(self.model, self.sample_batches())
+
+
+def token_loss(model, batches: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Mean next-token cross-entropy over supervised tokens, and the entropy of the label distribution."""
+    import torch
+    import torch.nn.functional as F
+
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    label_counts: dict[int, int] = {}
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                batch = {k: v.to(device) for k, v in batch.items()}
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+                shift_logits = logits[:, :-1].float()
+                shift_labels = batch["labels"][:, 1:]
+                loss = F.cross_entropy(
+                    shift_logits.reshape(-1, shift_logits.size(-1)),
+                    shift_labels.reshape(-1),
+                    ignore_index=IGNORE_INDEX,
+                    reduction="sum",
+                )
+                n = int((shift_labels != IGNORE_INDEX).sum())
+                total += float(loss)
+                count += n
+                for token, c in zip(
+                    *torch.unique(shift_labels[shift_labels != IGNORE_INDEX], return_counts=True)
+                ):
+                    label_counts[int(token)] = label_counts.get(int(token), 0) + int(c)
+    finally:
+        model.train(was_training)
+    probs = np.array(list(label_counts.values()), dtype=float)
+    probs /= max(probs.sum(), 1)
+    entropy = float(-(probs * np.log(probs)).sum()) if len(probs) else 0.0
+    return {"loss": total / max(count, 1), "tokens": count, "label_entropy": entropy}

@@ -1,0 +1,352 @@
+"""Turn dataset rows into training tokens, the way TRL's SFTTrainer does, and measure them in the same pass.
+
+One pass per row produces the token ids, the labels, where each completion lies, and every count the rules
+read (supervised tokens, prompt tokens in the loss, completion tokens cut by ``max_len``, ...). Rules then
+work on these columns with arithmetic; nothing tokenizes the dataset again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hf_sanity.preflight.formats import conversation_problem, text_problem
+from hf_sanity.preflight.markers import Span, TemplateMarkers, derive_markers, find_sequence
+from hf_sanity.tokenview import IGNORE_INDEX
+
+# Markers of chat formats, by family: inside message content they are stray; inside a `text` dataset they
+# reveal which format the text was rendered with.
+FORMAT_MARKERS: dict[str, tuple[str, ...]] = {
+    "chatml": ("<|im_start|>", "<|im_end|>"),
+    "llama-3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "llama-2/mistral": ("[INST]", "[/INST]"),
+    "alpaca": ("### Instruction:", "### Response:"),
+    "zephyr/phi-3": ("<|user|>", "<|assistant|>"),
+    "gemma": ("<start_of_turn>", "<end_of_turn>"),
+    "deepseek": ("<｜User｜>", "<｜Assistant｜>"),
+}
+_FAMILY_OF = {marker: family for family, markers in FORMAT_MARKERS.items() for marker in markers}
+
+
+NO_TEMPLATE = "the tokenizer has no chat template"
+
+
+def own_families(tokenizer) -> frozenset[str]:
+    """The marker families the tokenizer's own template renders (a probe conversation)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return frozenset()
+    probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    try:
+        text = tokenizer.apply_chat_template(probe, tokenize=False)
+    except Exception:
+        return frozenset()
+    return frozenset(_FAMILY_OF[m] for m in _FAMILY_OF if m in text)
+
+
+def stable_hash(text: str) -> int:
+    """A 63-bit hash stable across processes (unlike `hash`), for duplicate and leakage detection."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+@dataclass
+class EncodeOptions:
+    fmt: str
+    loss_on: str = "completion"  # or "all"
+    max_len: int | None = None
+    min_leak_chars: int = 20
+
+
+# Every column the encoder writes, with its empty value (for rows that cannot be encoded).
+MEASURES: dict[str, Any] = {
+    "input_ids": [],
+    "labels": [],
+    "spans": [],  # flat [start, stop, end, ...] per completion
+    "error": "",
+    "n_tokens": 0,
+    "n_supervised": 0,
+    "n_supervised_kept": 0,
+    "n_turns": 0,
+    "n_completion": 0,
+    "n_completion_unsupervised": 0,
+    "n_completion_cut": 0,
+    "n_prompt_supervised": -1,  # -1: turns could not be located
+    "n_eot_missing": 0,
+    "n_eot_unsupervised": 0,
+    "n_leading_bos": 0,
+    "n_label_eq_next": 0,
+    "n_label_eq_same": 0,
+    "n_gp_mismatch": 0,
+    "content_markers": [],
+    "text_families": [],
+    "hash": 0,
+    "leak": False,
+}
+
+
+class Encoder:
+    """``datasets.map(Encoder(...), batched=True)``: rows in, tokens and measurements out.
+
+    Picklable, so ``num_proc`` works.
+    """
+
+    def __init__(self, tokenizer, options: EncodeOptions, markers: TemplateMarkers | None = None):
+        self.tokenizer = tokenizer
+        self.options = options
+        self.markers = markers or derive_markers(tokenizer)
+        specials = {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+        specials |= {str(t) for t in tokenizer.all_special_tokens}
+        strays = sorted(specials | set(_FAMILY_OF), key=len, reverse=True)
+        self._stray_re = re.compile("|".join(re.escape(s) for s in strays if s.strip())) if strays else None
+        self._family_re = re.compile("|".join(re.escape(m) for m in _FAMILY_OF))
+
+    # -- public ------------------------------------------------------------------------------------
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        size = len(next(iter(batch.values())))
+        rows = [{key: values[i] for key, values in batch.items()} for i in range(size)]
+        encoded = [self.encode(row) for row in rows]
+        return {key: [e[key] for e in encoded] for key in MEASURES}
+
+    def encode(self, row: dict[str, Any]) -> dict[str, Any]:
+        fmt = self.options.fmt
+        try:
+            if fmt == "messages":
+                return self.encode_conversation(row.get("messages"), first_completion=0)
+            if fmt == "prompt-completion":
+                return self.encode_prompt_completion(row.get("prompt"), row.get("completion"))
+            if fmt == "text":
+                return self.encode_text(row.get("text"))
+            return self.encode_tokens(row.get("input_ids"), row.get("labels"), row.get("attention_mask"))
+        except Exception as exc:  # the template or tokenizer rejected this row: a data problem
+            return self.failed(f"{type(exc).__name__}: {exc}")
+
+    # -- formats -----------------------------------------------------------------------------------
+    def encode_conversation(self, messages, *, first_completion: int) -> dict[str, Any]:
+        """Render with the chat template, tokenize once, and find each completion by rendering the
+        conversation up to that turn with the generation prompt (the inference prompt)."""
+        if not self.markers.has_template:
+            return self.failed(NO_TEMPLATE)
+        problem = conversation_problem(messages)
+        if problem:
+            return self.failed(problem)
+        tok = self.tokenizer
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        full = tok.apply_chat_template(messages, tokenize=False)
+        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        starts = [s for s, _ in offsets]
+        spans: list[Span] = []
+        gp_mismatch = 0
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant" or i < first_completion:
+                continue
+            prompt = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            through = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+            if full.startswith(prompt):
+                start_char = len(prompt)
+            else:  # the inference prompt is not what training saw: fall back to the shared prefix
+                gp_mismatch += 1
+                start_char = _common_prefix(full, prompt)
+            start = bisect_left(starts, start_char)
+            if (start < len(starts) and starts[start] != start_char) or (
+                start > 0 and offsets[start - 1][1] > start_char
+            ):
+                gp_mismatch += 1  # a token straddles the boundary: the prompt is not a token prefix
+            end_char = len(through) if full.startswith(through) else len(full)
+            end = bisect_left(starts, end_char)
+            spans.append(self._close(ids, start, end))
+        supervised = spans if self.options.loss_on == "completion" else None
+        labels = self._labels(ids, supervised)
+        prompt_text = " ".join(m["content"] for m in messages if m["role"] != "assistant")
+        answers = [
+            m["content"] for j, m in enumerate(messages) if m["role"] == "assistant" and j >= first_completion
+        ]
+        out = self.measure(ids, labels, spans, user_labels=False)
+        out.update(
+            gp=gp_mismatch,
+            content=self._strays(m["content"] for m in messages),
+            hash=stable_hash(normalize(" ".join(f"{m['role']}: {m['content']}" for m in messages))),
+            leak=self._leaks(prompt_text, answers),
+        )
+        return self._finish(out)
+
+    def encode_prompt_completion(self, prompt, completion) -> dict[str, Any]:
+        if isinstance(prompt, list) or isinstance(completion, list):  # conversational prompt-completion
+            if not isinstance(prompt, list) or not isinstance(completion, list) or not completion:
+                return self.failed("prompt and completion must both be message lists (conversational format)")
+            return self.encode_conversation(list(prompt) + list(completion), first_completion=len(prompt))
+        problem = text_problem(prompt, "prompt") or text_problem(completion, "completion")
+        if problem:
+            return self.failed(problem)
+        tok = self.tokenizer
+        eos = tok.eos_token or ""
+        full_text = prompt + completion + ("" if completion.endswith(eos) else eos)  # TRL appends EOS
+        prompt_ids = tok(prompt)["input_ids"]
+        ids = tok(full_text)["input_ids"]
+        start = _common_prefix(prompt_ids, ids)
+        spans = [self._close(ids, start, len(ids))]
+        labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
+        out = self.measure(ids, labels, spans, user_labels=False)
+        out.update(
+            gp=int(start < len(prompt_ids)),
+            content=self._strays([prompt, completion]),
+            hash=stable_hash(normalize(prompt + " " + completion)),
+            leak=self._leaks(prompt, [completion]),
+        )
+        return self._finish(out)
+
+    def encode_text(self, text) -> dict[str, Any]:
+        problem = text_problem(text, "text")
+        if problem:
+            return self.failed(problem)
+        tok = self.tokenizer
+        eos = tok.eos_token or ""
+        ids = tok(text + ("" if text.endswith(eos) else eos))["input_ids"]  # TRL appends EOS
+        spans = self.markers.locate(ids) if self.markers.locatable else []
+        labels = self._labels(ids, None)  # language modelling: every token carries loss
+        out = self.measure(ids, labels, spans or [self._whole(ids)], user_labels=False, located=bool(spans))
+        out.update(
+            families=sorted({_FAMILY_OF[m] for m in self._family_re.findall(text)}),
+            hash=stable_hash(normalize(text)),
+        )
+        return self._finish(out)
+
+    def encode_tokens(self, input_ids, labels=None, attention_mask=None) -> dict[str, Any]:
+        if not input_ids:
+            return self.failed("input_ids is empty")
+        ids = [int(i) for i in input_ids]
+        if attention_mask is not None:  # padding is not part of the example
+            keep = sum(int(m) for m in attention_mask)
+            if keep < len(ids) and all(int(m) == 0 for m in attention_mask[keep:]):
+                ids = ids[:keep]
+                labels = None if labels is None else list(labels)[:keep]
+        user_labels = labels is not None
+        labels = [int(x) for x in labels] if user_labels else list(ids)
+        if len(labels) != len(ids):
+            return self.failed(f"labels has {len(labels)} entries for {len(ids)} input_ids")
+        spans = self.markers.locate(ids) if self.markers.locatable else []
+        out = self.measure(
+            ids, labels, spans or [self._whole(ids)], user_labels=user_labels, located=bool(spans)
+        )
+        out["hash"] = stable_hash(" ".join(map(str, ids)))
+        return self._finish(out)
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def _close(self, ids: Sequence[int], start: int, end: int) -> Span:
+        """The completion starting at ``start`` and rendered up to ``end``: up to and including its
+        end-of-turn marker; what follows (template whitespace, a trailing EOS) is neutral."""
+        eot = self.markers.end_of_turn
+        found = find_sequence(ids, eot, start, end) if eot else -1
+        stop = end if found < 0 else found + len(eot)
+        while stop > start and ids[stop - 1] in self.markers.whitespace_ids:
+            stop -= 1
+        return Span(start, stop, max(stop, end))
+
+    def _whole(self, ids: Sequence[int]) -> Span:
+        """A sequence without located turns is one completion (language modelling), after any BOS."""
+        start = 0
+        bos = self.tokenizer.bos_token_id
+        while start < len(ids) - 1 and bos is not None and ids[start] == bos:
+            start += 1
+        return Span(start, len(ids), len(ids))
+
+    def _labels(self, ids: Sequence[int], spans: list[Span] | None) -> list[int]:
+        if spans is None:
+            return list(ids)
+        labels = [IGNORE_INDEX] * len(ids)
+        for span in spans:
+            labels[span.start : span.stop] = ids[span.start : span.stop]
+        return labels
+
+    def _strays(self, texts) -> list[str]:
+        if self._stray_re is None:
+            return []
+        found: set[str] = set()
+        for text in texts:
+            found.update(self._stray_re.findall(text))
+        return sorted(found)
+
+    def _leaks(self, prompt: str, answers: list[str]) -> bool:
+        prompt = normalize(prompt)
+        return any(
+            len(a) >= self.options.min_leak_chars and a in prompt for a in (normalize(x) for x in answers)
+        )
+
+    def measure(
+        self, ids: list[int], labels: list[int], spans: list[Span], *, user_labels: bool, located: bool = True
+    ) -> dict[str, Any]:
+        """Every count the rules read, from slices (no per-token Python work where a slice will do)."""
+        n = len(ids)
+        kept = min(n, self.options.max_len or n)
+        ignore = IGNORE_INDEX
+        n_supervised = n - labels.count(ignore)
+        n_completion = n_completion_unsup = n_completion_cut = sup_in_turns = 0
+        eot_missing = eot_unsup = 0
+        stop_ids = self.markers.stop_ids
+        for span in spans:
+            width = span.stop - span.start
+            last = span.stop - 1
+            ends = width > 0 and ids[last] in stop_ids
+            n_completion += width
+            # The end-of-turn token is eos-not-learned's business; completion-masked counts the answer.
+            n_completion_unsup += labels[span.start : last if ends else span.stop].count(ignore)
+            n_completion_cut += max(0, span.stop - max(kept, span.start))
+            sup_in_turns += (span.end - span.start) - labels[span.start : span.end].count(ignore)
+            if not ends:
+                eot_missing += 1
+            elif last < kept and labels[last] == ignore:
+                eot_unsup += 1
+        leading_bos = 0
+        bos = self.tokenizer.bos_token_id
+        while bos is not None and leading_bos < n and ids[leading_bos] == bos:
+            leading_bos += 1
+        eq_next = eq_same = 0
+        if user_labels:
+            eq_next = sum(1 for i in range(n - 1) if labels[i] != ignore and labels[i] == ids[i + 1])
+            eq_same = sum(1 for i in range(n) if labels[i] != ignore and labels[i] == ids[i])
+        return {
+            "input_ids": ids,
+            "labels": labels,
+            "spans": [x for s in spans for x in (s.start, s.stop, s.end)] if located else [],
+            "n_tokens": n,
+            "n_supervised": n_supervised,
+            "n_supervised_kept": kept - labels[:kept].count(ignore),
+            "n_turns": len(spans) if located else 0,
+            "n_completion": n_completion,
+            "n_completion_unsupervised": n_completion_unsup,
+            "n_completion_cut": n_completion_cut,
+            "n_prompt_supervised": n_supervised - sup_in_turns if located else -1,
+            "n_eot_missing": eot_missing,
+            "n_eot_unsupervised": eot_unsup,
+            "n_leading_bos": leading_bos,
+            "n_label_eq_next": eq_next,
+            "n_label_eq_same": eq_same,
+        }
+
+    def _finish(self, out: dict[str, Any]) -> dict[str, Any]:
+        row = dict(MEASURES)
+        row.update({k: v for k, v in out.items() if k in MEASURES})
+        row["n_gp_mismatch"] = out.get("gp", 0)
+        row["content_markers"] = out.get("content", [])
+        row["text_families"] = out.get("families", [])
+        return row
+
+    def failed(self, reason: str) -> dict[str, Any]:
+        row = dict(MEASURES)
+        row["error"] = reason
+        return row
+
+
+def _common_prefix(a: Sequence, b: Sequence) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,104 @@
+"""`preflight()`: load -> one shared context -> every selected rule -> one report."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from hf_sanity import catalog
+from hf_sanity.errors import UserInputError
+from hf_sanity.preflight.context import Context
+from hf_sanity.preflight.encode import EncodeOptions
+from hf_sanity.preflight.formats import detect_format
+from hf_sanity.report import Report
+from hf_sanity.rules.internal import internal_error
+from hf_sanity.selection import Selection, resolve
+
+PREFLIGHT_STAGES = ("data", "tokens", "template", "model", "trainer")
+
+
+def run_checks(
+    ctx, selection: Selection, stages: Iterable[str] = PREFLIGHT_STAGES, report: Report | None = None
+) -> Report:
+    """Every enabled rule with a preflight check, each in a guard: a check that breaks is a finding."""
+    report = report or Report(title="hf-sanity preflight")
+    stages = set(stages)
+    for rule in catalog.all_rules():
+        if rule.checker is None or rule.stage not in stages or not selection.enabled(rule.slug):
+            continue
+        try:
+            findings = list(rule.checker(ctx) or ())
+        except UserInputError:
+            raise
+        except Exception as exc:
+            findings = [internal_error(rule.slug, exc)]
+        for finding in findings:
+            kept = selection.apply(finding)
+            if kept is not None:
+                report.add(kept)
+    return report
+
+
+def preflight(
+    model=None,
+    tokenizer=None,
+    dataset=None,
+    *,
+    trainer=None,
+    eval_dataset=None,
+    max_len: int | None = None,
+    loss_on: str = "completion",
+    format: str | None = None,
+    adapter: str | None = None,
+    inference_tokenizer=None,
+    sample: int = 256,
+    num_proc: int | None = None,
+    model_config=None,
+    select: str | Iterable[str] | None = None,
+    ignore: str | Iterable[str] | None = None,
+    use_config: bool = True,
+) -> Report:
+    """Inspect a fine-tuning setup before any training step and return a :class:`Report`.
+
+    Pass ``model``/``tokenizer``/``dataset`` (objects; the CLI loads them from paths), or ``trainer=`` to
+    inspect the exact batches of ``trainer.get_train_dataloader()`` after the trainer's own collator.
+    ``model`` may be a callable returning the model, so it is loaded only if a model rule needs it.
+    """
+    selection = resolve(select, ignore, use_config=use_config)
+    started = time.perf_counter()
+    if trainer is not None:
+        from hf_sanity.preflight.trainer_batches import trainer_context
+
+        ctx = trainer_context(trainer, max_len=max_len, sample=sample)
+    else:
+        if tokenizer is None or dataset is None:
+            raise UserInputError("preflight needs a tokenizer and a dataset (or trainer=...)")
+        if loss_on not in ("completion", "all"):
+            raise UserInputError(f"--loss-on must be 'completion' or 'all', got {loss_on!r}")
+        if max_len is not None and max_len <= 0:
+            raise UserInputError(f"--max-len must be positive, got {max_len}")
+        fmt = detect_format(dataset.column_names, format)
+        ctx = Context(
+            tokenizer=tokenizer,
+            dataset=dataset,
+            fmt=fmt,
+            options=EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len),
+            model=None if callable(model) and not hasattr(model, "forward") else model,
+            model_loader=model if callable(model) and not hasattr(model, "forward") else None,
+            eval_dataset=eval_dataset,
+            inference_tokenizer=inference_tokenizer,
+            adapter_path=adapter,
+            sample=sample,
+            num_proc=num_proc,
+            model_config=model_config,
+        )
+    report = run_checks(ctx, selection)
+    report.stats.update(
+        format=ctx.fmt,
+        examples=len(ctx),
+        tokens=int(ctx.col("n_tokens").sum()),
+        supervised_tokens=int(ctx.col("n_supervised_kept").sum()),
+        max_len=ctx.options.max_len,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    return report

@@ -1,0 +1,151 @@
+"""A Report collects findings and renders them: to the terminal with rich, to JSON (atomically)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.padding import Padding
+from rich.text import Text
+
+from hf_sanity.findings import SEVERITY_RANK, Finding, jsonable
+
+SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
+
+
+def version() -> str:
+    from hf_sanity import __version__
+
+    return __version__
+
+
+@dataclass
+class Report:
+    title: str = "hf-sanity"
+    findings: list[Finding] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, finding: Finding) -> None:
+        self.findings.append(finding)
+
+    def extend(self, findings: Iterable[Finding]) -> None:
+        self.findings.extend(findings)
+
+    @property
+    def has_errors(self) -> bool:
+        return any(f.severity == "error" for f in self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        """0: no error findings; 1: the checks ran and found errors. (2 is bad input, raised earlier.)"""
+        return 1 if self.has_errors else 0
+
+    def rules(self) -> set[str]:
+        return {f.rule for f in self.findings}
+
+    def by_rule(self, slug: str) -> list[Finding]:
+        return [f for f in self.findings if f.rule == slug]
+
+    def counts(self) -> Counter:
+        return Counter(f.severity for f in self.findings)
+
+    def ordered(self) -> list[Finding]:
+        """Errors first, then warnings, then info; findings of one rule together, in order of arrival."""
+        first_seen = {}
+        for i, f in enumerate(self.findings):
+            first_seen.setdefault(f.rule, i)
+        return sorted(self.findings, key=lambda f: (SEVERITY_RANK[f.severity], first_seen[f.rule]))
+
+    # -- JSON --------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hf_sanity_version": version(),
+            "title": self.title,
+            "findings": [f.to_dict() for f in self.ordered()],
+            "stats": jsonable(self.stats),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
+
+    def write_json(self, path: str | os.PathLike) -> Path:
+        return write_atomic(path, self.to_json() + "\n")
+
+    # -- terminal ----------------------------------------------------------------------------------
+    def summary(self) -> str:
+        counts = self.counts()
+        if not self.findings:
+            return f"{self.title}: no findings"
+        parts = [
+            f"{counts[s]} {s}{'s' if counts[s] != 1 else ''}"
+            for s in ("error", "warning", "info")
+            if counts[s]
+        ]
+        return f"{self.title}: " + ", ".join(parts)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        counts = self.counts()
+        style = "bold red" if counts["error"] else "bold yellow" if counts["warning"] else "bold green"
+        yield Text(self.summary(), style=style)
+        for finding in self.ordered():
+            yield Text()
+            yield render_finding(finding)
+        if self.stats:
+            yield Text()
+            yield Text("stats: " + ", ".join(f"{k}={_short(v)}" for k, v in self.stats.items()), style="dim")
+
+    def print(self, console: Console | None = None) -> None:
+        (console or Console()).print(self)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    text = json.dumps(jsonable(value), ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def render_finding(finding: Finding) -> Group:
+    """One finding, pytest style: the verdict with its number, the evidence, the example, the fix."""
+    head = Text()
+    head.append(f"{finding.severity:<8}", SEVERITY_STYLE[finding.severity])
+    head.append(f"{finding.rule}", "bold")
+    if finding.step is not None:
+        head.append(f" @ step {finding.step}", "magenta")
+    head.append(f"  {finding.message}")
+    parts: list[Any] = [head]
+    if finding.evidence:
+        evidence = " · ".join(f"{key}={_short(value)}" for key, value in finding.evidence.items())
+        parts.append(Padding(Text(evidence, style="dim"), (0, 0, 0, 8), expand=False))
+    if finding.example is not None:
+        parts.append(Padding(finding.example, (0, 0, 0, 8), expand=False))
+    if finding.fix:
+        fix = Text("fix: ", style="bold green")
+        fix.append(finding.fix)
+        parts.append(Padding(fix, (0, 0, 0, 8), expand=False))
+    return Group(*parts)
+
+
+def write_atomic(path: str | os.PathLike, text: str | bytes) -> Path:
+    """Write a file so that readers see the old content or the new one, never half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

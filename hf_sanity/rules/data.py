@@ -1,0 +1,123 @@
+"""Data rules: what is wrong with the rows themselves, before any token is looked at."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import numpy as np
+
+from hf_sanity.catalog import define
+from hf_sanity.preflight.encode import NO_TEMPLATE
+
+BAD_INPUT_VALUES = define(
+    "bad-input-values",
+    severity="error",
+    stage="data",
+    symptom="Training crashes mid-epoch on one row, or silently trains on empty or malformed examples.",
+    detects="Each row is validated while it is tokenized: None/empty/non-string fields, empty conversations, "
+    "unknown roles, conversations without an assistant turn, and rows the chat template or tokenizer rejects.",
+    fix="Drop or repair the listed rows before training (e.g. `dataset.filter(...)`); the reasons say what is wrong.",
+)
+
+
+@BAD_INPUT_VALUES.check
+def check_bad_input_values(ctx):
+    errors = ctx.col("error")
+    bad = (errors != "") & (errors != NO_TEMPLATE)
+    if not bad.any():
+        return
+    rows = ctx.first(bad)
+    reasons = Counter(re.sub(r"\d+", "N", str(e)) for e in errors[bad])
+    yield BAD_INPUT_VALUES.finding(
+        f"{int(bad.sum())} of {len(errors)} rows cannot be trained on as they are "
+        f"(row {rows[0]}: {errors[rows[0]]})",
+        evidence={"rows": rows, "count": int(bad.sum()), "reasons": dict(reasons.most_common(5))},
+    )
+
+
+DUPLICATE_EXAMPLES = define(
+    "duplicate-examples",
+    severity="warning",
+    stage="data",
+    symptom="The model parrots a few answers; eval looks better than it should.",
+    detects="A hash of each example's normalized text (lower case, collapsed whitespace); rows whose hash was seen before.",
+    fix="Deduplicate the dataset (keep the first of each group), e.g. by the normalized text.",
+)
+
+
+@DUPLICATE_EXAMPLES.check
+def check_duplicates(ctx):
+    hashes = ctx.col("hash")[ctx.valid]
+    rows = np.flatnonzero(ctx.valid)
+    _, first_index, counts = np.unique(hashes, return_index=True, return_counts=True)
+    duplicates = len(hashes) - len(first_index)
+    if duplicates == 0:
+        return
+    seen: dict[int, int] = {}
+    pairs = []
+    for row, h in zip(rows, hashes):
+        if h in seen and len(pairs) < 5:
+            pairs.append([seen[h], int(row)])
+        seen.setdefault(h, int(row))
+    yield DUPLICATE_EXAMPLES.finding(
+        f"{duplicates} of {len(hashes)} examples ({duplicates / len(hashes):.1%}) repeat an earlier one",
+        evidence={
+            "duplicates": duplicates,
+            "fraction": duplicates / len(hashes),
+            "pairs": pairs,
+            "largest_group": int(counts.max()),
+        },
+    )
+
+
+SPLIT_LEAKAGE = define(
+    "split-leakage",
+    severity="error",
+    stage="data",
+    symptom="Eval loss and metrics look excellent; the model does worse on genuinely new inputs.",
+    detects="Hashes of normalized example text in the eval split that also occur in the train split.",
+    fix="Remove the overlapping examples from the eval split (or split by a key that cannot repeat, such as a source id).",
+)
+
+
+@SPLIT_LEAKAGE.check
+def check_split_leakage(ctx):
+    if ctx.eval_encoded is None:
+        return
+    train = set(ctx.col("hash")[ctx.valid].tolist())
+    eval_hashes = np.asarray(ctx.eval_encoded["hash"])
+    eval_valid = np.asarray(ctx.eval_encoded["error"]) == ""
+    overlap = eval_valid & np.isin(eval_hashes, list(train))
+    if not overlap.any():
+        return
+    n = int(eval_valid.sum())
+    rows = [int(i) for i in np.flatnonzero(overlap)[:10]]
+    yield SPLIT_LEAKAGE.finding(
+        f"{int(overlap.sum())} of {n} eval examples ({overlap.sum() / n:.1%}) also appear in the train split",
+        evidence={"overlap": int(overlap.sum()), "fraction": float(overlap.sum() / n), "eval_rows": rows},
+    )
+
+
+LABEL_LEAKAGE = define(
+    "label-leakage",
+    severity="warning",
+    stage="data",
+    symptom="Loss starts far below what the vocabulary predicts and falls to ~0; the model copies instead of answering.",
+    detects="The completion (20+ characters, normalized) appears verbatim in the prompt or earlier turns.",
+    fix="Remove the answer from the input (check the template/formatting function that builds the prompt).",
+)
+
+
+@LABEL_LEAKAGE.check
+def check_label_leakage(ctx):
+    leak = ctx.col("leak") & ctx.valid
+    if not leak.any():
+        return
+    n = int(ctx.valid.sum())
+    rows = ctx.first(leak)
+    yield LABEL_LEAKAGE.finding(
+        f"in {int(leak.sum())} of {n} examples ({leak.sum() / n:.1%}) the completion appears verbatim in the prompt",
+        evidence={"count": int(leak.sum()), "fraction": float(leak.sum() / n), "rows": rows},
+        example=ctx.view(rows[0]),
+    )

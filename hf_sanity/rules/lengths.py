@@ -1,0 +1,122 @@
+"""Length rules: max_len against the data and against the model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_sanity.catalog import define
+
+TRUNCATED_COMPLETION = define(
+    "truncated-completion",
+    severity="error",
+    stage="tokens",
+    symptom="Answers truncated mid-sentence; the model learns to stop in the middle of a thought.",
+    detects="Completion tokens at positions >= max_len (truncation keeps the start). Warning when under 10% "
+    "of examples are cut, error above.",
+    fix="Raise max_len to the suggested value (keeps 99% of examples whole), or drop/split the longest examples.",
+)
+
+ERROR_FRACTION = 0.10
+
+
+@TRUNCATED_COMPLETION.check
+def check_truncated_completion(ctx):
+    max_len = ctx.options.max_len
+    if not max_len:
+        return
+    cut = ctx.valid & (ctx.col("n_completion_cut") > 0)
+    if not cut.any():
+        return
+    lengths = ctx.col("n_tokens")[ctx.valid]
+    n = int(ctx.valid.sum())
+    fraction = float(cut.sum() / n)
+    p50, p90, p99 = (int(np.percentile(lengths, q)) for q in (50, 90, 99))
+    rows = ctx.first(cut)
+    yield TRUNCATED_COMPLETION.finding(
+        f"max_len={max_len} cuts into the completion of {int(cut.sum())} of {n} examples ({fraction:.1%}); "
+        f"max_len={int(np.ceil(np.percentile(lengths, 99)))} keeps 99% whole",
+        evidence={
+            "max_len": max_len,
+            "cut": int(cut.sum()),
+            "fraction": fraction,
+            "completion_tokens_lost": int(ctx.col("n_completion_cut")[ctx.valid].sum()),
+            "length_p50": p50,
+            "length_p90": p90,
+            "length_p99": p99,
+            "length_max": int(lengths.max()),
+            "max_len_for_99pct": int(np.ceil(np.percentile(lengths, 99))),
+            "rows": rows,
+        },
+        example=ctx.view(rows[0], focus=max_len - 1),
+        severity="error" if fraction >= ERROR_FRACTION else "warning",
+    )
+
+
+def model_window(config) -> tuple[int | None, int | None]:
+    """(max_position_embeddings, sliding_window) of a text config."""
+    if config is None:
+        return None, None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    window = getattr(text, "sliding_window", None)
+    if getattr(text, "use_sliding_window", True) is False:
+        window = None
+    return positions, window
+
+
+MAX_LEN_EXCEEDS_MODEL = define(
+    "max-len-exceeds-model",
+    severity="error",
+    stage="tokens",
+    symptom="Position embeddings run out: index errors on long batches, or garbage beyond the trained length.",
+    detects="max_len is larger than the model's `max_position_embeddings`.",
+    fix="Set max_len <= max_position_embeddings, or extend the context properly (RoPE scaling) before training.",
+)
+
+
+@MAX_LEN_EXCEEDS_MODEL.check
+def check_max_len_exceeds_model(ctx):
+    positions, _ = model_window(ctx.model_config)
+    max_len = ctx.options.max_len
+    if positions and max_len and max_len > positions:
+        yield MAX_LEN_EXCEEDS_MODEL.finding(
+            f"max_len={max_len} exceeds the model's max_position_embeddings={positions}",
+            evidence={"max_len": max_len, "max_position_embeddings": positions},
+        )
+
+
+CONTEXT_BEYOND_WINDOW = define(
+    "context-beyond-window",
+    severity="warning",
+    stage="tokens",
+    symptom="RAG answers ignore retrieved context: the context lies past what the model attends to.",
+    detects="Training inputs (after truncation) longer than the model's sliding-window attention or its position range.",
+    fix="Shorten the inputs (fewer or smaller retrieved chunks, context first), or use a model whose window covers them.",
+)
+
+
+@CONTEXT_BEYOND_WINDOW.check
+def check_context_beyond_window(ctx):
+    positions, window = model_window(ctx.model_config)
+    limit = min(x for x in (positions, window) if x) if (positions or window) else None
+    if not limit:
+        return
+    lengths = ctx.col("n_tokens")
+    if ctx.options.max_len:
+        lengths = np.minimum(lengths, ctx.options.max_len)
+    beyond = ctx.valid & (lengths > limit)
+    if not beyond.any():
+        return
+    n = int(ctx.valid.sum())
+    kind = "sliding window" if window and limit == window else "position range"
+    yield CONTEXT_BEYOND_WINDOW.finding(
+        f"{int(beyond.sum())} of {n} inputs ({beyond.sum() / n:.1%}) are longer than the model's {kind} of {limit} tokens",
+        evidence={
+            "count": int(beyond.sum()),
+            "fraction": float(beyond.sum() / n),
+            "window": limit,
+            "kind": kind,
+            "longest": int(lengths.max()),
+            "rows": ctx.first(beyond),
+        },
+    )

@@ -1,0 +1,255 @@
+"""Mask rules: which tokens carry loss, and whether the right ones do."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_sanity.catalog import define
+from hf_sanity.preflight.encode import NO_TEMPLATE
+from hf_sanity.tokenview import IGNORE_INDEX
+
+MISSING_CHAT_TEMPLATE = define(
+    "missing-chat-template",
+    severity="error",
+    stage="tokens",
+    symptom="Conversations cannot be rendered, or are rendered with a format the model has never seen.",
+    detects="The dataset holds conversations (messages, or conversational prompt/completion) but the tokenizer has "
+    "no `chat_template`.",
+    fix="Use the instruct model's tokenizer, or set `tokenizer.chat_template` (and save it with the model) so "
+    "training and inference render conversations identically.",
+)
+
+
+@MISSING_CHAT_TEMPLATE.check
+def check_missing_chat_template(ctx):
+    missing = ctx.col("error") == NO_TEMPLATE
+    if missing.any():
+        yield MISSING_CHAT_TEMPLATE.finding(
+            f"the dataset holds conversations ({int(missing.sum())} rows) but the tokenizer has no chat template",
+            evidence={"rows": int(missing.sum()), "tokenizer": type(ctx.tokenizer).__name__},
+        )
+
+
+PROMPT_IN_LOSS = define(
+    "prompt-in-loss",
+    severity="warning",
+    stage="tokens",
+    symptom="Model repeats the prompt back; it learns to write the user's side of the conversation.",
+    detects="Assistant turns are located from the tokenizer's own chat template; the fraction of supervised tokens "
+    "(label != -100) that lie outside them is the prompt share of the loss.",
+    fix="Compute the loss on completions only: TRL `SFTConfig(assistant_only_loss=True)` (template with "
+    "`{% generation %}`) or the prompt/completion format with `completion_only_loss=True`; or set the prompt "
+    "labels to -100 in your own preprocessing.",
+)
+
+PROMPT_SHARE_THRESHOLD = 0.02
+
+
+@PROMPT_IN_LOSS.check
+def check_prompt_in_loss(ctx):
+    prompt_sup = ctx.col("n_prompt_supervised")
+    located = ctx.valid & (prompt_sup >= 0)
+    if not located.any():
+        return
+    prompt_tokens = int(prompt_sup[located].sum())
+    supervised = int(ctx.col("n_supervised")[located].sum())
+    share = prompt_tokens / max(supervised, 1)
+    if share <= PROMPT_SHARE_THRESHOLD:
+        return
+    rows = ctx.first(located & (prompt_sup > 0))
+    yield PROMPT_IN_LOSS.finding(
+        f"{share:.0%} of supervised tokens are prompt tokens ({prompt_tokens:,} of {supervised:,})",
+        evidence={
+            "prompt_tokens": prompt_tokens,
+            "supervised_tokens": supervised,
+            "fraction": share,
+            "rows": rows,
+            "examples_affected": int((prompt_sup[located] > 0).sum()),
+        },
+        example=ctx.view(rows[0], focus=_first_prompt_loss(ctx, rows[0])),
+    )
+
+
+def _first_prompt_loss(ctx, index: int) -> int | None:
+    labels = ctx.row(index)["labels"]
+    inside = np.zeros(len(labels), dtype=bool)
+    for span in ctx.spans(index):
+        inside[span.start : span.end] = True
+    for pos, label in enumerate(labels):
+        if label != IGNORE_INDEX and not inside[pos]:
+            return pos
+    return None
+
+
+EMPTY_LOSS_MASK = define(
+    "empty-loss-mask",
+    severity="error",
+    stage="tokens",
+    symptom="Fine-tune produces base-model-quality output; loss is NaN or 0 on some batches.",
+    detects="Examples with zero supervised tokens after truncation to max_len (all labels -100).",
+    fix="Check the response template / assistant mask (it must match the rendered text), and raise max_len or drop "
+    "examples whose completion starts after it.",
+)
+
+
+@EMPTY_LOSS_MASK.check
+def check_empty_loss_mask(ctx):
+    empty = ctx.valid & (ctx.col("n_supervised_kept") == 0)
+    if not empty.any():
+        return
+    n = int(ctx.valid.sum())
+    rows = ctx.first(empty)
+    cut = bool(ctx.col("n_supervised")[rows[0]] > 0)
+    why = f" (its completion starts after max_len={ctx.options.max_len})" if cut else ""
+    yield EMPTY_LOSS_MASK.finding(
+        f"{int(empty.sum())} of {n} examples ({empty.sum() / n:.1%}) carry no loss at all; example {rows[0]}{why}",
+        evidence={
+            "count": int(empty.sum()),
+            "fraction": float(empty.sum() / n),
+            "rows": rows,
+            "cut_by_max_len": int((empty & (ctx.col("n_supervised") > 0)).sum()),
+        },
+        example=ctx.view(rows[0]),
+    )
+
+
+COMPLETION_MASKED = define(
+    "completion-masked",
+    severity="error",
+    stage="tokens",
+    symptom="Fine-tune produces base-model-quality output: the answers the model should learn carry no loss.",
+    detects="Completion tokens (located from the chat template) whose label is -100, e.g. a response template "
+    "that was not found in the tokenized text, or a mask built with an off-by-one.",
+    fix="Build the labels from the tokenizer's own template (TRL `assistant_only_loss` / `completion_only_loss`); "
+    "if you use a response template, tokenize it in context (the token ids differ at the start of a text).",
+)
+
+MASKED_SHARE_THRESHOLD = 0.02
+
+
+@COMPLETION_MASKED.check
+def check_completion_masked(ctx):
+    located = ctx.valid & (ctx.col("n_turns") > 0)
+    if not located.any():
+        return
+    masked_col = ctx.col("n_completion_unsupervised")
+    masked = int(masked_col[located].sum())
+    total = int(ctx.col("n_completion")[located].sum())
+    share = masked / max(total, 1)
+    if share <= MASKED_SHARE_THRESHOLD:
+        return
+    rows = ctx.first(located & (masked_col > 0))
+    first = rows[0]
+    labels = ctx.row(first)["labels"]
+    focus = next(
+        (p for s in ctx.spans(first) for p in range(s.start, s.stop) if labels[p] == IGNORE_INDEX), None
+    )
+    yield COMPLETION_MASKED.finding(
+        f"{share:.0%} of completion tokens carry no loss ({masked:,} of {total:,})",
+        evidence={
+            "masked_tokens": masked,
+            "completion_tokens": total,
+            "fraction": share,
+            "rows": rows,
+            "examples_affected": int((masked_col[located] > 0).sum()),
+        },
+        example=ctx.view(first, focus=focus),
+    )
+
+
+LABELS_MISALIGNED = define(
+    "labels-misaligned",
+    severity="error",
+    stage="tokens",
+    symptom="Loss starts far above or below expected; the model learns to predict two tokens ahead.",
+    detects="Given labels equal the *next* input token (labels[i] == input_ids[i+1]) rather than the same "
+    "position: the labels were shifted by hand although Hugging Face causal LMs shift them internally.",
+    fix="Pass labels aligned with input_ids (labels = input_ids.clone(), prompt positions -100); do not shift them.",
+)
+
+
+@LABELS_MISALIGNED.check
+def check_labels_misaligned(ctx):
+    eq_next = ctx.col("n_label_eq_next")[ctx.valid]
+    eq_same = ctx.col("n_label_eq_same")[ctx.valid]
+    supervised = ctx.col("n_supervised")[ctx.valid]
+    nxt, same, sup = int(eq_next.sum()), int(eq_same.sum()), int(supervised.sum())
+    if sup == 0 or nxt <= 0.5 * sup or nxt <= 2 * same:
+        return
+    rows = ctx.first(ctx.valid & (ctx.col("n_label_eq_next") > ctx.col("n_label_eq_same")))
+    yield LABELS_MISALIGNED.finding(
+        f"{nxt / sup:.0%} of supervised labels equal the next input token, {same / sup:.0%} the same position: "
+        "the labels are shifted by one",
+        evidence={"equal_next": nxt, "equal_same": same, "supervised": sup, "rows": rows},
+        example=ctx.view(rows[0]) if rows else None,
+    )
+
+
+EOS_NOT_LEARNED = define(
+    "eos-not-learned",
+    severity="error",
+    stage="tokens",
+    symptom="Model never stops: answers run on until max_new_tokens, or continue with a new turn.",
+    detects="Each completion must end with the template's end-of-turn token (or EOS) carrying loss. Flags "
+    "completions without it and end tokens whose label is -100 — the classic trap is pad == EOS with a "
+    "collator that masks every pad token, EOS included.",
+    fix="Keep the end-of-turn/EOS token in the labels: use a pad token distinct from EOS (e.g. "
+    "`tokenizer.pad_token = '<|finetune_right_pad_id|>'` or add one), or a collator that masks padding by "
+    "attention_mask rather than by token id; for text data append EOS.",
+)
+
+
+@EOS_NOT_LEARNED.check
+def check_eos_not_learned(ctx):
+    missing = ctx.col("n_eot_missing")
+    unsup = ctx.col("n_eot_unsupervised")
+    turns = ctx.col("n_turns")
+    # Rows without located turns are single completions (language modelling); count them once.
+    completions = int(np.where(turns > 0, turns, 1)[ctx.valid].sum())
+    n_missing, n_unsup = int(missing[ctx.valid].sum()), int(unsup[ctx.valid].sum())
+    if n_missing == 0 and n_unsup == 0:
+        return
+    bad = ctx.valid & ((missing > 0) | (unsup > 0))
+    rows = ctx.first(bad)
+    first = rows[0]
+    spans = ctx.spans(first)
+    focus = spans[0].stop - 1 if spans else len(ctx.row(first)["input_ids"]) - 1
+    tok = ctx.tokenizer
+    trap = tok.pad_token_id is not None and tok.pad_token_id == tok.eos_token_id and n_unsup > 0
+    what = []
+    if n_unsup:
+        what.append(f"{n_unsup:,} end-of-turn tokens carry no loss")
+    if n_missing:
+        what.append(f"{n_missing:,} completions do not end with an end-of-turn token")
+    yield EOS_NOT_LEARNED.finding(
+        f"{' and '.join(what)} (of {completions:,} completions)" + (" — pad == EOS" if trap else ""),
+        evidence={
+            "end_tokens_without_loss": n_unsup,
+            "completions_without_end": n_missing,
+            "completions": completions,
+            "rows": rows,
+            "pad_is_eos": trap,
+            "end_tokens": sorted(tok.convert_ids_to_tokens(sorted(ctx.markers.stop_ids))),
+        },
+        example=ctx.view(first, focus=focus),
+    )
+
+
+PAD_TOKEN_MISSING = define(
+    "pad-token-missing",
+    severity="error",
+    stage="tokens",
+    symptom="Batching fails ('Asking to pad but the tokenizer does not have a padding token'), or a hasty fix sets pad = EOS and masks EOS.",
+    detects="`tokenizer.pad_token` is None.",
+    fix="Set a pad token that is not EOS: an unused reserved token, or `tokenizer.add_special_tokens({'pad_token': "
+    "'<|pad|>'})` followed by `model.resize_token_embeddings(len(tokenizer))`.",
+)
+
+
+@PAD_TOKEN_MISSING.check
+def check_pad_token(ctx):
+    if ctx.tokenizer.pad_token is None and ctx.trainer is None:
+        yield PAD_TOKEN_MISSING.finding(
+            "the tokenizer has no pad token",
+            evidence={"tokenizer": type(ctx.tokenizer).__name__, "eos_token": ctx.tokenizer.eos_token},
+        )

@@ -1,0 +1,40 @@
+"""Tiny models, tokenizers and data for testing fine-tuning code offline.
+
+Public and documented: use them in your own tests.
+
+>>> from hf_sanity.testing import tiny_setup, demo_conversations
+>>> model, tokenizer = tiny_setup("chatml", pad="eos")          # a ~0.2M-parameter Llama, built once, cached
+>>> rows = demo_conversations(32)                               # [{"messages": [...]}, ...]
+
+Variants (``template``): ``chatml`` (ChatML), ``llama3`` (header template, BOS in the template and added by
+the tokenizer), ``generation`` (ChatML with ``{% generation %}`` markers), ``base`` (no chat template).
+``pad``: ``distinct`` (pad != EOS), ``eos`` (pad == EOS), ``none``.
+"""
+
+from hf_sanity.testing.data import as_prompt_completion, as_text, demo_conversations
+from hf_sanity.testing.factory import (
+    CHAT_TEMPLATES,
+    TEMPLATES,
+    TinyConfig,
+    build_model,
+    build_tokenizer,
+    cache_root,
+    tiny_model_dir,
+    tiny_model_for,
+    tiny_setup,
+)
+
+__all__ = [
+    "CHAT_TEMPLATES",
+    "TEMPLATES",
+    "TinyConfig",
+    "as_prompt_completion",
+    "as_text",
+    "build_model",
+    "build_tokenizer",
+    "cache_root",
+    "demo_conversations",
+    "tiny_model_dir",
+    "tiny_model_for",
+    "tiny_setup",
+]

@@ -1,0 +1,76 @@
+"""A small, deterministic SFT dataset: short questions with one right answer each.
+
+Short answers let the tiny models overfit them in seconds, so a broken pipeline (prompt in the loss, EOS
+masked, answers truncated) shows up as a clear difference, not as noise.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+CAPITALS = [
+    ("France", "Paris"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Germany", "Berlin"), ("Japan", "Tokyo"),
+    ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Peru", "Lima"), ("Kenya", "Nairobi"), ("Norway", "Oslo"),
+    ("Greece", "Athens"), ("Chile", "Santiago"), ("Poland", "Warsaw"), ("Cuba", "Havana"), ("Iran", "Tehran"),
+]  # fmt: skip
+WORDS = ["cat", "dog", "bird", "tree", "house", "river", "apple", "bread", "music", "honey", "green", "stone"]
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+SYSTEM_PROMPTS = ["You are a helpful assistant.", "Answer briefly and precisely."]
+
+
+def _qa(rng: random.Random) -> tuple[str, str]:
+    kind = rng.randrange(4)
+    if kind == 0:
+        country, capital = rng.choice(CAPITALS)
+        return f"What is the capital of {country}?", f"The capital of {country} is {capital}."
+    if kind == 1:
+        a, b = rng.randrange(10), rng.randrange(10)
+        return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
+    if kind == 2:
+        word = rng.choice(WORDS)
+        return f"Please spell the word {word} backwards.", f"The word {word} backwards is {word[::-1]}."
+    n = rng.randrange(11)
+    return f"Write the number {n} in words.", f"{n} in words is {NUMBER_WORDS[n]}."
+
+
+def demo_conversations(n: int = 64, seed: int = 0, *, multi_turn_every: int = 5) -> list[dict[str, Any]]:
+    """``n`` rows of ``{"messages": [...]}``; every ``multi_turn_every``-th row has two exchanges, and
+    every third row a system prompt."""
+    rng = random.Random(seed)
+    rows = []
+    seen: set[str] = set()  # no duplicates: a clean dataset must not trip duplicate-examples
+    while len(rows) < n:
+        i = len(rows)
+        messages = []
+        if i % 3 == 0:
+            messages.append({"role": "system", "content": SYSTEM_PROMPTS[i % len(SYSTEM_PROMPTS)]})
+        exchanges = 2 if multi_turn_every and i % multi_turn_every == multi_turn_every - 1 else 1
+        for _ in range(exchanges):
+            question, answer = _qa(rng)
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        key = repr(messages)
+        if key not in seen:
+            seen.add(key)
+            rows.append({"messages": messages})
+    return rows
+
+
+def as_prompt_completion(rows: list[dict[str, Any]], *, conversational: bool = False) -> list[dict[str, Any]]:
+    """Split each conversation before its last assistant turn (TRL's prompt-completion format)."""
+    out = []
+    for row in rows:
+        messages = row["messages"]
+        if conversational:
+            out.append({"prompt": messages[:-1], "completion": messages[-1:]})
+        else:
+            prompt = "\n".join(m["content"] for m in messages[:-1] if m["role"] == "user")
+            out.append({"prompt": prompt + "\n", "completion": messages[-1]["content"]})
+    return out
+
+
+def as_text(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Plain prose rows (the `text` format), no chat markers."""
+    return [
+        {"text": " ".join(m["content"] for m in row["messages"] if m["role"] != "system")} for row in rows
+    ]

@@ -1,0 +1,130 @@
+"""The command line as a user meets it: exit codes, one-line errors, JSON output."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hf_sanity.testing import demo_conversations, tiny_model_dir
+
+
+def cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "hf_sanity.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return str(tiny_model_dir("chatml", "distinct"))
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in demo_conversations(24)) + "\n")
+    return str(path)
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_rules_lists_the_catalog():
+    result = cli("rules")
+    assert result.returncode == 0
+    assert "prompt-in-loss" in result.stdout and "eos-not-learned" in result.stdout
+
+
+def test_explain_prints_one_rule():
+    result = cli("explain", "eos-not-learned")
+    assert result.returncode == 0 and "pad == EOS" in result.stdout
+
+
+def test_explain_unknown_slug():
+    assert_one_line_error(cli("explain", "nope"), "unknown rule 'nope'")
+
+
+def test_clean_preflight_exits_0_and_writes_json(model_dir, data_file, tmp_path):
+    out = tmp_path / "report.json"
+    result = cli(
+        "preflight", "--model", model_dir, "--dataset", data_file, "--max-len", "128", "--json", str(out)
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert [f for f in report["findings"] if f["severity"] != "info"] == []
+    assert report["stats"]["examples"] == 24
+
+
+def test_errors_exit_1(model_dir, data_file, tmp_path):
+    out = tmp_path / "r.json"
+    result = cli(
+        "preflight", "--model", model_dir, "--dataset", data_file, "--max-len", "12", "--json", str(out)
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "truncated-completion" in {f["rule"] for f in json.loads(out.read_text())["findings"]}
+
+
+def test_ignore_silences_a_rule(model_dir, data_file):
+    result = cli("preflight", "--model", model_dir, "--dataset", data_file, "--max-len", "12",
+                 "--ignore", "truncated-completion,empty-loss-mask")  # fmt: skip
+    assert result.returncode == 0, result.stdout
+    assert "truncated-completion" not in result.stdout
+
+
+def test_missing_dataset(model_dir, tmp_path):
+    assert_one_line_error(cli("preflight", "--model", model_dir, "--dataset", str(tmp_path / "nope.jsonl")),
+                          "does not exist")  # fmt: skip
+
+
+def test_malformed_dataset(model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [\n')
+    assert_one_line_error(
+        cli("preflight", "--model", model_dir, "--dataset", str(bad)), "cannot read dataset"
+    )
+
+
+def test_unknown_columns(model_dir, tmp_path):
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"question": "a", "answer": "b"}\n')
+    assert_one_line_error(cli("preflight", "--model", model_dir, "--dataset", str(odd)), "--format")
+
+
+def test_model_folder_without_weights(tmp_path, data_file):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert_one_line_error(cli("preflight", "--model", str(folder), "--dataset", data_file), "has no weights")
+
+
+def test_unknown_select(model_dir, data_file):
+    assert_one_line_error(cli("preflight", "--model", model_dir, "--dataset", data_file, "--select", "nope"),
+                          "unknown rule or stage 'nope'")  # fmt: skip
+
+
+def test_usage_error_exits_2(model_dir):
+    result = cli("preflight", "--model", model_dir)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_nothing_written_into_the_model_folder(model_dir, data_file, tmp_path):
+    from pathlib import Path
+
+    before = sorted(p.name for p in Path(model_dir).iterdir())
+    cli("preflight", "--model", model_dir, "--dataset", data_file, "--json", str(tmp_path / "r.json"))
+    assert sorted(p.name for p in Path(model_dir).iterdir()) == before
+
+
+def test_demo_shows_clean_and_broken():
+    result = cli("demo")
+    assert result.returncode == 0, result.stdout + result.stderr
+    for slug in ("prompt-in-loss", "eos-not-learned", "truncated-completion"):
+        assert slug in result.stdout
+    assert "the correct setup is clean and the broken one is caught" in result.stdout

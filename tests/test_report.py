@@ -1,0 +1,92 @@
+import io
+import json
+import os
+
+import pytest
+from rich.console import Console
+
+from hf_sanity import Finding, Report
+from hf_sanity.report import write_atomic
+
+
+def sample_report() -> Report:
+    report = Report(title="t")
+    report.add(
+        Finding(
+            "duplicate-examples", "warning", "3 of 10 examples repeat an earlier one", {"count": 3}, "dedupe"
+        )
+    )
+    report.add(
+        Finding(
+            "eos-not-learned",
+            "error",
+            "5 end-of-turn tokens carry no loss",
+            {"rows": [1, 2]},
+            "keep EOS",
+            step=0,
+        )
+    )
+    report.add(Finding("lr-range", "info", "suggested lr 3e-4", {"lr": float("nan")}))
+    report.stats["examples"] = 10
+    return report
+
+
+def test_errors_first_and_exit_code():
+    report = sample_report()
+    assert [f.severity for f in report.ordered()] == ["error", "warning", "info"]
+    assert report.has_errors and report.exit_code == 1
+    assert Report().exit_code == 0
+
+
+def test_json_schema():
+    data = json.loads(sample_report().to_json())
+    assert set(data) >= {"hf_sanity_version", "findings", "stats"}
+    first = data["findings"][0]
+    assert set(first) >= {"rule", "severity", "message", "evidence", "fix", "step"}
+    assert first["rule"] == "eos-not-learned" and first["step"] == 0
+    assert data["findings"][2]["evidence"]["lr"] == "nan"  # non-finite floats stay valid JSON
+    assert data["stats"] == {"examples": 10}
+
+
+def test_terminal_rendering_is_exact():
+    out = io.StringIO()
+    report = Report(title="t")
+    report.add(
+        Finding(
+            "eos-not-learned", "error", "5 end-of-turn tokens carry no loss", {"rows": [1, 2]}, "keep EOS"
+        )
+    )
+    Console(file=out, width=100, color_system=None).print(report)
+    assert out.getvalue().splitlines() == [
+        "t: 1 error",
+        "",
+        "error   eos-not-learned  5 end-of-turn tokens carry no loss",
+        "        rows=[1, 2]",
+        "        fix: keep EOS",
+    ]
+
+
+def test_write_json_is_atomic(tmp_path):
+    target = tmp_path / "sub" / "report.json"
+    sample_report().write_json(target)
+    assert json.loads(target.read_text())["findings"]
+    assert [p.name for p in target.parent.iterdir()] == ["report.json"]
+
+
+def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "report.json"
+    target.write_text("old")
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError):
+        write_atomic(target, "new")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+
+
+def test_finding_rejects_unknown_severity():
+    with pytest.raises(ValueError):
+        Finding("x", "fatal", "m")
