@@ -222,11 +222,11 @@ class Encoder:
         if not input_ids:
             return self.failed("input_ids is empty")
         ids = [int(i) for i in input_ids]
-        if attention_mask is not None:  # padding is not part of the example
-            keep = sum(int(m) for m in attention_mask)
-            if keep < len(ids) and all(int(m) == 0 for m in attention_mask[keep:]):
-                ids = ids[:keep]
-                labels = None if labels is None else list(labels)[:keep]
+        if attention_mask is not None:  # padding (left or right) is not part of the example
+            keep = [i for i, m in enumerate(attention_mask) if int(m)]
+            if len(keep) < len(ids):
+                ids = [ids[i] for i in keep]
+                labels = None if labels is None else [labels[i] for i in keep]
         user_labels = labels is not None
         labels = [int(x) for x in labels] if user_labels else list(ids)
         if len(labels) != len(ids):
@@ -290,19 +290,31 @@ class Encoder:
         n_completion = n_completion_unsup = n_completion_cut = sup_in_turns = 0
         eot_missing = eot_unsup = 0
         stop_ids = self.markers.stop_ids
+        trained_any = False
+        untrained_width = 0
         for span in spans:
             width = span.stop - span.start
             last = span.stop - 1
             ends = width > 0 and ids[last] in stop_ids
+            content_stop = last if ends else span.stop
+            masked = labels[span.start : content_stop].count(ignore)
             n_completion += width
-            # The end-of-turn token is eos-not-learned's business; completion-masked counts the answer.
-            n_completion_unsup += labels[span.start : last if ends else span.stop].count(ignore)
             n_completion_cut += max(0, span.stop - max(kept, span.start))
             sup_in_turns += (span.end - span.start) - labels[span.start : span.end].count(ignore)
             if not ends:
                 eot_missing += 1
-            elif last < kept and labels[last] == ignore:
+            # A turn with no loss at all is history the user chose not to train (multi-turn data trained on
+            # the last answer). Within a trained turn, every masked token is a bug; the end-of-turn token is
+            # eos-not-learned's business.
+            if masked == content_stop - span.start and not (ends and labels[last] != ignore):
+                untrained_width += content_stop - span.start
+                continue
+            trained_any = True
+            n_completion_unsup += masked
+            if ends and last < kept and labels[last] == ignore:
                 eot_unsup += 1
+        if not trained_any and n_supervised > 0:  # loss somewhere, but on no completion at all
+            n_completion_unsup += untrained_width
         leading_bos = 0
         bos = self.tokenizer.bos_token_id
         while bos is not None and leading_bos < n and ids[leading_bos] == bos:

@@ -69,7 +69,7 @@ def preflight(
     if trainer is not None:
         from hf_sanity.preflight.trainer_batches import trainer_context
 
-        ctx = trainer_context(trainer, max_len=max_len, sample=sample)
+        ctx = trainer_context(trainer, tokenizer=tokenizer, max_len=max_len, sample=sample)
     else:
         if tokenizer is None or dataset is None:
             raise UserInputError("preflight needs a tokenizer and a dataset (or trainer=...)")
