@@ -32,7 +32,7 @@ STAGES: dict[str, str] = {
     "model": "Model, embeddings and adapter (preflight)",
     "trainer": "The Trainer's setup: collator, packing, accumulation, checkpointing (preflight with a trainer)",
     "training": "Per-step signals of a running Trainer (SanityCallback)",
-    "evaluation": "Evaluation curves (SanityCallback, doctor)",
+    "curves": "Shapes of the loss and eval curves (SanityCallback online, doctor on logged runs)",
     "protocol": "The ordered debugging protocol (overfit, diagnose)",
     "runs": "Finished runs and their logs (doctor)",
     "internal": "hf-sanity itself",
@@ -97,6 +97,11 @@ RULE_MODULES = (
     "hf_sanity.rules.data",
     "hf_sanity.rules.masks",
     "hf_sanity.rules.lengths",
+    "hf_sanity.rules.model",
+    "hf_sanity.rules.training",
+    "hf_sanity.rules.curves",
+    "hf_sanity.rules.runs",
+    "hf_sanity.rules.protocol",
 )
 
 
