@@ -97,6 +97,7 @@ RULE_MODULES = (
     "hf_sanity.rules.data",
     "hf_sanity.rules.masks",
     "hf_sanity.rules.lengths",
+    "hf_sanity.rules.template",
     "hf_sanity.rules.model",
     "hf_sanity.rules.training",
     "hf_sanity.rules.curves",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_sanity.preflight.formats import conversation_problem, text_problem
-from hf_sanity.preflight.markers import Span, TemplateMarkers, derive_markers, find_sequence
+from hf_sanity.preflight.markers import Span, TemplateMarkers, boundary_ids, derive_markers, find_sequence
 from hf_sanity.tokenview import IGNORE_INDEX
 
 # Markers of chat formats, by family: inside message content they are stray; inside a `text` dataset they
@@ -88,6 +88,8 @@ MEASURES: dict[str, Any] = {
     "text_families": [],
     "hash": 0,
     "leak": False,
+    "max_id": -1,
+    "special_ids": [],  # special/added token ids the example uses
 }
 
 
@@ -106,6 +108,7 @@ class Encoder:
         strays = sorted(specials | set(_FAMILY_OF), key=len, reverse=True)
         self._stray_re = re.compile("|".join(re.escape(s) for s in strays if s.strip())) if strays else None
         self._family_re = re.compile("|".join(re.escape(m) for m in _FAMILY_OF))
+        self._boundaries = boundary_ids(tokenizer)
 
     # -- public ------------------------------------------------------------------------------------
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
@@ -340,6 +343,8 @@ class Encoder:
             "n_leading_bos": leading_bos,
             "n_label_eq_next": eq_next,
             "n_label_eq_same": eq_same,
+            "max_id": max(ids) if ids else -1,
+            "special_ids": sorted(self._boundaries.intersection(ids)),
         }
 
     def _finish(self, out: dict[str, Any]) -> dict[str, Any]:

@@ -38,6 +38,11 @@ class TemplateMarkers:
     stop_ids: frozenset[int] = frozenset()
     whitespace_ids: frozenset[int] = field(default_factory=frozenset)
     generation_prompt: str = ""
+    # The probe's tokens after the user message: as the inference prompt has them (rendered with the
+    # generation prompt) and as a training sequence has them (rendered with the answer). They differ when
+    # the template renders the generation prompt differently from a completed turn.
+    inference_tail: tuple[int, ...] = ()
+    training_tail: tuple[int, ...] = ()
 
     @property
     def locatable(self) -> bool:
@@ -145,6 +150,12 @@ def derive_markers(tokenizer) -> TemplateMarkers:
         if idx in boundaries:
             break
     stop_ids |= {eot[-1]} if eot else set()
+    prompt_ids = tokenizer(with_prompt, add_special_tokens=False)["input_ids"]
+    shared = 0
+    while shared < min(len(prompt_ids), len(ids)) and prompt_ids[shared] == ids[shared]:
+        shared += 1
+    user_end_token = next((k for k, (s, e) in enumerate(offsets) if e >= u_end), len(ids))
+    start = min(shared, user_end_token + 1)
     return TemplateMarkers(
         True,
         assistant_header=tuple(header),
@@ -152,4 +163,6 @@ def derive_markers(tokenizer) -> TemplateMarkers:
         stop_ids=frozenset(stop_ids),
         whitespace_ids=whitespace,
         generation_prompt=generation_prompt,
+        inference_tail=tuple(prompt_ids[start:]),
+        training_tail=tuple(ids[start : start + len(prompt_ids) - start]),
     )

@@ -1,0 +1,75 @@
+"""Data rules: each planted bug triggers its rule; the clean demo data triggers none."""
+
+import datasets
+
+from helpers import run, slugs
+from hf_sanity.testing import as_prompt_completion
+
+
+def test_clean_data_is_silent(chatml, conversations):
+    report = run(chatml, conversations[:40], select="data", eval_dataset=datasets.Dataset.from_list(conversations[40:]))
+    assert report.findings == []
+
+
+def test_bad_input_values_lists_rows_and_reasons(chatml, conversations):
+    rows = [dict(r) for r in conversations[:10]]
+    rows[2] = {"messages": []}
+    rows[5] = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}
+    rows[7] = {"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    report = run(chatml, rows, select="bad-input-values")
+    (finding,) = report.findings
+    assert finding.severity == "error"
+    assert finding.evidence["rows"] == [2, 5, 7]
+    assert finding.message.startswith("3 of 10 rows")
+    assert any("unknown role" in reason for reason in finding.evidence["reasons"])
+
+
+def test_bad_input_values_text_and_prompt_completion(chatml):
+    report = run(chatml, [{"text": "fine"}, {"text": ""}, {"text": None}], select="bad-input-values")
+    assert report.findings[0].evidence["rows"] == [1, 2]
+    pc = [{"prompt": "Q", "completion": "A"}, {"prompt": "Q", "completion": None}]
+    assert run(chatml, pc, select="bad-input-values").findings[0].evidence["rows"] == [1]
+
+
+def test_rows_the_template_rejects(conversations):
+    from hf_sanity.testing import build_tokenizer
+
+    tok = build_tokenizer("chatml")
+    tok.chat_template = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    report = run(tok, conversations[:6], select="bad-input-values")
+    (finding,) = report.findings
+    assert finding.evidence["rows"] == [0, 3]  # the rows with a system prompt
+    assert "no system" in finding.message
+
+
+def test_duplicate_examples(chatml, conversations):
+    rows = conversations[:20] + [conversations[3], conversations[3], conversations[11]]
+    # Case and whitespace do not make an example new.
+    shouty = {"messages": [{**m, "content": "  " + m["content"].upper()} for m in conversations[5]["messages"]]}
+    report = run(chatml, [*rows, shouty], select="duplicate-examples")
+    (finding,) = report.findings
+    assert finding.severity == "warning"
+    assert finding.evidence["duplicates"] == 4
+    assert [3, 20] in finding.evidence["pairs"] and [5, 23] in finding.evidence["pairs"]
+
+
+def test_split_leakage(chatml, conversations):
+    eval_rows = conversations[40:48] + conversations[:2]
+    report = run(chatml, conversations[:40], select="split-leakage", eval_dataset=datasets.Dataset.from_list(eval_rows))
+    (finding,) = report.findings
+    assert finding.evidence["overlap"] == 2 and finding.evidence["eval_rows"] == [8, 9]
+    clean = run(chatml, conversations[:40], select="split-leakage",
+                eval_dataset=datasets.Dataset.from_list(conversations[40:48]))  # fmt: skip
+    assert clean.findings == []
+
+
+def test_label_leakage(chatml, conversations):
+    rows = as_prompt_completion(conversations[:10])
+    rows[4] = {"prompt": "Context: The capital of Norway is Oslo and it is cold.\nQuestion: capital?\n",
+               "completion": "The capital of Norway is Oslo and it is cold."}  # fmt: skip
+    report = run(chatml, rows, select="label-leakage")
+    (finding,) = report.findings
+    assert finding.evidence["rows"] == [4]
+    # Short answers that happen to occur in the question are not leakage.
+    short = [{"prompt": "Is it Paris or Rome?", "completion": "Paris"}]
+    assert run(chatml, short, select="label-leakage").findings == []

@@ -1,0 +1,46 @@
+"""Length rules: max_len against the data and against the model."""
+
+from transformers import LlamaConfig
+
+from helpers import run
+
+
+def test_truncated_completion_severity_and_suggestion(chatml, conversations):
+    report = run(chatml, conversations, select="truncated-completion", max_len=40)
+    (finding,) = report.findings
+    lengths = sorted(len(chatml.apply_chat_template(r["messages"])["input_ids"]) for r in conversations)
+    cut = sum(length > 40 for length in lengths)
+    assert finding.evidence["cut"] > 0 and finding.evidence["cut"] <= cut
+    assert finding.evidence["length_max"] == lengths[-1]
+    assert finding.evidence["max_len_for_99pct"] >= lengths[int(0.99 * (len(lengths) - 1))]
+    expected = "error" if finding.evidence["fraction"] >= 0.10 else "warning"
+    assert finding.severity == expected
+    assert finding.example.cut == 40
+
+
+def test_truncated_completion_is_a_warning_when_few_are_cut(chatml, conversations):
+    long_one = {"messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "word " * 200}]}
+    report = run(chatml, [*conversations, long_one], select="truncated-completion", max_len=128)
+    (finding,) = report.findings
+    assert finding.severity == "warning" and finding.evidence["rows"] == [len(conversations)]
+
+
+def test_no_truncation_no_finding(chatml, conversations):
+    assert run(chatml, conversations, select="truncated-completion", max_len=512).findings == []
+
+
+def test_max_len_exceeds_model(chatml, conversations):
+    config = LlamaConfig(max_position_embeddings=256)
+    (finding,) = run(chatml, conversations[:4], select="max-len-exceeds-model", max_len=1024, model_config=config).findings
+    assert finding.evidence == {"max_len": 1024, "max_position_embeddings": 256}
+    assert run(chatml, conversations[:4], select="max-len-exceeds-model", max_len=256, model_config=config).findings == []
+
+
+def test_context_beyond_sliding_window(chatml, conversations):
+    config = LlamaConfig(max_position_embeddings=4096)
+    config.sliding_window = 32
+    (finding,) = run(chatml, conversations, select="context-beyond-window", model_config=config).findings
+    assert finding.severity == "warning" and finding.evidence["window"] == 32
+    assert finding.evidence["kind"] == "sliding window"
+    config.sliding_window = None
+    assert run(chatml, conversations, select="context-beyond-window", model_config=config).findings == []
