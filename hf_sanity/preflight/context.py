@@ -198,7 +198,7 @@ def token_loss(model, batches: Sequence[dict[str, Any]]) -> dict[str, float]:
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    total, count = 0.0, 0
+    total, count, entropy_sum = 0.0, 0, 0.0
     label_counts: dict[int, int] = {}
     try:
         with torch.no_grad():
@@ -213,7 +213,10 @@ def token_loss(model, batches: Sequence[dict[str, Any]]) -> dict[str, float]:
                     ignore_index=IGNORE_INDEX,
                     reduction="sum",
                 )
-                n = int((shift_labels != IGNORE_INDEX).sum())
+                supervised = shift_labels != IGNORE_INDEX
+                n = int(supervised.sum())
+                log_probs = torch.log_softmax(shift_logits[supervised], dim=-1)
+                entropy_sum += float(-(log_probs.exp() * log_probs).sum())
                 total += float(loss)
                 count += n
                 for token, c in zip(
@@ -225,4 +228,9 @@ def token_loss(model, batches: Sequence[dict[str, Any]]) -> dict[str, float]:
     probs = np.array(list(label_counts.values()), dtype=float)
     probs /= max(probs.sum(), 1)
     entropy = float(-(probs * np.log(probs)).sum()) if len(probs) else 0.0
-    return {"loss": total / max(count, 1), "tokens": count, "label_entropy": entropy}
+    return {
+        "loss": total / max(count, 1),
+        "entropy": entropy_sum / max(count, 1),  # the model's own predictive entropy at those positions
+        "tokens": count,
+        "label_entropy": entropy,
+    }

@@ -57,12 +57,16 @@ def _check_model_folder(ref: str) -> Path:
 
 
 def load_model(ref: str, *, dtype=None, trust_remote_code: bool = False):
+    import torch
     from transformers import AutoModelForCausalLM
 
     path = _check_model_folder(ref)
     try:
         return AutoModelForCausalLM.from_pretrained(
-            str(path) if looks_local(ref) else ref, dtype=dtype or "auto", trust_remote_code=trust_remote_code
+            str(path) if looks_local(ref) else ref,
+            dtype=dtype or "auto",
+            device_map="auto" if torch.cuda.is_available() else None,
+            trust_remote_code=trust_remote_code,
         )
     except Exception as exc:
         raise UserInputError(f"cannot load a causal LM from {ref!r}: {_first_line(exc)}") from None

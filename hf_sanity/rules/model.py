@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from hf_sanity.catalog import define
 
 INIT_LOSS_OFF_CHANCE = define(
@@ -24,3 +28,258 @@ NO_TRAINABLE_PARAMS = define(
     detects="No parameter of the model requires grad (a frozen model, or an adapter that was not attached).",
     fix="Attach the adapter with peft.get_peft_model (or unfreeze the layers to train) before building the trainer.",
 )
+
+
+def _vocab_rows(ctx) -> int | None:
+    """The model's embedding rows: from the model object when given (it may have been resized), else from
+    the config, loading the model only when there is neither."""
+    if ctx._model is None and ctx.model_config is not None:
+        config = ctx.model_config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(text, "vocab_size", None)
+    if not ctx.has_model:
+        return None
+    embeddings = ctx.model.get_input_embeddings()
+    return int(embeddings.num_embeddings) if embeddings is not None else None
+
+
+VOCAB_SIZE_MISMATCH = define(
+    "vocab-size-mismatch",
+    severity="error",
+    stage="model",
+    symptom="CUDA 'device-side assert' / index errors, or tokens silently mapped to the wrong embeddings.",
+    detects="Token ids in the data (or the tokenizer's size) reach past the model's embedding rows.",
+    fix="After adding tokens, call `model.resize_token_embeddings(len(tokenizer))` (and train or initialise the new "
+    "rows); make sure the tokenizer belongs to the model.",
+)
+
+
+@VOCAB_SIZE_MISMATCH.check
+def check_vocab_size(ctx):
+    rows = _vocab_rows(ctx)
+    if not rows:
+        return
+    max_ids = ctx.col("max_id")
+    beyond = ctx.valid & (max_ids >= rows)
+    tokenizer_size = len(ctx.tokenizer)
+    if beyond.any():
+        bad_rows = ctx.first(beyond)
+        yield VOCAB_SIZE_MISMATCH.finding(
+            f"{int(beyond.sum())} examples use token ids up to {int(max_ids.max())} but the model has {rows} "
+            "embedding rows",
+            evidence={
+                "embedding_rows": rows,
+                "max_token_id": int(max_ids.max()),
+                "tokenizer_size": tokenizer_size,
+                "rows": bad_rows,
+            },
+            example=ctx.view(bad_rows[0], focus=int(np.argmax(ctx.row(bad_rows[0])["input_ids"]))),
+        )
+    elif tokenizer_size > rows:
+        yield VOCAB_SIZE_MISMATCH.finding(
+            f"the tokenizer has {tokenizer_size} tokens but the model only {rows} embedding rows",
+            evidence={"embedding_rows": rows, "tokenizer_size": tokenizer_size},
+        )
+
+
+UNTRAINED_SPECIAL_TOKENS = define(
+    "untrained-special-tokens",
+    severity="error",
+    stage="model",
+    symptom="Loss much higher than base model at step 0, NaNs in half precision, or the model never stops: "
+    "template tokens the base model never trained (e.g. Llama-3 base with the instruct template).",
+    detects="Special/added tokens that the data uses whose input-embedding rows look untrained: norm below 5% of "
+    "the median row norm (zero init), within 5% of the median distance from the mean row (mean init by "
+    "resize_token_embeddings), or two or more of them collapsed onto one vector.",
+    fix="Initialise those rows (e.g. to the mean embedding) and train them (modules_to_save=['embed_tokens', "
+    "'lm_head'] or trainable_token_indices with LoRA), or use the instruct checkpoint the template belongs to.",
+)
+
+TINY_FRACTION = 0.05
+
+
+def untrained_rows(embeddings, ids: list[int]) -> dict[str, list[int]]:
+    """Which of ``ids`` have embedding rows that look untrained.
+
+    ``near_zero``: norm below 5% of the median row norm (zero-initialised); ``near_mean``: within 5% of the
+    median distance from the mean row (``resize_token_embeddings`` initialises new rows at the mean);
+    ``collapsed``: two or more of them on the same vector.
+    """
+    import torch
+
+    with torch.no_grad():
+        weight = embeddings.weight.detach().float()
+        ids = [i for i in ids if i < weight.shape[0]]
+        if not ids:
+            return {"near_zero": [], "near_mean": [], "collapsed": []}
+        norms = weight.norm(dim=1)
+        mean = weight.mean(dim=0)
+        to_mean = (weight - mean).norm(dim=1)
+        median_norm, median_to_mean = float(norms.median()), float(to_mean.median())
+        near_zero = [i for i in ids if float(norms[i]) < TINY_FRACTION * median_norm]
+        near_mean = [
+            i for i in ids if i not in near_zero and float(to_mean[i]) < TINY_FRACTION * median_to_mean
+        ]
+        rows = weight[ids]
+        collapsed = []
+        if len(ids) >= 2:
+            close = torch.cdist(rows, rows) < 1e-3 * max(median_norm, 1e-12)
+            close &= ~torch.eye(len(ids), dtype=torch.bool)
+            collapsed = [
+                i for k, i in enumerate(ids) if bool(close[k].any()) and i not in near_zero + near_mean
+            ]
+    return {"near_zero": near_zero, "near_mean": near_mean, "collapsed": collapsed}
+
+
+def used_special_ids(ctx) -> list[int]:
+    return sorted({i for ids in ctx.encoded["special_ids"] for i in ids})
+
+
+@UNTRAINED_SPECIAL_TOKENS.check
+def check_untrained_special_tokens(ctx):
+    if not ctx.has_model:
+        return
+    used = used_special_ids(ctx)
+    embeddings = ctx.model.get_input_embeddings()
+    if not used or embeddings is None:
+        return
+    health = untrained_rows(embeddings, used)
+    suspect = sorted({i for group in health.values() for i in group})
+    if not suspect:
+        return
+    names = ctx.tokenizer.convert_ids_to_tokens(suspect)
+    yield UNTRAINED_SPECIAL_TOKENS.finding(
+        f"{len(suspect)} special tokens the data uses look untrained: {', '.join(map(repr, names[:5]))}",
+        evidence={"tokens": names, "ids": suspect, **health},
+    )
+
+
+NEW_TOKENS_FROZEN = define(
+    "new-tokens-frozen",
+    severity="error",
+    stage="model",
+    symptom="The model never learns the new chat/tool tokens: it keeps emitting garbage where they belong.",
+    detects="Tokens added to the tokenizer (ids past its base vocabulary) that the data uses and whose embedding "
+    "rows look untrained (see untrained-special-tokens), while the adapter config trains no embeddings (no "
+    "embed_tokens/lm_head in modules_to_save or target_modules, no trainable_token_indices), or the embedding "
+    "rows do not require grad.",
+    fix="With LoRA add `modules_to_save=['embed_tokens', 'lm_head']` or `trainable_token_indices={'embed_tokens': "
+    "[ids]}`; without an adapter keep the embeddings trainable.",
+)
+
+
+def adapter_config_of(ctx) -> dict | None:
+    """The LoRA/PEFT config in play: the saved adapter's, or the trainer's PeftModel's."""
+    import json
+    from pathlib import Path
+
+    if ctx.adapter_path:
+        path = Path(ctx.adapter_path) / "adapter_config.json"
+        if path.is_file():
+            return json.loads(path.read_text())
+    model = ctx.model if ctx.has_model else None
+    peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, dict) and peft_config:
+        config = next(iter(peft_config.values()))
+        return config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    return None
+
+
+def trains_embeddings(config: dict) -> bool:
+    def names(value) -> list[str]:
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else list(value)
+
+    modules = names(config.get("modules_to_save")) + names(config.get("target_modules"))
+    if any(
+        m in ("embed_tokens", "lm_head", "wte", "word_embeddings") or m.endswith("embed_tokens")
+        for m in modules
+    ):
+        return True
+    return bool(config.get("trainable_token_indices"))
+
+
+@NEW_TOKENS_FROZEN.check
+def check_new_tokens_frozen(ctx):
+    base = getattr(ctx.tokenizer, "vocab_size", None)
+    if not base:
+        return
+    added = [i for i in used_special_ids(ctx) if i >= base]
+    if not added or not ctx.has_model or ctx.model.get_input_embeddings() is None:
+        return
+    health = untrained_rows(ctx.model.get_input_embeddings(), added)
+    used = sorted({i for group in health.values() for i in group})  # trained added tokens need no training
+    if not used:
+        return
+    config = adapter_config_of(ctx)
+    if config is not None:
+        if trains_embeddings(config):
+            return
+        why = "the adapter config trains no embeddings"
+    elif ctx._model is not None:
+        embeddings = ctx.model.get_input_embeddings()
+        if embeddings is None or embeddings.weight.requires_grad:
+            return
+        why = "the input embeddings do not require grad"
+    else:
+        return
+    names = ctx.tokenizer.convert_ids_to_tokens(used)
+    yield NEW_TOKENS_FROZEN.finding(
+        f"{len(used)} added tokens the data uses will not train: {why} ({', '.join(map(repr, names[:4]))})",
+        evidence={
+            "tokens": names,
+            "ids": used,
+            "base_vocab_size": base,
+            "modules_to_save": (config or {}).get("modules_to_save"),
+        },
+    )
+
+
+@INIT_LOSS_OFF_CHANCE.check
+def check_init_loss(ctx):
+    measured = ctx.init_loss
+    if measured is None or measured["tokens"] == 0:
+        return
+    vocab = _vocab_rows(ctx) or len(ctx.tokenizer)
+    chance = math.log(vocab)
+    loss, entropy = measured["loss"], measured["entropy"]
+    evidence = {
+        "loss": round(loss, 4),
+        "ln_vocab": round(chance, 4),
+        "model_entropy": round(entropy, 4),
+        "label_entropy": round(measured["label_entropy"], 4),
+        "tokens": measured["tokens"],
+        "examples": len(ctx.sample_indices),
+    }
+    # A calibrated model's loss is close to its own predictive entropy; a fresh head's is ln(V).
+    if loss > chance + max(1.0, 0.25 * chance) or loss > entropy + max(2.0, 0.5 * chance):
+        yield INIT_LOSS_OFF_CHANCE.finding(
+            f"step-0 loss {loss:.2f} is far above chance ln(V)={chance:.2f} (model entropy {entropy:.2f}): "
+            "labels or init are wrong",
+            evidence={**evidence, "direction": "above"},
+        )
+    elif loss < FAR_BELOW_FRACTION * chance:
+        yield INIT_LOSS_OFF_CHANCE.finding(
+            f"step-0 loss {loss:.2f} is far below chance ln(V)={chance:.2f}: the completions are already "
+            "predictable (leakage, or data the model has seen)",
+            evidence={**evidence, "direction": "below"},
+            fix="Check label-leakage (the answer in the input), train/eval contamination, and whether this "
+            "model was already trained on this data.",
+        )
+
+
+FAR_BELOW_FRACTION = 0.05
+
+
+@NO_TRAINABLE_PARAMS.check
+def check_no_trainable_params(ctx):
+    if ctx._model is None:  # a model loaded from a path is trainable; only a given model object can be frozen
+        return
+    model = ctx.model
+    total = sum(p.numel() for p in model.parameters())
+    if total and not any(p.requires_grad for p in model.parameters()):
+        yield NO_TRAINABLE_PARAMS.finding(
+            f"none of the model's {total:,} parameters requires grad",
+            evidence={"parameters": total, "trainable": 0, "model": type(model).__name__},
+        )

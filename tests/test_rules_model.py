@@ -1,0 +1,142 @@
+"""Model rules, on the tiny model: planted bugs trigger, the clean setup is silent."""
+
+import copy
+import math
+
+import datasets
+import pytest
+import torch
+
+from helpers import run
+from hf_sanity.testing import build_tokenizer, tiny_setup
+
+MODEL_RULES = ["vocab-size-mismatch", "untrained-special-tokens", "new-tokens-frozen", "init-loss-off-chance",
+               "no-trainable-params"]  # fmt: skip
+
+
+@pytest.fixture
+def setup():
+    model, tok = tiny_setup("chatml", "distinct")
+    return copy.deepcopy(model), tok
+
+
+def test_clean_model_is_silent(setup, conversations):
+    model, tok = setup
+    assert run(tok, conversations, model=model, select=MODEL_RULES).findings == []
+
+
+def test_model_is_loaded_only_when_a_model_rule_runs(conversations):
+    _, tok = tiny_setup("chatml", "distinct")
+    calls = []
+
+    def loader():
+        calls.append(1)
+        return tiny_setup("chatml", "distinct")[0]
+
+    run(tok, conversations, model=loader, select="prompt-in-loss")
+    assert calls == []
+    run(tok, conversations, model=loader, select="init-loss-off-chance")
+    assert calls == [1]
+
+
+def test_token_ids_beyond_the_embeddings(setup, conversations):
+    model, _ = setup
+    tok = build_tokenizer("chatml")
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "Call it."},
+                {"role": "assistant", "content": "<tool_call> go"},
+            ]
+        }
+    ]
+    (finding,) = run(tok, rows + conversations[:3], model=model, select="vocab-size-mismatch").findings
+    assert finding.evidence["max_token_id"] == 1000 and finding.evidence["embedding_rows"] == 1000
+    assert finding.evidence["rows"] == [0]
+    # Unused extra tokens still mean the tokenizer does not belong to the model.
+    (finding,) = run(tok, conversations[:3], model=model, select="vocab-size-mismatch").findings
+    assert finding.evidence["tokenizer_size"] == 1001
+
+
+def test_untrained_special_token_rows(setup, conversations):
+    model, tok = setup
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tok.convert_tokens_to_ids("<|im_end|>")] = 0.0
+    (finding,) = run(tok, conversations, model=model, select="untrained-special-tokens").findings
+    assert finding.evidence["tokens"] == ["<|im_end|>"]
+
+
+def test_collapsed_special_token_rows(setup, conversations):
+    model, tok = setup
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[tok.convert_tokens_to_ids("<|im_start|>")] = emb[tok.convert_tokens_to_ids("<|im_end|>")]
+    (finding,) = run(tok, conversations, model=model, select="untrained-special-tokens").findings
+    assert sorted(finding.evidence["collapsed"]) == sorted(
+        tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    )
+
+
+def lora(model, **kwargs):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **kwargs))
+
+
+def test_new_tokens_frozen_under_lora(setup):
+    model, _ = setup
+    tok = build_tokenizer("chatml")
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    model.resize_token_embeddings(len(tok))  # new rows at the mean: untrained
+    rows = [{"messages": [{"role": "user", "content": "Call."}, {"role": "assistant", "content": f"<tool_call> {i}"}]}
+            for i in range(4)]  # fmt: skip
+    frozen = run(tok, rows, model=lora(copy.deepcopy(model)), select="new-tokens-frozen")
+    (finding,) = frozen.findings
+    assert finding.evidence["tokens"] == ["<tool_call>"]
+    trained = run(
+        tok, rows, model=lora(model, modules_to_save=["embed_tokens", "lm_head"]), select="new-tokens-frozen"
+    )
+    assert trained.findings == []
+
+
+def test_init_loss_far_above_chance(setup, conversations):
+    model, tok = setup
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)  # a broken init: confident and wrong
+    (finding,) = run(tok, conversations, model=model, select="init-loss-off-chance").findings
+    assert finding.evidence["direction"] == "above"
+    assert finding.evidence["loss"] > math.log(len(tok)) + 1
+
+
+def test_init_loss_far_below_chance_when_the_model_has_seen_the_data(setup, conversations):
+    model, tok = setup
+    rows = conversations[:4]
+    ids = [tok.apply_chat_template(r["messages"])["input_ids"] for r in rows]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(150):  # memorise the four examples
+        for seq in ids:
+            batch = torch.tensor([seq])
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    (finding,) = run(tok, rows, model=model, select="init-loss-off-chance").findings
+    assert finding.evidence["direction"] == "below"
+
+
+def test_no_trainable_params(setup, conversations):
+    model, tok = setup
+    model.requires_grad_(False)
+    (finding,) = run(tok, conversations[:4], model=model, select="no-trainable-params").findings
+    assert finding.evidence["trainable"] == 0
+
+
+def test_preflight_on_a_saved_dataset_folder(setup, conversations, tmp_path):
+    model, tok = setup
+    datasets.Dataset.from_list(conversations).save_to_disk(str(tmp_path / "ds"))
+    from hf_sanity.preflight.sources import load_dataset_ref
+
+    data = load_dataset_ref(str(tmp_path / "ds"))
+    assert run(tok, data, model=model, select=MODEL_RULES).findings == []
