@@ -2,12 +2,14 @@
 
 import datasets
 
-from helpers import run, slugs
+from helpers import run
 from hf_sanity.testing import as_prompt_completion
 
 
 def test_clean_data_is_silent(chatml, conversations):
-    report = run(chatml, conversations[:40], select="data", eval_dataset=datasets.Dataset.from_list(conversations[40:]))
+    report = run(
+        chatml, conversations[:40], select="data", eval_dataset=datasets.Dataset.from_list(conversations[40:])
+    )
     assert report.findings == []
 
 
@@ -45,7 +47,9 @@ def test_rows_the_template_rejects(conversations):
 def test_duplicate_examples(chatml, conversations):
     rows = conversations[:20] + [conversations[3], conversations[3], conversations[11]]
     # Case and whitespace do not make an example new.
-    shouty = {"messages": [{**m, "content": "  " + m["content"].upper()} for m in conversations[5]["messages"]]}
+    shouty = {
+        "messages": [{**m, "content": "  " + m["content"].upper()} for m in conversations[5]["messages"]]
+    }
     report = run(chatml, [*rows, shouty], select="duplicate-examples")
     (finding,) = report.findings
     assert finding.severity == "warning"
@@ -55,7 +59,9 @@ def test_duplicate_examples(chatml, conversations):
 
 def test_split_leakage(chatml, conversations):
     eval_rows = conversations[40:48] + conversations[:2]
-    report = run(chatml, conversations[:40], select="split-leakage", eval_dataset=datasets.Dataset.from_list(eval_rows))
+    report = run(
+        chatml, conversations[:40], select="split-leakage", eval_dataset=datasets.Dataset.from_list(eval_rows)
+    )
     (finding,) = report.findings
     assert finding.evidence["overlap"] == 2 and finding.evidence["eval_rows"] == [8, 9]
     clean = run(chatml, conversations[:40], select="split-leakage",

@@ -19,7 +19,9 @@ def test_truncated_completion_severity_and_suggestion(chatml, conversations):
 
 
 def test_truncated_completion_is_a_warning_when_few_are_cut(chatml, conversations):
-    long_one = {"messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "word " * 200}]}
+    long_one = {
+        "messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "word " * 200}]
+    }
     report = run(chatml, [*conversations, long_one], select="truncated-completion", max_len=128)
     (finding,) = report.findings
     assert finding.severity == "warning" and finding.evidence["rows"] == [len(conversations)]
@@ -31,9 +33,16 @@ def test_no_truncation_no_finding(chatml, conversations):
 
 def test_max_len_exceeds_model(chatml, conversations):
     config = LlamaConfig(max_position_embeddings=256)
-    (finding,) = run(chatml, conversations[:4], select="max-len-exceeds-model", max_len=1024, model_config=config).findings
+    (finding,) = run(
+        chatml, conversations[:4], select="max-len-exceeds-model", max_len=1024, model_config=config
+    ).findings
     assert finding.evidence == {"max_len": 1024, "max_position_embeddings": 256}
-    assert run(chatml, conversations[:4], select="max-len-exceeds-model", max_len=256, model_config=config).findings == []
+    assert (
+        run(
+            chatml, conversations[:4], select="max-len-exceeds-model", max_len=256, model_config=config
+        ).findings
+        == []
+    )
 
 
 def test_context_beyond_sliding_window(chatml, conversations):

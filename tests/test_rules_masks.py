@@ -74,13 +74,18 @@ def test_completion_masked_off_by_some(chatml, conversations):
         row["labels"][first : first + 3] = [IGNORE_INDEX] * 3
     (finding,) = run(chatml, rows, select="completion-masked").findings
     assert finding.severity == "error" and finding.evidence["fraction"] > 0.2
-    assert finding.example.cells[[c.pos for c in finding.example.cells].index(finding.example.focus)].loss is False
+    assert (
+        finding.example.cells[[c.pos for c in finding.example.cells].index(finding.example.focus)].loss
+        is False
+    )
 
 
 def test_completion_masked_when_loss_is_on_the_prompt_only(chatml, conversations):
     rows = []
     for row in correct_token_rows(chatml, conversations):
-        inverted = [IGNORE_INDEX if label != IGNORE_INDEX else i for i, label in zip(row["input_ids"], row["labels"])]
+        inverted = [
+            IGNORE_INDEX if label != IGNORE_INDEX else i for i, label in zip(row["input_ids"], row["labels"])
+        ]
         rows.append({"input_ids": row["input_ids"], "labels": inverted})
     report = run(chatml, rows, select=["completion-masked", "prompt-in-loss"])
     assert {"completion-masked", "prompt-in-loss"} <= slugs(report)

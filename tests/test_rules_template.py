@@ -13,7 +13,10 @@ TEMPLATE_RULES = ["template-mismatch", "generation-prompt-mismatch", "stray-temp
 def test_clean_templates_are_silent(template, conversations):
     tok = build_tokenizer(template)
     assert run(tok, conversations, select=TEMPLATE_RULES).findings == []
-    assert run(tok, as_prompt_completion(conversations, conversational=True), select=TEMPLATE_RULES).findings == []
+    assert (
+        run(tok, as_prompt_completion(conversations, conversational=True), select=TEMPLATE_RULES).findings
+        == []
+    )
 
 
 def test_plain_prose_is_not_a_template_mismatch(chatml):
@@ -23,7 +26,9 @@ def test_plain_prose_is_not_a_template_mismatch(chatml):
 
 def test_text_rendered_with_another_template(chatml, conversations):
     alpaca = [
-        {"text": f"### Instruction:\n{r['messages'][-2]['content']}\n\n### Response:\n{r['messages'][-1]['content']}"}
+        {
+            "text": f"### Instruction:\n{r['messages'][-2]['content']}\n\n### Response:\n{r['messages'][-1]['content']}"
+        }
         for r in conversations
     ]
     (finding,) = run(chatml, alpaca, select="template-mismatch").findings
@@ -42,18 +47,24 @@ def test_pretokenized_with_another_template(chatml, conversations):
 
 
 def test_inference_tokenizer_with_another_template(chatml, conversations):
-    report = run(chatml, conversations, select="template-mismatch", inference_tokenizer=build_tokenizer("llama3"))
+    report = run(
+        chatml, conversations, select="template-mismatch", inference_tokenizer=build_tokenizer("llama3")
+    )
     (finding,) = report.findings
     assert finding.evidence["mismatched"] == finding.evidence["checked"] == len(conversations)
     assert finding.evidence["first_difference"] == 0
-    same = run(chatml, conversations, select="template-mismatch", inference_tokenizer=build_tokenizer("chatml"))
+    same = run(
+        chatml, conversations, select="template-mismatch", inference_tokenizer=build_tokenizer("chatml")
+    )
     assert same.findings == []
 
 
 def test_generation_prompt_not_a_prefix(conversations):
     tok = build_tokenizer("chatml")
     # Inference opens a reasoning block that no training turn contains (as DeepSeek-R1's template does).
-    tok.chat_template = tok.chat_template.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
+    tok.chat_template = tok.chat_template.replace(
+        "'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'"
+    )
     (finding,) = run(tok, conversations, select="generation-prompt-mismatch").findings
     assert finding.evidence["rows"][:3] == [0, 1, 2]
     assert finding.evidence["inference_prompt_ends"].endswith("assistant\n<think>\n")
@@ -61,7 +72,14 @@ def test_generation_prompt_not_a_prefix(conversations):
 
 def test_deepseek_r1_generation_prompt_opens_think():
     tok = real_tokenizer("deepseek-r1-distill")
-    rows = [{"messages": [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "5"}]}]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "What is 2 plus 3?"},
+                {"role": "assistant", "content": "5"},
+            ]
+        }
+    ]
     (finding,) = run(tok, rows, select="generation-prompt-mismatch").findings
     assert "<think>" in finding.evidence["inference_prompt_ends"]
 
@@ -86,7 +104,9 @@ def test_double_bos_from_retokenized_llama3_text(conversations):
 @pytest.mark.parametrize("name", ["llama3-instruct", "mistral-instruct", "llama2-chat"])
 def test_double_bos_on_real_templates(name):
     tok = real_tokenizer(name)
-    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}]
+    rows = [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]}
+    ]
     text_rows = [{"text": tok.apply_chat_template(rows[0]["messages"], tokenize=False)}]
     assert "double-bos" in slugs(run(tok, text_rows, select="double-bos"))
     assert run(tok, rows, select="double-bos").findings == []
