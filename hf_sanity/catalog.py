@@ -99,6 +99,7 @@ RULE_MODULES = (
     "hf_sanity.rules.lengths",
     "hf_sanity.rules.template",
     "hf_sanity.rules.model",
+    "hf_sanity.rules.adapter",
     "hf_sanity.rules.training",
     "hf_sanity.rules.curves",
     "hf_sanity.rules.runs",

@@ -31,6 +31,7 @@ IgnoreOpt = Annotated[
     list[str] | None, typer.Option("--ignore", help="Silence these rules (slugs or stages).")
 ]
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this file.")]
+HtmlOpt = Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report page.")]
 
 
 def _quiet_libraries() -> None:
@@ -41,11 +42,16 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _finish(report, json_path: Path | None) -> None:
+def _finish(report, json_path: Path | None, html_path: Path | None = None, plots: dict | None = None) -> None:
     console.print(report)
     if json_path is not None:
         report.write_json(json_path)
         console.print(f"[dim]report written to {json_path}[/dim]")
+    if html_path is not None:
+        from hf_sanity.html import write_html
+
+        write_html(report, html_path, plots=plots)
+        console.print(f"[dim]report page written to {html_path}[/dim]")
     raise typer.Exit(report.exit_code)
 
 
@@ -113,6 +119,7 @@ def preflight_command(
     num_proc: Annotated[int | None, typer.Option(help="Processes for tokenization.")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow custom model/tokenizer code.")] = False,
     json: JsonOpt = None,
+    html: HtmlOpt = None,
     select: SelectOpt = None,
     ignore: IgnoreOpt = None,
 ) -> None:
@@ -120,10 +127,18 @@ def preflight_command(
     _quiet_libraries()
     from hf_sanity.preflight import preflight
     from hf_sanity.preflight.sources import load_config, load_dataset_ref, load_model, load_tokenizer
+    from hf_sanity.rules.adapter import adapter_config, adapter_state
 
     if eval_dataset and eval_split:
         raise UserInputError("pass --eval-dataset or --eval-split, not both")
     config = load_config(model, trust_remote_code=trust_remote_code)  # fails early on a broken model folder
+    if adapter:  # an unreadable adapter fails now, not after the dataset is tokenized
+        if not Path(adapter).is_dir():
+            raise UserInputError(
+                f"adapter {adapter!r} is not a folder; pass the folder written by peft's save_pretrained"
+            )
+        adapter_config(adapter)
+        adapter_state(adapter)
     tok = load_tokenizer(tokenizer or model, trust_remote_code=trust_remote_code)
     data = load_dataset_ref(dataset, split)
     eval_data = None
@@ -152,7 +167,7 @@ def preflight_command(
         select=select,
         ignore=ignore,
     )
-    _finish(report, json)
+    _finish(report, json, html)
 
 
 @app.command("demo")

@@ -1,0 +1,374 @@
+"""The report as one self-contained HTML page: `--html FILE` on preflight, diagnose and doctor.
+
+One file, nothing fetched: the CSS is inline, plots are embedded as base64 data URIs, no JavaScript, and a
+Content-Security-Policy forbids scripts and network access outright. Everything that comes from the user
+(messages, evidence, token text such as ``<|im_start|>``, stats, plot titles) is HTML-escaped.
+
+>>> from hf_sanity.html import write_html
+>>> write_html(report, "report.html", plots={"loss": png_bytes})
+"""
+
+from __future__ import annotations
+
+import base64
+import html as htmllib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from hf_sanity.findings import SEVERITIES, Finding, jsonable
+from hf_sanity.report import Report, version, write_atomic
+from hf_sanity.tokenview import TokenCell, TokenView
+
+# The token colours, as the terminal view uses them: green carries loss, grey does not.
+LOSS_BG = "#7ddc8a"
+NO_LOSS_BG = "#dcdcdc"
+UNKNOWN_BG = "#f3e3a6"  # no labels were given
+FOCUS_OUTLINE = "#d7263d"
+
+CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'"
+
+CSS = f"""
+:root {{ color-scheme: light; }}
+* {{ box-sizing: border-box; }}
+body {{ margin: 0; background: #f6f7f9; color: #1d2026;
+  font: 15px/1.5 system-ui, -apple-system, "Segoe UI", "DejaVu Sans", "Liberation Sans", sans-serif; }}
+main, header.page {{ max-width: 1120px; margin: 0 auto; padding: 0 24px; }}
+header.page {{ padding-top: 24px; padding-bottom: 8px; }}
+h1 {{ font-size: 26px; margin: 0 0 4px; }}
+h2 {{ font-size: 19px; margin: 28px 0 10px; border-bottom: 1px solid #d5d8de; padding-bottom: 4px; }}
+code, .tokens, table.ids td {{ font-family: "DejaVu Sans Mono", "Liberation Mono", Menlo, Consolas, monospace;
+  font-size: 13px; }}
+.meta {{ color: #5b616e; margin: 0 0 10px; }}
+.counts {{ display: flex; gap: 8px; list-style: none; margin: 0; padding: 0; }}
+.badge {{ display: inline-block; border-radius: 4px; padding: 1px 8px; font-weight: 600; font-size: 13px;
+  color: #fff; }}
+.badge.error {{ background: #c62828; }}
+.badge.warning {{ background: #b26a00; }}
+.badge.info {{ background: #1565c0; }}
+.badge.clean {{ background: #2e6b3a; }}
+.badge.zero {{ background: #c3c7cf; color: #4a4f5a; }}
+article.finding {{ background: #fff; border: 1px solid #d5d8de; border-left-width: 6px; border-radius: 6px;
+  padding: 12px 16px; margin: 0 0 14px; }}
+article.finding.error {{ border-left-color: #c62828; }}
+article.finding.warning {{ border-left-color: #b26a00; }}
+article.finding.info {{ border-left-color: #1565c0; }}
+article.finding h3 {{ font-size: 16px; margin: 0 0 4px; display: flex; gap: 10px; align-items: baseline;
+  flex-wrap: wrap; }}
+.rule {{ font-size: 15px; }}
+.stage, .step {{ color: #5b616e; font-weight: normal; font-size: 13px; }}
+.message {{ margin: 4px 0 8px; font-size: 15px; white-space: pre-line; }}
+.fix {{ margin: 8px 0 4px; white-space: pre-line; }}
+.fix strong {{ color: #2e6b3a; }}
+.about {{ margin: 6px 0 0; color: #5b616e; font-size: 13px; }}
+.about dt {{ font-weight: 600; float: left; clear: left; width: 7.5em; }}
+.about dd {{ margin: 0 0 2px 7.5em; }}
+table {{ border-collapse: collapse; }}
+table.kv {{ margin: 4px 0; font-size: 13px; }}
+table.kv th {{ text-align: left; font-weight: 600; padding: 1px 14px 1px 0; vertical-align: top;
+  white-space: nowrap; color: #3b404a; }}
+table.kv td {{ padding: 1px 0; word-break: break-word; }}
+table.stats {{ background: #fff; border: 1px solid #d5d8de; }}
+table.stats th, table.stats td {{ padding: 3px 12px; border-bottom: 1px solid #eceef1; }}
+figure {{ margin: 0; }}
+figure.tokenview {{ margin: 10px 0; }}
+figure.tokenview figcaption {{ font-size: 13px; color: #3b404a; margin-bottom: 4px; display: flex;
+  flex-wrap: wrap; gap: 4px 14px; }}
+.legend {{ display: inline-flex; gap: 6px; flex-wrap: wrap; align-items: baseline; }}
+.tokens {{ white-space: pre-wrap; word-break: break-all; line-height: 1.9; background: #fff;
+  border: 1px solid #e2e4e8; border-radius: 4px; padding: 6px 8px; }}
+.tok {{ padding: 1px 0; border-radius: 2px; }}
+.tok.loss {{ background: {LOSS_BG}; color: #0b2e12; }}
+.tok.noloss {{ background: {NO_LOSS_BG}; color: #4d4d4d; }}
+.tok.unknown {{ background: {UNKNOWN_BG}; color: #4a3b00; }}
+.tok.focus {{ outline: 2px solid {FOCUS_OUTLINE}; outline-offset: 0; font-weight: 700; }}
+.tok.aftercut {{ text-decoration: line-through; text-decoration-color: #c62828; }}
+.tok:empty::after {{ content: "\\2205"; color: #8a8f99; }}
+.tokens .tok + .tok {{ box-shadow: inset 1px 0 0 rgba(255, 255, 255, 0.9); }}
+.cut {{ color: #c62828; font-weight: 700; padding: 0 4px; }}
+.more {{ color: #8a8f99; }}
+details.ids {{ margin-top: 4px; font-size: 13px; }}
+details.ids summary {{ cursor: pointer; color: #5b616e; }}
+table.ids th, table.ids td {{ padding: 0 10px; text-align: right; }}
+table.ids td.text {{ text-align: left; }}
+table.ids tr.focus td {{ font-weight: 700; }}
+table.ids tr.cutrow td {{ color: #c62828; text-align: left; }}
+section.plots figure {{ background: #fff; border: 1px solid #d5d8de; border-radius: 6px; padding: 10px;
+  margin: 0 0 14px; }}
+section.plots figcaption {{ font-weight: 600; margin-bottom: 6px; }}
+section.plots img {{ max-width: 100%; height: auto; display: block; }}
+p.none {{ color: #2e6b3a; font-weight: 600; }}
+footer {{ max-width: 1120px; margin: 24px auto; padding: 0 24px; color: #8a8f99; font-size: 12px; }}
+"""
+
+_IMAGE_TYPES = (
+    (b"\x89PNG\r\n\x1a\n", "image/png"),
+    (b"\xff\xd8\xff", "image/jpeg"),
+    (b"GIF87a", "image/gif"),
+    (b"GIF89a", "image/gif"),
+)
+
+
+def esc(value: Any) -> str:
+    """HTML-escape text for element content and quoted attribute values."""
+    return htmllib.escape(str(value), quote=True)
+
+
+def prose(text: str) -> str:
+    """Escaped text where `backticks` become <code>, as in the catalog's Markdown."""
+    return re.sub(r"`([^`\n]+)`", r"<code>\1</code>", esc(text))
+
+
+def value_text(value: Any) -> str:
+    """An evidence or stats value as compact text: strings bare, floats to 4 digits, the rest as JSON."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 or word == 'info' else 's'}"
+
+
+def render_html(report: Report, *, plots: dict[str, bytes] | None = None) -> str:
+    """The whole report as one HTML page that needs nothing but a browser."""
+    title = report.title or "hf-sanity"
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en">',
+        "<head>",
+        '<meta charset="utf-8">',
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f'<meta name="generator" content="hf-sanity {esc(version())}">',
+        f"<title>{esc(title)} · hf-sanity</title>",
+        f"<style>{CSS}</style>",
+        "</head>",
+        "<body>",
+        _header(report, title),
+        "<main>",
+        _findings(report),
+    ]
+    if plots:
+        parts.append(_plots(plots))
+    if report.stats:
+        parts.append(_stats(report.stats))
+    parts += [
+        "</main>",
+        f"<footer>hf-sanity {esc(version())} · <code>hf-sanity explain RULE</code> prints any rule's "
+        "symptom, detection and fix.</footer>",
+        "</body>",
+        "</html>",
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def write_html(report: Report, path: str | os.PathLike, *, plots: dict[str, bytes] | None = None) -> Path:
+    """Write the page atomically: a reader sees the previous file or the new one, never half of it."""
+    return write_atomic(path, render_html(report, plots=plots))
+
+
+# -- header ------------------------------------------------------------------------------------------------
+def _header(report: Report, title: str) -> str:
+    counts = report.counts()
+    badges = []
+    for severity in SEVERITIES:
+        n = counts[severity]
+        cls = severity if n else f"{severity} zero"
+        badges.append(
+            f'<li><span class="badge {cls}" data-severity="{severity}" data-count="{n}">'
+            f"{_plural(n, severity)}</span></li>"
+        )
+    if not report.findings:
+        badges.insert(0, '<li><span class="badge clean">no findings</span></li>')
+    return (
+        '<header class="page">'
+        f"<h1>{esc(title)}</h1>"
+        f'<p class="meta">hf-sanity <span class="version">{esc(version())}</span> · '
+        f"{len(report.findings)} finding{'' if len(report.findings) == 1 else 's'}</p>"
+        f'<ul class="counts">{"".join(badges)}</ul>'
+        "</header>"
+    )
+
+
+# -- findings ----------------------------------------------------------------------------------------------
+def _findings(report: Report) -> str:
+    out = ['<section class="findings"><h2>Findings</h2>']
+    ordered = report.ordered()
+    if not ordered:
+        out.append('<p class="none">No findings: every selected check passed.</p>')
+    for i, finding in enumerate(ordered, 1):
+        out.append(_finding(finding, i))
+    out.append("</section>")
+    return "\n".join(out)
+
+
+def _catalog_rule(slug: str):
+    from hf_sanity import catalog
+
+    return catalog.load().get(slug)
+
+
+def _finding(finding: Finding, index: int) -> str:
+    rule = _catalog_rule(finding.rule)
+    sev = finding.severity
+    head = [
+        f'<span class="badge {sev}">{sev}</span>',
+        f'<code class="rule">{esc(finding.rule)}</code>',
+    ]
+    if rule is not None:
+        head.append(f'<span class="stage">{esc(rule.stage)}</span>')
+    if finding.step is not None:
+        head.append(f'<span class="step">@ step {esc(finding.step)}</span>')
+    out = [
+        f'<article class="finding {sev}" id="finding-{index}" data-rule="{esc(finding.rule)}" '
+        f'data-severity="{sev}">',
+        f"<h3>{' '.join(head)}</h3>",
+        f'<p class="message">{prose(finding.message)}</p>',
+    ]
+    if finding.evidence:
+        out.append(_kv_table(finding.evidence, "kv evidence"))
+    if finding.example is not None:
+        out.append(render_tokenview(finding.example))
+    fix = finding.fix or (rule.fix if rule is not None else "")
+    if fix:
+        out.append(f'<p class="fix"><strong>fix:</strong> {prose(fix)}</p>')
+    if rule is not None:
+        about = [f"<dt>symptom</dt><dd>{prose(rule.symptom)}</dd>"]
+        about.append(f"<dt>detected by</dt><dd>{prose(rule.detects)}</dd>")
+        if rule.fix and rule.fix != fix:
+            about.append(f"<dt>usual fix</dt><dd>{prose(rule.fix)}</dd>")
+        about.append(f"<dt>more</dt><dd><code>hf-sanity explain {esc(rule.slug)}</code></dd>")
+        out.append(f'<dl class="about">{"".join(about)}</dl>')
+    out.append("</article>")
+    return "\n".join(out)
+
+
+def _kv_table(values: dict[str, Any], cls: str) -> str:
+    rows = []
+    for key, value in values.items():
+        text = value_text(value)
+        full = ""
+        if len(text) > 200:
+            full, text = f' title="{esc(text)}"', text[:199] + "…"
+        rows.append(f"<tr><th>{esc(key)}</th><td{full}><code>{esc(text)}</code></td></tr>")
+    return f'<table class="{cls}">{"".join(rows)}</table>'
+
+
+# -- token view --------------------------------------------------------------------------------------------
+_LOSS_CLASS = {True: "loss", False: "noloss", None: "unknown"}
+_LOSS_WORD = {True: "loss", False: "no loss", None: "no labels"}
+
+
+def _cell_class(view: TokenView, cell: TokenCell) -> str:
+    cls = ["tok", _LOSS_CLASS[cell.loss]]
+    if cell.pos == view.focus:
+        cls.append("focus")
+    if view.cut is not None and cell.pos >= view.cut:
+        cls.append("aftercut")
+    return " ".join(cls)
+
+
+def _cell_tooltip(view: TokenView, cell: TokenCell) -> str:
+    tip = f"pos {cell.pos} · id {cell.id} · {_LOSS_WORD[cell.loss]}"
+    if cell.pos == view.focus:
+        tip += " · the token this finding is about"
+    if view.cut is not None and cell.pos >= view.cut:
+        tip += f" · cut by max_len={view.cut}"
+    return tip
+
+
+def render_tokenview(view: TokenView) -> str:
+    """Tokens inline, green with loss and grey without, focus outlined, ✂ at the max_len cut, ids on hover."""
+    cells = view.cells
+    cut_shown = view.cut is not None and any(c.pos == view.cut for c in cells)
+    caption = [f'<span class="span">{esc(view.title + ": " if view.title else "")}{esc(view.span)}</span>']
+    legend = [
+        f'<span class="tok {_LOSS_CLASS[flag]}">{_LOSS_WORD[flag]}</span>'
+        for flag in (True, False, None)
+        if flag is not None or any(c.loss is None for c in cells)
+    ]
+    if view.focus is not None:
+        legend.append('<span class="tok noloss focus">focus</span>')
+    if cut_shown:
+        legend.append(f'<span class="cut">✂ max_len={view.cut} cut</span>')
+    caption.append(f'<span class="legend">{"".join(legend)}</span>')
+    if view.cut is not None and not cut_shown:
+        caption.append(
+            f'<span class="cutnote">max_len cut at position {view.cut} (outside this window)</span>'
+        )
+    caption.append('<span class="hint">hover a token for its position and id</span>')
+
+    inline = []
+    if cells and cells[0].pos > 0:
+        inline.append(f'<span class="more" title="{cells[0].pos} earlier tokens not shown">…</span>')
+    for cell in cells:
+        if cell.pos == view.cut:
+            inline.append(
+                f'<span class="cut" title="max_len={view.cut}: from position {view.cut} on, '
+                f'tokens are cut">✂ max_len={view.cut} ✂</span>'
+            )
+        inline.append(
+            f'<span class="{_cell_class(view, cell)}" data-pos="{cell.pos}" data-id="{cell.id}" '
+            f'title="{esc(_cell_tooltip(view, cell))}">{esc(cell.text)}</span>'
+        )
+    if cells and cells[-1].pos < view.total - 1:
+        later = view.total - 1 - cells[-1].pos
+        inline.append(f'<span class="more" title="{later} later tokens not shown">…</span>')
+
+    rows = []
+    for cell in cells:
+        if cell.pos == view.cut:
+            rows.append(f'<tr class="cutrow"><td></td><td></td><td></td><td>✂ max_len={view.cut}</td></tr>')
+        focus = ' class="focus"' if cell.pos == view.focus else ""
+        mark = {True: "yes", False: "-", None: "?"}[cell.loss]
+        rows.append(
+            f"<tr{focus}><td>{cell.pos}</td><td>{cell.id}</td><td>{mark}</td>"
+            f'<td class="text"><span class="{_cell_class(view, cell)}">{esc(cell.text)}</span></td></tr>'
+        )
+    table = (
+        '<details class="ids"><summary>positions and ids</summary>'
+        '<table class="ids"><tr><th>pos</th><th>id</th><th>loss</th><th>token</th></tr>'
+        f"{''.join(rows)}</table></details>"
+    )
+    return (
+        '<figure class="tokenview">'
+        f"<figcaption>{''.join(caption)}</figcaption>"
+        f'<div class="tokens">{"".join(inline)}</div>'
+        f"{table}</figure>"
+    )
+
+
+# -- plots and stats ---------------------------------------------------------------------------------------
+def image_type(data: bytes) -> str:
+    """The MIME type of an image, from its first bytes."""
+    for magic, mime in _IMAGE_TYPES:
+        if data.startswith(magic):
+            return mime
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    raise ValueError(f"a plot must be PNG (or JPEG, GIF, WebP) bytes; got bytes starting {data[:8]!r}")
+
+
+def data_uri(data: bytes) -> str:
+    return f"data:{image_type(data)};base64,{base64.b64encode(data).decode('ascii')}"
+
+
+def _plots(plots: dict[str, bytes]) -> str:
+    out = ['<section class="plots"><h2>Plots</h2>']
+    for i, (name, data) in enumerate(plots.items(), 1):
+        out.append(
+            f'<figure id="plot-{i}"><figcaption>{esc(name)}</figcaption>'
+            f'<img src="{data_uri(bytes(data))}" alt="{esc(name)}"></figure>'
+        )
+    out.append("</section>")
+    return "\n".join(out)
+
+
+def _stats(stats: dict[str, Any]) -> str:
+    return f'<section class="stats"><h2>Stats</h2>{_kv_table(jsonable(stats), "kv stats")}</section>'

@@ -1,0 +1,99 @@
+"""Adapter rules on saved LoRA adapters of the tiny model."""
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+
+from helpers import run, slugs
+from hf_sanity.errors import UserInputError
+from hf_sanity.testing import TinyConfig, tiny_setup
+
+ADAPTER_RULES = ["adapter-untrained", "adapter-base-mismatch", "adapter-not-loaded"]
+
+
+def save_adapter(base, folder, *, trained=True):
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    if trained:  # stand-in for training: give every B matrix a value
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.5)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_setup("chatml", "distinct")
+
+
+def test_trained_adapter_on_its_base_is_silent(base, conversations, tmp_path):
+    model, tok = base
+    adapter = save_adapter(model, tmp_path / "lora")
+    assert (
+        run(
+            tok, conversations[:8], model=copy.deepcopy(model), adapter=str(adapter), select=ADAPTER_RULES
+        ).findings
+        == []
+    )
+
+
+def test_untrained_adapter(base, conversations, tmp_path):
+    model, tok = base
+    adapter = save_adapter(model, tmp_path / "lora", trained=False)
+    report = run(
+        tok, conversations[:8], model=copy.deepcopy(model), adapter=str(adapter), select=ADAPTER_RULES
+    )
+    assert slugs(report) == {"adapter-untrained"}
+    assert report.findings[0].evidence["lora_B_tensors"] == 4  # q and v in two layers
+
+
+def test_adapter_on_another_base(base, conversations, tmp_path):
+    model, tok = base
+    adapter = save_adapter(model, tmp_path / "lora")
+    other, _ = tiny_setup("chatml", "distinct", TinyConfig(hidden_size=32, intermediate_size=64))
+    (finding,) = run(
+        tok, conversations[:8], model=other, adapter=str(adapter), select="adapter-base-mismatch"
+    ).findings
+    assert finding.severity == "error"
+    assert (
+        finding.evidence["mismatches"][0]["adapter_in"] == 64
+        and finding.evidence["mismatches"][0]["model_in"] == 32
+    )
+
+
+def test_adapter_whose_targets_match_nothing(base, conversations, tmp_path):
+    model, tok = base
+    adapter = save_adapter(model, tmp_path / "lora")
+    state = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file(
+        {k.replace("self_attn", "attention"): v for k, v in state.items()},
+        str(adapter / "adapter_model.safetensors"),
+    )
+    (finding,) = run(
+        tok, conversations[:8], model=copy.deepcopy(model), adapter=str(adapter), select="adapter-not-loaded"
+    ).findings
+    assert "none of the adapter's 4 target modules" in finding.message
+
+
+def test_attached_adapter_that_is_not_active(base, conversations):
+    model, tok = base
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    assert run(tok, conversations[:8], model=peft_model, select="adapter-not-loaded").findings == []
+    peft_model.base_model.disable_adapter_layers()  # what a stray `with model.disable_adapter()` leaves behind
+    (finding,) = run(tok, conversations[:8], model=peft_model, select="adapter-not-loaded").findings
+    assert "not active" in finding.message
+
+
+def test_adapter_folder_without_weights_is_bad_input(base, conversations, tmp_path):
+    model, tok = base
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserInputError, match="no adapter_model.safetensors"):
+        run(tok, conversations[:2], model=model, adapter=str(tmp_path / "empty"), select="adapter-untrained")
