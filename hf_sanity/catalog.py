@@ -100,6 +100,7 @@ RULE_MODULES = (
     "hf_sanity.rules.template",
     "hf_sanity.rules.model",
     "hf_sanity.rules.adapter",
+    "hf_sanity.rules.trainer_setup",
     "hf_sanity.rules.training",
     "hf_sanity.rules.curves",
     "hf_sanity.rules.runs",

@@ -49,6 +49,7 @@ class Context:
         self.sample = sample
         self.num_proc = num_proc
         self._config = model_config
+        self.first_batch = None  # with a trainer: its first collated batch, exactly as the model receives it
         self._columns: dict[str, np.ndarray] = {}
         if encoded is not None:
             self.__dict__["encoded"] = encoded

@@ -91,11 +91,14 @@ def trainer_context(trainer, *, tokenizer=None, max_len: int | None = None, samp
         raise UserInputError(
             "preflight(trainer=...) needs a tokenizer: pass processing_class= to the Trainer or tokenizer= to preflight"
         )
+    first: list[dict] = []
     with preserved_rng():
         loader = trainer.get_train_dataloader()
 
         def batches():
             for batch in loader:
+                if not first:
+                    first.append(dict(batch))  # as the model receives it, non-tensor keys included
                 yield {k: v for k, v in batch.items() if hasattr(v, "shape")}
 
         ctx = batches_context(
@@ -107,4 +110,5 @@ def trainer_context(trainer, *, tokenizer=None, max_len: int | None = None, samp
             trainer=trainer,
         )
         ctx.encoded  # noqa: B018 - materialise while the RNG is preserved
+    ctx.first_batch = first[0] if first else None
     return ctx

@@ -24,6 +24,8 @@ Template = Literal["chatml", "llama3", "generation", "base"]
 Pad = Literal["distinct", "eos", "none"]
 TEMPLATES: tuple[str, ...] = ("chatml", "llama3", "generation", "base")
 BPE_VOCAB_SIZE = 1000
+# Bump when what a cached folder contains changes, so stale folders are not reused.
+FACTORY_REVISION = 2
 
 # Every variant carries all of these at fixed ids, so the vocabulary (and the model) is shared.
 SPECIAL_TOKENS = [
@@ -194,7 +196,9 @@ def _key(**parts) -> str:
     from hf_sanity import __version__
 
     vocab = hashlib.sha256(_bpe_json().encode()).hexdigest()
-    blob = json.dumps({"version": __version__, "vocab": vocab, **parts}, sort_keys=True, default=str)
+    blob = json.dumps(
+        {"version": __version__, "revision": FACTORY_REVISION, "vocab": vocab, **parts}, sort_keys=True, default=str
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -226,13 +230,7 @@ def tiny_model_dir(
 
     def build(folder: Path) -> None:
         tokenizer = build_tokenizer(template, pad)
-        model = build_model(
-            len(tokenizer),
-            config,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        model = tiny_model_for(tokenizer, config)
         tokenizer.save_pretrained(folder)
         model.save_pretrained(folder)
 
@@ -241,12 +239,15 @@ def tiny_model_dir(
 
 def tiny_model_for(tokenizer, config: TinyConfig | None = None):
     """A tiny random model whose vocabulary matches ``tokenizer`` (for real tokenizers and templates)."""
+    # pad_token_id becomes the embedding's padding_idx: a zero row that never receives gradient. When pad is
+    # EOS that would freeze EOS itself, so the config only names a pad that is a token of its own.
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id != tokenizer.eos_token_id else None
     return build_model(
         len(tokenizer),
         config,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=pad,
     )
 
 

@@ -1,0 +1,203 @@
+"""Trainer setup rules (`preflight(trainer=...)`): packing, gradient accumulation, checkpointing.
+
+Each is measured on the trainer's own model and first batch, not guessed from its arguments: extra
+passes run with RNG states preserved, and gradients are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+from hf_sanity.catalog import define
+from hf_sanity.rng import preserved_rng
+
+
+def _device_batch(model, batch):
+    import torch
+
+    device = next(model.parameters()).device
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+@contextlib.contextmanager
+def _untouched(model, *, train: bool):
+    """Run extra passes without leaving a trace: mode, RNG and every parameter's .grad are restored."""
+    was_training = model.training
+    saved = {p: p.grad for p in model.parameters()}
+    for p in saved:
+        p.grad = None
+    model.train(train)
+    try:
+        with preserved_rng():
+            yield
+    finally:
+        for p, grad in saved.items():
+            p.grad = grad
+        model.train(was_training)
+
+
+PACKING_CONTAMINATION = define(
+    "packing-contamination",
+    severity="error",
+    stage="trainer",
+    symptom="The model learns to continue one example with another; answers drift into unrelated content.",
+    detects="A collated row holding several packed examples is run through the model, and the logits of its "
+    "second example are compared with that example run alone: if they differ, packed examples attend to "
+    "each other (packing without per-example position ids, or an attention backend that does not isolate them).",
+    fix="Use padding-free packing with position_ids that restart per example (TRL packing_strategy='bfd') and an "
+    "attention implementation that isolates them (flash_attention_2, or sdpa with transformers' packed masks); "
+    "or disable packing.",
+)
+
+
+def example_bounds(batch) -> list[list[int]] | None:
+    """Start positions of the examples packed into each row, from ``position_ids`` restarts, ``seq_idx``
+    changes or ``cu_seq_lens_q``; None when the batch says nothing about example boundaries."""
+    import torch
+
+    if batch.get("position_ids") is not None:
+        positions = batch["position_ids"]
+        return [(positions[r] == 0).nonzero().flatten().tolist() for r in range(positions.shape[0])]
+    if batch.get("seq_idx") is not None:
+        seq = batch["seq_idx"]
+        return [
+            [0, *((seq[r, 1:] != seq[r, :-1]).nonzero().flatten() + 1).tolist()] for r in range(seq.shape[0])
+        ]
+    if isinstance(batch.get("cu_seq_lens_q"), torch.Tensor) and batch["input_ids"].shape[0] == 1:
+        return [batch["cu_seq_lens_q"][:-1].tolist()]
+    return None
+
+
+@PACKING_CONTAMINATION.check
+def check_packing(ctx):
+    import torch
+
+    batch, trainer = ctx.first_batch, ctx.trainer
+    if batch is None or trainer is None:
+        return
+    bounds = example_bounds(batch)
+    if bounds is None:
+        if getattr(trainer.args, "packing", False):  # packed, and nothing tells the model where examples end
+            yield PACKING_CONTAMINATION.finding(
+                "packing is on but the batches carry no example boundaries (no position_ids, seq_idx or "
+                "cu_seq_lens): packed examples attend to each other",
+                evidence={"keys": sorted(batch)},
+            )
+        return
+    packed = [(r, starts) for r, starts in enumerate(bounds) if len(starts) >= 2]
+    if not packed:
+        return
+    row, starts = packed[0]
+    start = starts[1]
+    stop = starts[2] if len(starts) > 2 else int(batch["input_ids"].shape[1])
+    if stop - start < 2:
+        return
+    model = trainer.model
+    inputs = _device_batch(model, {k: v for k, v in batch.items() if k != "labels"})
+    with _untouched(model, train=False), torch.no_grad():
+        packed_logits = model(**inputs).logits[row, start:stop].float()
+        alone_logits = model(input_ids=inputs["input_ids"][row : row + 1, start:stop]).logits[0].float()
+    diff = float((packed_logits - alone_logits).abs().max())
+    scale = float(alone_logits.abs().max()) or 1.0
+    if diff > 1e-3 * scale:
+        backend = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        yield PACKING_CONTAMINATION.finding(
+            f"packed examples attend to each other: the second example of row {row} gets different logits packed "
+            f"than alone (max difference {diff:.3g})",
+            evidence={
+                "row": row,
+                "example_tokens": [start, stop],
+                "max_logit_difference": diff,
+                "position_ids": "position_ids" in batch,
+                "attn_implementation": backend,
+            },
+        )
+
+
+GRAD_ACCUM_LOSS_SCALING = define(
+    "grad-accum-loss-scaling",
+    severity="error",
+    stage="trainer",
+    symptom="Gradient accumulation gives different results than the same effective batch without it; short "
+    "examples weigh as much as long ones.",
+    detects="With gradient_accumulation_steps > 1, the trainer's compute_loss is called twice on the first batch "
+    "with different `num_items_in_batch`: a loss that ignores it is a per-micro-batch mean, which re-weights "
+    "tokens across micro-batches.",
+    fix="Sum the per-token losses and divide by `num_items_in_batch` in your compute_loss (and set "
+    "`self.loss_is_scaled_for_ga = True`), or use the model's built-in loss.",
+)
+
+
+@GRAD_ACCUM_LOSS_SCALING.check
+def check_grad_accum(ctx):
+    import torch
+
+    batch, trainer = ctx.first_batch, ctx.trainer
+    if (
+        batch is None
+        or trainer is None
+        or trainer.args.gradient_accumulation_steps <= 1
+        or "labels" not in batch
+    ):
+        return
+    parameters = inspect.signature(trainer.compute_loss).parameters
+    takes_items = "num_items_in_batch" in parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+    )
+    model = trainer.model
+    inputs = _device_batch(model, batch)
+    items = int((batch["labels"][:, 1:] != -100).sum())
+    if not takes_items:
+        ignores = True
+    else:
+        with _untouched(model, train=False), torch.no_grad():
+            one = float(trainer.compute_loss(model, dict(inputs), num_items_in_batch=torch.tensor(items)))
+            two = float(trainer.compute_loss(model, dict(inputs), num_items_in_batch=torch.tensor(2 * items)))
+        ignores = abs(one - two) <= 1e-6 * max(abs(one), 1e-12)
+    if ignores:
+        yield GRAD_ACCUM_LOSS_SCALING.finding(
+            f"compute_loss ignores num_items_in_batch under gradient_accumulation_steps="
+            f"{trainer.args.gradient_accumulation_steps}: each micro-batch is averaged on its own",
+            evidence={
+                "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+                "compute_loss": f"{type(trainer).__name__}.compute_loss",
+                "accepts_num_items": takes_items,
+            },
+        )
+
+
+CHECKPOINTING_BLOCKS_GRADS = define(
+    "checkpointing-blocks-grads",
+    severity="error",
+    stage="trainer",
+    symptom="LoRA weights never move although the loss is computed and backward runs.",
+    detects="With gradient checkpointing on, one forward/backward on the first batch: trainable parameters "
+    "that receive no gradient (reentrant checkpointing with frozen input embeddings cuts the graph).",
+    fix="Call `model.enable_input_require_grads()` before training, or use non-reentrant checkpointing "
+    "(gradient_checkpointing_kwargs={'use_reentrant': False}).",
+)
+
+
+@CHECKPOINTING_BLOCKS_GRADS.check
+def check_checkpointing(ctx):
+    batch, trainer = ctx.first_batch, ctx.trainer
+    if batch is None or trainer is None or "labels" not in batch:
+        return
+    model = trainer.model
+    if not getattr(model, "is_gradient_checkpointing", False):
+        return
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not trainable:
+        return
+    inputs = _device_batch(model, batch)
+    with _untouched(model, train=True):
+        loss = model(**inputs).loss
+        if loss is not None and loss.requires_grad:
+            loss.backward()
+        missing = [n for n, p in trainable if p.grad is None]
+    if len(missing) == len(trainable):
+        yield CHECKPOINTING_BLOCKS_GRADS.finding(
+            f"with gradient checkpointing on, none of the {len(trainable)} trainable tensors receives a gradient",
+            evidence={"trainable_tensors": len(trainable), "without_grad": missing[:5]},
+        )

@@ -1,0 +1,135 @@
+"""preflight(trainer=...): the exact collated batches, and the trainer-setup rules, on real Trainers."""
+
+import copy
+
+import datasets
+import pytest
+import torch
+from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+from hf_sanity.preflight import preflight
+from hf_sanity.testing import as_prompt_completion, demo_conversations, tiny_setup
+
+SETUP_RULES = ["packing-contamination", "grad-accum-loss-scaling", "checkpointing-blocks-grads"]
+
+
+def args(tmp_path, **kwargs):
+    base = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                save_strategy="no", seed=0)  # fmt: skip
+    return TrainingArguments(**{**base, **kwargs})
+
+
+def token_rows(tok, n=16):
+    return datasets.Dataset.from_list(
+        [{"input_ids": tok.apply_chat_template(r["messages"])["input_ids"]} for r in demo_conversations(n)]
+    )
+
+
+@pytest.fixture
+def model_tok():
+    model, tok = tiny_setup("chatml", "eos")
+    return copy.deepcopy(model), tok
+
+
+def sft(tmp_path, model, tok, rows, **config):
+    from trl import SFTConfig, SFTTrainer
+
+    base = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                save_strategy="no", max_length=128, dataset_num_proc=None)  # fmt: skip
+    return SFTTrainer(model=model, args=SFTConfig(**{**base, **config}), train_dataset=datasets.Dataset.from_list(rows),
+                      processing_class=tok)  # fmt: skip
+
+
+def test_pad_equal_eos_collator_trap_on_a_plain_trainer(tmp_path, model_tok):
+    model, tok = model_tok
+    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=token_rows(tok),
+                      data_collator=DataCollatorForLanguageModeling(tok, mlm=False))  # fmt: skip
+    state = torch.get_rng_state()
+    report = preflight(trainer=trainer, use_config=False)
+    assert torch.equal(state, torch.get_rng_state())  # drawing batches did not move the user's RNG
+    assert {f.rule for f in report.findings} >= {"eos-not-learned", "prompt-in-loss"}
+    eos = report.by_rule("eos-not-learned")[0]
+    assert eos.evidence["pad_is_eos"] is True
+
+
+@pytest.mark.parametrize("mode", ["assistant_only", "completion_only", "packed"])
+def test_clean_sft_trainer_runs_are_silent(tmp_path, mode):
+    from hf_sanity.testing import build_tokenizer
+
+    model, _ = tiny_setup("generation", "eos")
+    tok = build_tokenizer("generation", "eos")
+    rows = demo_conversations(24)
+    if mode == "assistant_only":
+        trainer = sft(tmp_path, copy.deepcopy(model), tok, rows, assistant_only_loss=True)
+    elif mode == "completion_only":
+        trainer = sft(tmp_path, copy.deepcopy(model), tok, as_prompt_completion(rows, conversational=True))
+    else:
+        trainer = sft(
+            tmp_path, copy.deepcopy(model), tok, as_prompt_completion(rows, conversational=True), packing=True
+        )
+    report = preflight(trainer=trainer, use_config=False)
+    assert [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"] == []
+
+
+def test_packing_without_isolation(tmp_path, model_tok):
+    model, tok = model_tok
+    rows = as_prompt_completion(demo_conversations(24), conversational=True)
+    trainer = sft(tmp_path, model, tok, rows, packing=True)
+    clean = preflight(trainer=trainer, select=SETUP_RULES, use_config=False)
+    assert clean.findings == []  # position ids restart per example: transformers isolates them
+
+    class NoPositions:  # a collator that drops position_ids: the packed examples now see each other
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, examples):
+            batch = self.inner(examples)
+            batch.pop("position_ids")
+            return batch  # seq_idx / cu_seq_lens still say where the examples are
+
+    trainer.data_collator = NoPositions(trainer.data_collator)
+    (finding,) = preflight(trainer=trainer, select="packing-contamination", use_config=False).findings
+    assert finding.evidence["position_ids"] is False and finding.evidence["max_logit_difference"] > 0
+
+
+def test_custom_loss_that_ignores_num_items(tmp_path, model_tok):
+    model, tok = model_tok
+
+    class MeanLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            outputs = model(**inputs)
+            logits = outputs.logits[:, :-1]
+            labels = inputs["labels"][:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1))
+            return (loss, outputs) if return_outputs else loss
+
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    bad = MeanLossTrainer(model=model, args=args(tmp_path, gradient_accumulation_steps=4),
+                          train_dataset=token_rows(tok), data_collator=collator)  # fmt: skip
+    (finding,) = preflight(trainer=bad, select="grad-accum-loss-scaling", use_config=False).findings
+    assert finding.evidence["gradient_accumulation_steps"] == 4
+    good = Trainer(model=model, args=args(tmp_path, gradient_accumulation_steps=4), train_dataset=token_rows(tok),
+                   data_collator=collator)  # fmt: skip
+    assert preflight(trainer=good, select="grad-accum-loss-scaling", use_config=False).findings == []
+
+
+def test_reentrant_checkpointing_with_frozen_embeddings(tmp_path, model_tok):
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = model_tok
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    # transformers and peft each hook the embeddings so their output requires grad; without that, reentrant
+    # checkpointing cuts the graph (as with models or versions that do not add the hook).
+    hooks = model.get_input_embeddings()._forward_hooks
+    for key in [k for k, fn in hooks.items() if fn.__name__ == "make_inputs_require_grads"]:
+        del hooks[key]
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    trainer = Trainer(model=lora, args=args(tmp_path), train_dataset=token_rows(tok), data_collator=collator)
+    before = {n: p.detach().clone() for n, p in lora.named_parameters() if p.requires_grad}
+    (finding,) = preflight(trainer=trainer, select="checkpointing-blocks-grads", use_config=False).findings
+    assert finding.evidence["trainable_tensors"] == 8
+    assert all(p.grad is None for p in lora.parameters())  # the measurement left no gradients behind
+    assert all(torch.equal(before[n], p) for n, p in lora.named_parameters() if p.requires_grad)
+    lora.enable_input_require_grads()
+    assert preflight(trainer=trainer, select="checkpointing-blocks-grads", use_config=False).findings == []
