@@ -140,3 +140,25 @@ def test_preflight_on_a_saved_dataset_folder(setup, conversations, tmp_path):
 
     data = load_dataset_ref(str(tmp_path / "ds"))
     assert run(tok, data, model=model, select=MODEL_RULES).findings == []
+
+
+def test_init_loss_above_base_for_a_model_pretrained_without_the_template(setup, conversations):
+    model, tok = setup
+    # "Pretraining": the plain-text form of the data, never the chat template.
+    texts = ["\n\n".join(m["content"] for m in r["messages"]) for r in conversations]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for _ in range(30):
+        for lo in range(0, len(texts), 8):
+            batch = tok(texts[lo : lo + 8], return_tensors="pt", padding=True)
+            labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+            model(**batch, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    (finding,) = run(tok, conversations, model=model, select="init-loss-above-base").findings
+    assert finding.evidence["templated_loss"] > 1.5 * finding.evidence["plain_loss"]
+
+
+def test_init_loss_above_base_is_silent_on_a_fresh_model(setup, conversations):
+    model, tok = setup
+    assert run(tok, conversations, model=model, select="init-loss-above-base").findings == []

@@ -163,25 +163,30 @@ class Context:
 
     def sample_batches(self, batch_size: int = 8) -> list[dict[str, Any]]:
         """The sampled examples, truncated to max_len, padded, as tensor batches."""
+        max_len = self.options.max_len
+        rows = [self.row(i) for i in self.sample_indices]
+        return self.batches([(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows], batch_size)
+
+    def batches(
+        self, seqs: Sequence[tuple[list[int], list[int]]], batch_size: int = 8
+    ) -> list[dict[str, Any]]:
+        """(input_ids, labels) pairs as right-padded tensor batches."""
         import torch
 
-        max_len = self.options.max_len
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        batches = []
-        idx = self.sample_indices
-        for lo in range(0, len(idx), batch_size):
-            rows = [self.row(i) for i in idx[lo : lo + batch_size]]
-            seqs = [(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows]
-            width = max(len(ids) for ids, _ in seqs)
-            input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-            labels = torch.full((len(seqs), width), IGNORE_INDEX, dtype=torch.long)
-            mask = torch.zeros((len(seqs), width), dtype=torch.long)
-            for j, (ids, labs) in enumerate(seqs):
+        out = []
+        for lo in range(0, len(seqs), batch_size):
+            chunk = seqs[lo : lo + batch_size]
+            width = max(len(ids) for ids, _ in chunk)
+            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            labels = torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for j, (ids, labs) in enumerate(chunk):
                 input_ids[j, : len(ids)] = torch.tensor(ids)
                 labels[j, : len(labs)] = torch.tensor(labs)
                 mask[j, : len(ids)] = 1
-            batches.append({"input_ids": input_ids, "labels": labels, "attention_mask": mask})
-        return batches
+            out.append({"input_ids": input_ids, "labels": labels, "attention_mask": mask})
+        return out
 
     @cached_property
     def init_loss(self) -> dict[str, float] | None:

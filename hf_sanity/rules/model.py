@@ -272,6 +272,66 @@ def check_init_loss(ctx):
 FAR_BELOW_FRACTION = 0.05
 
 
+INIT_LOSS_ABOVE_BASE = define(
+    "init-loss-above-base",
+    severity="warning",
+    stage="model",
+    symptom="Loss much higher than the base model at step 0: the tokenizer or template differs from pretraining.",
+    detects="On a sample of conversations, the loss on the answer tokens in the training format (chat template) "
+    "is compared with the loss on the same answer after the same content as plain text. Fires when the "
+    "templated loss is more than 0.5 nat and 50% above the plain one.",
+    fix="Use the chat template (and tokenizer) the model was trained with, or the instruct checkpoint the template "
+    "belongs to; if the template is new on purpose, expect to train its tokens (see untrained-special-tokens).",
+)
+
+ABOVE_BASE_SAMPLE = 64
+
+
+def _conversation(row) -> list[dict] | None:
+    if isinstance(row.get("messages"), list):
+        return row["messages"]
+    if isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
+        return row["prompt"] + row["completion"]
+    return None
+
+
+@INIT_LOSS_ABOVE_BASE.check
+def check_init_loss_above_base(ctx):
+    if not ctx.has_model or ctx.fmt not in ("messages", "prompt-completion") or ctx.dataset is None:
+        return
+    from hf_sanity.preflight.context import token_loss
+
+    tok = ctx.tokenizer
+    templated, plain = [], []
+    for i in ctx.sample_indices[:ABOVE_BASE_SAMPLE]:
+        messages = _conversation(ctx.dataset[int(i)])
+        spans = ctx.spans(i)
+        if not messages or not spans or messages[-1].get("role") != "assistant":
+            continue
+        row = ctx.row(i)
+        span = spans[-1]
+        stop = span.stop - 1 if row["input_ids"][span.stop - 1] in ctx.markers.stop_ids else span.stop
+        ids = row["input_ids"][:stop]
+        templated.append((ids, [-100] * span.start + ids[span.start : stop]))
+        context = "\n\n".join(m["content"] for m in messages[:-1]) + "\n\n"
+        prefix = tok(context)["input_ids"]
+        answer = tok(messages[-1]["content"], add_special_tokens=False)["input_ids"]
+        plain.append((prefix + answer, [-100] * len(prefix) + answer))
+    if len(templated) < 2:
+        return
+    in_template = token_loss(ctx.model, ctx.batches(templated))["loss"]
+    as_text = token_loss(ctx.model, ctx.batches(plain))["loss"]
+    if in_template > as_text + 0.5 and in_template > 1.5 * as_text:
+        yield INIT_LOSS_ABOVE_BASE.finding(
+            f"the answers cost {in_template:.2f} nats/token in the chat template but {as_text:.2f} as plain text",
+            evidence={
+                "templated_loss": round(in_template, 4),
+                "plain_loss": round(as_text, 4),
+                "examples": len(templated),
+            },
+        )
+
+
 @NO_TRAINABLE_PARAMS.check
 def check_no_trainable_params(ctx):
     if ctx._model is None:  # a model loaded from a path is trainable; only a given model object can be frozen
