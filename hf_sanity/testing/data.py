@@ -64,7 +64,7 @@ def as_prompt_completion(rows: list[dict[str, Any]], *, conversational: bool = F
         if conversational:
             out.append({"prompt": messages[:-1], "completion": messages[-1:]})
         else:
-            prompt = "\n".join(m["content"] for m in messages[:-1] if m["role"] == "user")
+            prompt = "\n".join(m["content"] for m in messages[:-1])  # system prompt and history included
             out.append({"prompt": prompt + "\n", "completion": messages[-1]["content"]})
     return out
 
