@@ -35,6 +35,7 @@ class Context:
         num_proc: int | None = None,
         encoded=None,
         model_config=None,
+        shard: bool = False,
     ):
         self.tokenizer = tokenizer
         self.dataset = dataset
@@ -50,6 +51,9 @@ class Context:
         self.num_proc = num_proc
         self._config = model_config
         self.first_batch = None  # with a trainer: its first collated batch, exactly as the model receives it
+        self.reencode_rows = False
+        # Under torchrun, scan only this process's shard and judge on rank 0 (see preflight.distributed).
+        self.shard = shard
         self._columns: dict[str, np.ndarray] = {}
         if encoded is not None:
             self.__dict__["encoded"] = encoded
@@ -77,6 +81,23 @@ class Context:
         return None if self.eval_dataset is None else self._encode(self.eval_dataset)
 
     def _encode(self, dataset):
+        from hf_sanity.preflight import distributed
+
+        rank, size = distributed.world() if self.shard else (0, 1)
+        if size == 1:
+            return self._map(dataset)
+        # Each process encodes a contiguous shard; rank 0 gets every measurement (not the tokens).
+        shard = self._map(dataset.shard(num_shards=size, index=rank, contiguous=True))
+        light = shard.remove_columns(["input_ids", "labels"])
+        merged = distributed.gather_columns(light.to_dict())
+        self.reencode_rows = True
+        if merged is None:
+            return None
+        import datasets
+
+        return datasets.Dataset.from_dict(merged)
+
+    def _map(self, dataset):
         import datasets
 
         quiet = len(dataset) < 5000 and not datasets.utils.are_progress_bars_disabled()
@@ -111,6 +132,8 @@ class Context:
         return self.col("error") == ""
 
     def row(self, index: int) -> dict[str, Any]:
+        if self.reencode_rows:  # distributed: rank 0 holds measurements only; encode the one row shown
+            return self.encoder.encode(self.dataset[int(index)])
         return self.encoded[int(index)]
 
     def spans(self, index: int) -> list[Span]:

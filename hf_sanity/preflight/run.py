@@ -91,7 +91,17 @@ def preflight(
             sample=sample,
             num_proc=num_proc,
             model_config=model_config,
+            shard=True,
         )
+    from hf_sanity.preflight import distributed
+
+    # Every rank encodes its shard here (collectives under torchrun), before rank 0 alone runs the rules.
+    ctx.encoded  # noqa: B018
+    if ctx.eval_dataset is not None:
+        ctx.eval_encoded  # noqa: B018
+    rank, size = distributed.world() if ctx.shard else (0, 1)
+    if rank != 0:
+        return distributed.broadcast(None)
     report = run_checks(ctx, selection)
     report.stats.update(
         format=ctx.fmt,
@@ -101,4 +111,7 @@ def preflight(
         max_len=ctx.options.max_len,
         seconds=round(time.perf_counter() - started, 2),
     )
+    if size > 1:
+        report.stats["processes"] = size
+        return distributed.broadcast(report)
     return report
