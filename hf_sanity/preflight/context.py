@@ -6,6 +6,7 @@ Model work (a forward pass over a bounded sample) is done once, lazily, only if 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Any
@@ -15,6 +16,8 @@ import numpy as np
 from hf_sanity.preflight.encode import EncodeOptions, Encoder, own_families
 from hf_sanity.preflight.markers import Span, TemplateMarkers, derive_markers
 from hf_sanity.tokenview import IGNORE_INDEX, TokenView
+
+CALIBRATION_ROWS = 64
 
 
 class Context:
@@ -69,7 +72,10 @@ class Context:
 
     @cached_property
     def encoder(self) -> Encoder:
-        return Encoder(self.tokenizer, self.options, self.markers)
+        encoder = Encoder(self.tokenizer, self.options, self.markers)
+        if self.dataset is not None and self.fmt in ("messages", "prompt-completion"):
+            encoder.calibrate(self.dataset.select(range(min(CALIBRATION_ROWS, len(self.dataset)))).to_list())
+        return encoder
 
     @cached_property
     def encoded(self):
@@ -112,6 +118,7 @@ class Context:
                 remove_columns=dataset.column_names,
                 desc="hf-sanity: tokenizing",
                 load_from_cache_file=False,
+                new_fingerprint=uuid.uuid4().hex,  # hashing the encoder (and its tokenizer) costs more than it saves
             )
         finally:
             if quiet:
@@ -121,10 +128,14 @@ class Context:
         return len(self.encoded)
 
     def col(self, name: str) -> np.ndarray:
-        """One scalar measurement for every example, as an array (read once, cached)."""
+        """One scalar measurement for every example, as an array (read once from Arrow, cached)."""
         if name not in self._columns:
-            self._columns[name] = np.asarray(self.encoded[name])
+            self._columns[name] = self.encoded.data.column(name).to_numpy(zero_copy_only=False)
         return self._columns[name]
+
+    def values(self, name: str) -> list:
+        """One list-valued measurement for every example (e.g. ``special_ids``), as Python lists."""
+        return self.encoded.data.column(name).to_pylist()
 
     @cached_property
     def valid(self) -> np.ndarray:

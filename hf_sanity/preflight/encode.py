@@ -114,44 +114,133 @@ class Encoder:
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         size = len(next(iter(batch.values())))
         rows = [{key: values[i] for key, values in batch.items()} for i in range(size)]
-        encoded = [self.encode(row) for row in rows]
+        if self.options.fmt in ("messages", "prompt-completion"):
+            encoded = self.encode_conversations(rows)
+        else:
+            encoded = [self.encode(row) for row in rows]
         return {key: [e[key] for e in encoded] for key in MEASURES}
 
     def encode(self, row: dict[str, Any]) -> dict[str, Any]:
         fmt = self.options.fmt
         try:
-            if fmt == "messages":
-                return self.encode_conversation(row.get("messages"), first_completion=0)
-            if fmt == "prompt-completion":
-                return self.encode_prompt_completion(row.get("prompt"), row.get("completion"))
+            if fmt in ("messages", "prompt-completion"):
+                return self.encode_conversations([row])[0]
             if fmt == "text":
                 return self.encode_text(row.get("text"))
             return self.encode_tokens(row.get("input_ids"), row.get("labels"), row.get("attention_mask"))
         except Exception as exc:  # the template or tokenizer rejected this row: a data problem
             return self.failed(f"{type(exc).__name__}: {exc}")
 
-    # -- formats -----------------------------------------------------------------------------------
-    def encode_conversation(self, messages, *, first_completion: int) -> dict[str, Any]:
-        """Render with the chat template, tokenize once, and find each completion by rendering the
-        conversation up to that turn with the generation prompt (the inference prompt)."""
+    # -- conversations -----------------------------------------------------------------------------
+    # Where each completion starts comes from the chat template: the conversation up to that turn, rendered
+    # with the generation prompt (the inference prompt), must be a prefix of the training text ("exact").
+    # Rendering every prefix of every row costs more than the tokenization itself, so `calibrate` runs the
+    # exact method on the first rows and, where the template's own markers (derived from it once) find the
+    # very same spans, the full pass locates turns by those markers ("markers"). A row whose markers do not
+    # match its assistant turns is still encoded exactly.
+    exact: bool = True
+
+    def calibrate(self, rows: list[dict[str, Any]]) -> None:
+        """Choose the marker method when it agrees with the exact one on every one of ``rows``."""
+        self.exact = True
+        if not self.markers.locatable:
+            return
+        agree = 0
+        for row in rows:
+            conversation = self._conversation(row)
+            if not isinstance(conversation, tuple):
+                continue
+            messages, first = conversation
+            try:
+                full = self.tokenizer.apply_chat_template(messages, tokenize=False)
+                enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+                exact, gp = self._exact_spans(messages, first, full, enc["input_ids"], enc["offset_mapping"])
+            except Exception:
+                continue
+            if gp or self._marker_spans(messages, first, enc["input_ids"]) != exact:
+                return
+            agree += 1
+        self.exact = agree == 0
+
+    def _conversation(self, row: dict[str, Any]):
+        """(messages, index of the first supervised message), a failure dict, or None for plain-text
+        prompt/completion rows."""
+        if self.options.fmt == "messages":
+            messages, first = row.get("messages"), 0
+        else:
+            prompt, completion = row.get("prompt"), row.get("completion")
+            if not isinstance(prompt, list) and not isinstance(completion, list):
+                return None
+            if not isinstance(prompt, list) or not isinstance(completion, list) or not completion:
+                return self.failed("prompt and completion must both be message lists (conversational format)")
+            messages, first = list(prompt) + list(completion), len(prompt)
         if not self.markers.has_template:
             return self.failed(NO_TEMPLATE)
         problem = conversation_problem(messages)
         if problem:
             return self.failed(problem)
+        return [{"role": m["role"], "content": m["content"]} for m in messages], first
+
+    def encode_conversations(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Render each conversation with the chat template, tokenize the batch in one call, measure each."""
+        out: list[dict[str, Any] | None] = [None] * len(rows)
+        pending: list[tuple[int, list[dict], int, str]] = []
+        for k, row in enumerate(rows):
+            try:
+                conversation = self._conversation(row)
+                if conversation is None:
+                    out[k] = self.encode_prompt_completion(row.get("prompt"), row.get("completion"))
+                elif isinstance(conversation, dict):
+                    out[k] = conversation
+                else:
+                    messages, first = conversation
+                    pending.append(
+                        (k, messages, first, self.tokenizer.apply_chat_template(messages, tokenize=False))
+                    )
+            except Exception as exc:  # the template rejected this row: a data problem
+                out[k] = self.failed(f"{type(exc).__name__}: {exc}")
+        if pending:
+            enc = self.tokenizer(
+                [text for *_, text in pending], add_special_tokens=False, return_offsets_mapping=self.exact
+            )
+            for n, (k, messages, first, full) in enumerate(pending):
+                offsets = enc["offset_mapping"][n] if self.exact else None
+                try:
+                    out[k] = self._measure_conversation(messages, first, full, enc["input_ids"][n], offsets)
+                except Exception as exc:
+                    out[k] = self.failed(f"{type(exc).__name__}: {exc}")
+        return out
+
+    def _measure_conversation(self, messages, first, full, ids, offsets) -> dict[str, Any]:
+        gp_mismatch = 0
+        spans = None if offsets is not None else self._marker_spans(messages, first, ids)
+        if spans is None:  # exact method (chosen by calibration, or markers did not fit this row)
+            if offsets is None:
+                offsets = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)[
+                    "offset_mapping"
+                ]
+            spans, gp_mismatch = self._exact_spans(messages, first, full, ids, offsets)
+        labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
+        prompt_text = " ".join(m["content"] for m in messages if m["role"] != "assistant")
+        answers = [m["content"] for j, m in enumerate(messages) if m["role"] == "assistant" and j >= first]
+        out = self.measure(ids, labels, spans, user_labels=False)
+        out.update(
+            gp=gp_mismatch,
+            content=self._strays(m["content"] for m in messages),
+            hash=stable_hash(normalize(" ".join(f"{m['role']}: {m['content']}" for m in messages))),
+            leak=self._leaks(prompt_text, answers),
+        )
+        return self._finish(out)
+
+    def _exact_spans(self, messages, first, full, ids, offsets) -> tuple[list[Span], int]:
         tok = self.tokenizer
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        full = tok.apply_chat_template(messages, tokenize=False)
-        enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = enc["input_ids"], enc["offset_mapping"]
         starts = [s for s, _ in offsets]
         spans: list[Span] = []
         gp_mismatch = 0
         for i, message in enumerate(messages):
-            if message["role"] != "assistant" or i < first_completion:
+            if message["role"] != "assistant" or i < first:
                 continue
             prompt = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
-            through = tok.apply_chat_template(messages[: i + 1], tokenize=False)
             if full.startswith(prompt):
                 start_char = len(prompt)
             else:  # the inference prompt is not what training saw: fall back to the shared prefix
@@ -162,29 +251,25 @@ class Encoder:
                 start > 0 and offsets[start - 1][1] > start_char
             ):
                 gp_mismatch += 1  # a token straddles the boundary: the prompt is not a token prefix
-            end_char = len(through) if full.startswith(through) else len(full)
-            end = bisect_left(starts, end_char)
+            if self.markers.end_of_turn:  # _close stops at the first end-of-turn marker
+                end = len(ids)
+            else:
+                through = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+                end = bisect_left(starts, len(through) if full.startswith(through) else len(full))
             spans.append(self._close(ids, start, end))
-        supervised = spans if self.options.loss_on == "completion" else None
-        labels = self._labels(ids, supervised)
-        prompt_text = " ".join(m["content"] for m in messages if m["role"] != "assistant")
-        answers = [
-            m["content"] for j, m in enumerate(messages) if m["role"] == "assistant" and j >= first_completion
-        ]
-        out = self.measure(ids, labels, spans, user_labels=False)
-        out.update(
-            gp=gp_mismatch,
-            content=self._strays(m["content"] for m in messages),
-            hash=stable_hash(normalize(" ".join(f"{m['role']}: {m['content']}" for m in messages))),
-            leak=self._leaks(prompt_text, answers),
-        )
-        return self._finish(out)
+        return spans, gp_mismatch
+
+    def _marker_spans(self, messages, first, ids) -> list[Span] | None:
+        """The supervised turns located by the template's markers, or None if they do not fit this row."""
+        located = self.markers.locate(ids)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if len(located) != len(turns):
+            return None
+        return [span for span, i in zip(located, turns) if i >= first]
 
     def encode_prompt_completion(self, prompt, completion) -> dict[str, Any]:
-        if isinstance(prompt, list) or isinstance(completion, list):  # conversational prompt-completion
-            if not isinstance(prompt, list) or not isinstance(completion, list) or not completion:
-                return self.failed("prompt and completion must both be message lists (conversational format)")
-            return self.encode_conversation(list(prompt) + list(completion), first_completion=len(prompt))
+        """Plain-text prompt/completion, as TRL does: the completion starts where prompt and
+        prompt+completion tokenizations diverge; EOS appended."""
         problem = text_problem(prompt, "prompt") or text_problem(completion, "completion")
         if problem:
             return self.failed(problem)
@@ -242,15 +327,22 @@ class Encoder:
         return self._finish(out)
 
     # -- pieces ------------------------------------------------------------------------------------
-    def _close(self, ids: Sequence[int], start: int, end: int) -> Span:
-        """The completion starting at ``start`` and rendered up to ``end``: up to and including its
-        end-of-turn marker; what follows (template whitespace, a trailing EOS) is neutral."""
+    def _close(self, ids: Sequence[int], start: int, limit: int) -> Span:
+        """The completion starting at ``start`` (rendered no further than ``limit``): up to and including its
+        end-of-turn marker; the template whitespace or trailing EOS after it is neutral (see ``Span``)."""
         eot = self.markers.end_of_turn
-        found = find_sequence(ids, eot, start, end) if eot else -1
-        stop = end if found < 0 else found + len(eot)
+        found = find_sequence(ids, eot, start, limit) if eot else -1
+        if found >= 0:
+            stop = end = found + len(eot)
+            while end < limit and (
+                ids[end] in self.markers.whitespace_ids or ids[end] in self.markers.stop_ids
+            ):
+                end += 1
+            return Span(start, stop, end)
+        stop = limit
         while stop > start and ids[stop - 1] in self.markers.whitespace_ids:
             stop -= 1
-        return Span(start, stop, max(stop, end))
+        return Span(start, stop, limit)
 
     def _whole(self, ids: Sequence[int]) -> Span:
         """A sequence without located turns is one completion (language modelling), after any BOS."""

@@ -132,7 +132,7 @@ def untrained_rows(embeddings, ids: list[int]) -> dict[str, list[int]]:
 
 
 def used_special_ids(ctx) -> list[int]:
-    return sorted({i for ids in ctx.encoded["special_ids"] for i in ids})
+    return sorted({i for ids in ctx.values("special_ids") for i in ids})
 
 
 @UNTRAINED_SPECIAL_TOKENS.check

@@ -49,7 +49,7 @@ def _foreign_markers(ctx):
 def _text_families(ctx) -> dict[int, list[str]]:
     """Marker families per example: from the text (text format) or the decoded tokens of a sample."""
     if ctx.fmt == "text":
-        column = ctx.encoded["text_families"]
+        column = ctx.values("text_families")
         return {i: fams for i, fams in enumerate(column) if ctx.valid[i]}
     from hf_sanity.preflight.encode import _FAMILY_OF
 
@@ -171,7 +171,7 @@ STRAY_TEMPLATE_MARKERS = define(
 
 @STRAY_TEMPLATE_MARKERS.check
 def check_stray_markers(ctx):
-    column = ctx.encoded["content_markers"]
+    column = ctx.values("content_markers")
     hits = {i: m for i, m in enumerate(column) if m and ctx.valid[i]}
     if not hits:
         return

@@ -11,7 +11,7 @@ the tokenizer), ``generation`` (ChatML with ``{% generation %}`` markers), ``bas
 ``pad``: ``distinct`` (pad != EOS), ``eos`` (pad == EOS), ``none``.
 """
 
-from hf_sanity.testing.data import as_prompt_completion, as_text, demo_conversations
+from hf_sanity.testing.data import as_prompt_completion, as_text, demo_conversations, synthetic_conversations
 from hf_sanity.testing.factory import (
     CHAT_TEMPLATES,
     TEMPLATES,
@@ -34,6 +34,7 @@ __all__ = [
     "build_tokenizer",
     "cache_root",
     "demo_conversations",
+    "synthetic_conversations",
     "tiny_model_dir",
     "tiny_model_for",
     "tiny_setup",

@@ -14,6 +14,7 @@ CAPITALS = [
     ("Egypt", "Cairo"), ("Canada", "Ottawa"), ("Peru", "Lima"), ("Kenya", "Nairobi"), ("Norway", "Oslo"),
     ("Greece", "Athens"), ("Chile", "Santiago"), ("Poland", "Warsaw"), ("Cuba", "Havana"), ("Iran", "Tehran"),
 ]  # fmt: skip
+CAPITALS_TEXT = [f"{country} {capital}" for country, capital in CAPITALS]
 WORDS = ["cat", "dog", "bird", "tree", "house", "river", "apple", "bread", "music", "honey", "green", "stone"]
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
 SYSTEM_PROMPTS = ["You are a helpful assistant.", "Answer briefly and precisely."]
@@ -40,7 +41,9 @@ def demo_conversations(n: int = 64, seed: int = 0, *, multi_turn_every: int = 5)
     rng = random.Random(seed)
     rows = []
     seen: set[str] = set()  # no duplicates: a clean dataset must not trip duplicate-examples
-    while len(rows) < n:
+    for _attempt in range(50 * n + 100):
+        if len(rows) == n:
+            break
         i = len(rows)
         messages = []
         if i % 3 == 0:
@@ -53,6 +56,25 @@ def demo_conversations(n: int = 64, seed: int = 0, *, multi_turn_every: int = 5)
         if key not in seen:
             seen.add(key)
             rows.append({"messages": messages})
+    if len(rows) < n:
+        raise ValueError(f"demo_conversations has only about {len(rows)} distinct rows; use synthetic_conversations")
+    return rows
+
+
+def synthetic_conversations(n: int, seed: int = 0, *, words: int = 60) -> list[dict[str, Any]]:
+    """``n`` conversations of random words (about ``words`` per message), for benchmarks at any size."""
+    rng = random.Random(seed)
+    vocabulary = [w for w in " ".join(CAPITALS_TEXT).split() if w.isalpha()] + WORDS + NUMBER_WORDS
+
+    def sentence() -> str:
+        return " ".join(rng.choice(vocabulary) for _ in range(rng.randint(words // 2, words * 3 // 2))) + "."
+
+    rows = []
+    for i in range(n):
+        messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if i % 3 == 0 else []
+        for _ in range(1 + (i % 4 == 3)):
+            messages += [{"role": "user", "content": sentence()}, {"role": "assistant", "content": sentence()}]
+        rows.append({"messages": messages})
     return rows
 
 

@@ -1,0 +1,72 @@
+"""`make bench`: every benchmark of hf-sanity, printed as tables (figures go to docs/benchmarks.md).
+
+python -m benchmarks.run [--quick] [--only preflight|callback]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no rows)"
+    keys = list(rows[0])
+    fmt = {k: (lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)) for k in keys}
+    cells = [[fmt[k](r[k]) for k in keys] for r in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    line = "| " + " | ".join(k.ljust(w) for k, w in zip(keys, widths)) + " |"
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    return "\n".join([line, rule, *body])
+
+
+def machine() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {gpu}, torch {torch.__version__}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat (a smoke run)")
+    parser.add_argument("--only", choices=["preflight", "callback"], default=None)
+    args = parser.parse_args()
+    print(f"machine: {machine()}\n")
+    if args.only in (None, "preflight"):
+        from benchmarks import preflight_speed
+        from hf_sanity.testing import build_tokenizer
+
+        tokenizers = [("tiny-chatml", build_tokenizer("chatml"))]
+        real = os.path.join(
+            os.path.dirname(__file__), "..", "..", "shared", "real-tokenizers", "qwen2.5-instruct"
+        )
+        if os.path.isdir(real):
+            from transformers import AutoTokenizer
+
+            tokenizers.append(("qwen2.5", AutoTokenizer.from_pretrained(real)))
+        sizes = (200, 2_000) if args.quick else (2_000, 20_000)
+        rows = []
+        for label, tok in tokenizers:
+            rows += preflight_speed.run(tok, sizes=sizes, repeats=1 if args.quick else 3, label=label)
+        print("preflight scan vs bare chat-template tokenization (median of repeats, seconds)")
+        print(table(rows), "\n")
+    if args.only in (None, "callback"):
+        try:
+            from benchmarks import callback_overhead
+        except ImportError:
+            print("callback overhead: benchmark not available yet\n")
+        else:
+            rows = callback_overhead.run(quick=args.quick)
+            print("SanityCallback overhead: median step time with and without it")
+            print(table(rows), "\n")
+
+
+if __name__ == "__main__":
+    main()
