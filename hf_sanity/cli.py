@@ -42,7 +42,7 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _finish(report, json_path: Path | None, html_path: Path | None = None, plots: dict | None = None) -> None:
+def _finish(report, json_path: Path | None, html_path: Path | None = None) -> None:
     console.print(report)
     if json_path is not None:
         report.write_json(json_path)
@@ -50,7 +50,7 @@ def _finish(report, json_path: Path | None, html_path: Path | None = None, plots
     if html_path is not None:
         from hf_sanity.html import write_html
 
-        write_html(report, html_path, plots=plots)
+        write_html(report, html_path)
         console.print(f"[dim]report page written to {html_path}[/dim]")
     raise typer.Exit(report.exit_code)
 
@@ -177,6 +177,38 @@ def demo_command() -> None:
     from hf_sanity.demo import run_demo
 
     raise typer.Exit(run_demo(console))
+
+
+@app.command("doctor")
+def doctor_command(
+    runs: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="RUN", help="Finished runs: trainer_state.json files, checkpoint folders or output_dirs."
+        ),
+    ],
+    predictions: Annotated[
+        Path | None,
+        typer.Option(help='JSONL of {"prediction": ..., "label": ...} and/or {"score": ...} rows.'),
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Also draw the curves with the findings as a PNG.")
+    ] = None,
+    json: JsonOpt = None,
+    html: HtmlOpt = None,
+    select: SelectOpt = None,
+    ignore: IgnoreOpt = None,
+) -> None:
+    """Post-mortem of finished runs: loss and eval curves, runs compared, eval predictions."""
+    _quiet_libraries()
+    from hf_sanity.doctor import doctor
+
+    report = doctor(
+        runs, predictions=predictions, select=select, ignore=ignore, plot=plot, with_plot=html is not None
+    )
+    if plot is not None:
+        console.print(f"[dim]plot written to {plot}[/dim]")
+    _finish(report, json, html)
 
 
 def main() -> None:

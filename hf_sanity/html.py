@@ -153,6 +153,7 @@ def render_html(report: Report, *, plots: dict[str, bytes] | None = None) -> str
         "<main>",
         _findings(report),
     ]
+    plots = {**report.plots, **(plots or {})}
     if plots:
         parts.append(_plots(plots))
     if report.stats:

@@ -31,6 +31,8 @@ class Report:
     title: str = "hf-sanity"
     findings: list[Finding] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    # Figures that belong to the report (title -> PNG bytes): shown by the HTML page, not part of the JSON.
+    plots: dict[str, bytes] = field(default_factory=dict)
 
     def add(self, finding: Finding) -> None:
         self.findings.append(finding)

@@ -95,5 +95,5 @@ def test_attached_adapter_that_is_not_active(base, conversations):
 def test_adapter_folder_without_weights_is_bad_input(base, conversations, tmp_path):
     model, tok = base
     (tmp_path / "empty").mkdir()
-    with pytest.raises(UserInputError, match="no adapter_model.safetensors"):
+    with pytest.raises(UserInputError, match=r"no adapter_model\.safetensors"):
         run(tok, conversations[:2], model=model, adapter=str(tmp_path / "empty"), select="adapter-untrained")

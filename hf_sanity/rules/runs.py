@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
 from hf_sanity.catalog import define
+from hf_sanity.findings import Finding
+from hf_sanity.rules.curves import Curves
+
+SEED_MIN_COMMON = 10  # common logged steps needed to compare two curves
+SEED_REL = 0.01  # curves differ when the median |difference| at common steps is >= 1% of the level ...
+SEED_NOISE = 0.5  # ... and >= half the curves' own step-to-step noise sigma
+CHURN_MIN_RUNS = 3
+ACCURACY_HIGH = 0.99  # accuracy at or above this is too good to be true: check leakage first
+MAJORITY_SE = 2.0  # accuracy within 2 standard errors above the majority-class rate (or below it)
+CLASSIFICATION_MAX_LABELS = 20  # the majority baseline applies when labels take at most 20 values
+PREDICTIONS_MIN = 20  # rows needed to judge an accuracy
+SCORES_MIN = 10  # scores needed to judge their spread
+SCORES_CLUSTER = 0.9  # >= 90% of the scores on their two most common values (one, for a 2-value scale)
 
 SEED_UNFIXED = define(
     "seed-unfixed",
     severity="warning",
     stage="runs",
     symptom="The same configuration gives different curves from run to run.",
-    detects="Runs with the same configuration whose loss curves differ beyond numerical noise.",
+    detects="Runs with one configuration (the same readable setup and hyperparameters, the same fields "
+    "recorded, the peak LR read from the logs included) whose train losses, at the steps both logged "
+    f"({SEED_MIN_COMMON}+), differ by a median >= {SEED_REL:.0%} of the level and >= {SEED_NOISE:g}x their own "
+    "step-to-step noise sigma (numerical noise alone stays far below both). Runs whose recorded seeds "
+    "differ are not compared.",
     fix="Set the seed (TrainingArguments(seed=..., data_seed=...)) and enable full determinism when comparing runs.",
 )
 
@@ -18,7 +43,12 @@ HYPERPARAMETER_CHURN = define(
     severity="error",
     stage="runs",
     symptom="Days spent tuning hyperparameters, every run failing the same way.",
-    detects="Three or more runs that differ only in hyperparameters and show the same failure.",
+    detects=f"{CHURN_MIN_RUNS}+ runs that differ only in hyperparameters and show the same failure (the same "
+    "non-empty set of error/warning slugs). Hyperparameters are the knobs of TrainingArguments/LoRA "
+    "(learning rate, schedule, warmup, batch size, epochs, seed, rank, ...) and the peak LR of the logs; "
+    "the setup is everything else readable: the model's identity in config.json and the other fields of a "
+    "training_args.json or args.json beside the state. training_args.bin is never unpickled; a field one run "
+    "does not record does not separate it from the others.",
     fix="Stop tuning: it is a pipeline bug. Run `hf-sanity diagnose` on the setup.",
 )
 
@@ -27,7 +57,10 @@ METRIC_SUSPICIOUS = define(
     severity="warning",
     stage="runs",
     symptom="Accuracy looks fine but the model is useless, or looks too good to be true.",
-    detects="Accuracy at the majority-class rate, or implausibly high.",
+    detects=f"From a predictions JSONL ({PREDICTIONS_MIN}+ rows with prediction and label; exact match after "
+    f"stripping whitespace): accuracy >= {ACCURACY_HIGH:.0%}, or, with at most {CLASSIFICATION_MAX_LABELS} "
+    f"distinct labels, no more than {MAJORITY_SE:g} standard errors above the majority-class rate; or a "
+    "single label in the whole set.",
     fix="Compare with the majority-class baseline; check split-leakage and label-leakage.",
 )
 
@@ -36,6 +69,303 @@ EVAL_SCORES_CLUSTER = define(
     severity="warning",
     stage="runs",
     symptom="Judge or rubric scores tell nothing: almost all identical.",
-    detects="Judge/rubric scores collapsed onto one or two values.",
+    detects=f"From a predictions JSONL ({SCORES_MIN}+ rows with a score): >= {SCORES_CLUSTER:.0%} of the "
+    "scores on their two most common values, or on one value when the scores take only two (a pass/fail "
+    "scale legitimately has two).",
     fix="Fix the judge prompt or rubric (make it discriminate), or use a pairwise comparison.",
 )
+
+
+# -- what a run says about itself ------------------------------------------------------------------
+# A run's readable description is split in two. HYPERPARAMETERS are the knobs people turn between runs
+# of one setup; everything else that is readable (the model's identity from config.json, the other fields
+# of training_args.json / args.json) is the SETUP. BOOKKEEPING fields (where a run writes, how it is
+# named or reported) are neither. Runs "differ only in hyperparameters" when no setup field readable in
+# both differs: a field one run does not record is unknown and does not separate them, so bare
+# trainer_state.json files passed together are taken as one setup (the evidence lists what was compared).
+HYPERPARAMETERS = frozenset(
+    {
+        "learning_rate", "lr", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
+        "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim", "optim_args",
+        "num_train_epochs", "epochs", "max_steps", "per_device_train_batch_size", "train_batch_size",
+        "batch_size", "gradient_accumulation_steps", "seed", "data_seed", "full_determinism",
+        "label_smoothing_factor", "neftune_noise_alpha", "lora_r", "r", "lora_alpha", "lora_dropout",
+        "dropout", "bf16", "fp16", "tf32", "gradient_checkpointing", "logging_steps", "eval_steps",
+        "save_steps", "eval_strategy", "save_strategy", "logging_strategy", "peak_learning_rate",
+    }
+)  # fmt: skip
+BOOKKEEPING_PREFIXES = (
+    "output_dir", "logging_dir", "run_name", "report_to", "hub_", "push_to_hub", "overwrite_output_dir",
+    "resume_from_checkpoint", "disable_tqdm", "local_rank", "dataloader_", "logging_first_step",
+    "save_total_limit", "_", "per_device_eval_batch_size", "eval_batch_size", "ddp_", "fsdp",
+)  # fmt: skip
+# Fields of config.json that identify the model; the rest (dtype, transformers_version, ...) does not.
+MODEL_IDENTITY = (
+    "_name_or_path", "model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers",
+    "num_attention_heads", "intermediate_size",
+)  # fmt: skip
+# Fields of trainer_state.json that are hyperparameters.
+STATE_HYPERPARAMETERS = ("train_batch_size", "max_steps", "num_train_epochs", "logging_steps", "eval_steps")
+
+
+@dataclass
+class RunDescription:
+    label: str
+    setup: dict[str, Any]
+    hyperparameters: dict[str, Any]
+    curves: Curves
+
+
+def _canonical(value: Any) -> Any:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def describe(run: Any) -> RunDescription:
+    """Split what a run records (``run.state``, ``run.model_config``, ``run.args``, ``run.curves``) into
+    setup and hyperparameters."""
+    setup: dict[str, Any] = {}
+    hyper: dict[str, Any] = {}
+    for key in MODEL_IDENTITY:
+        if key in run.model_config:
+            setup[f"model.{key}"] = run.model_config[key]
+    for key, value in run.args.items():
+        if key in HYPERPARAMETERS:
+            hyper[key] = value
+        elif not key.startswith(BOOKKEEPING_PREFIXES):
+            setup[key] = value
+    for key in STATE_HYPERPARAMETERS:
+        value = run.state.get(key)
+        if value is not None:
+            hyper.setdefault(key, value)
+    lrs = [lr for lr in run.curves.lr if math.isfinite(lr)]
+    if lrs:
+        hyper["peak_learning_rate"] = float(f"{max(lrs):.6g}")
+    return RunDescription(run.label, setup, hyper, run.curves)
+
+
+def _compatible(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(_canonical(a[k]) == _canonical(b[k]) for k in a.keys() & b.keys())
+
+
+def _group(items: list[RunDescription], fields) -> list[list[int]]:
+    """Indices grouped by compatible fields (unknown fields do not separate); greedy, in order."""
+    groups: list[tuple[dict[str, Any], list[int]]] = []
+    for i, item in enumerate(items):
+        values = fields(item)
+        for known, members in groups:
+            if _compatible(known, values):
+                members.append(i)
+                known.update(values)
+                break
+        else:
+            groups.append((dict(values), [i]))
+    return [members for _, members in groups]
+
+
+def _differing(items: list[RunDescription]) -> dict[str, list[Any]]:
+    keys = sorted({k for item in items for k in item.hyperparameters})
+    out = {}
+    for key in keys:
+        values = [item.hyperparameters.get(key) for item in items]
+        if len({_canonical(v) for v in values}) > 1:
+            out[key] = values
+    return out
+
+
+def hyperparameter_churn(runs: list[RunDescription], failures: list[frozenset[str]]) -> list[Finding]:
+    """Three or more runs of one setup that fail the same way (same set of error/warning slugs)."""
+    findings = []
+    for members in _group(runs, lambda r: r.setup):
+        by_failure: dict[frozenset[str], list[int]] = {}
+        for i in members:
+            if failures[i]:
+                by_failure.setdefault(failures[i], []).append(i)
+        for failure, same in by_failure.items():
+            if len(same) < CHURN_MIN_RUNS:
+                continue
+            items = [runs[i] for i in same]
+            differing = _differing(items)
+            compared = sorted({k for item in items for k in item.setup})
+            shown = "; ".join(
+                f"{key}: {', '.join(str(v) for v in values)}" for key, values in list(differing.items())[:3]
+            )
+            findings.append(
+                HYPERPARAMETER_CHURN.finding(
+                    f"{len(items)} runs of one setup fail the same way ({', '.join(sorted(failure))}) "
+                    + (f"across different hyperparameters ({shown})" if differing else "with no readable "
+                       "hyperparameter telling them apart")
+                    + ": stop tuning, run `hf-sanity diagnose`",
+                    evidence={
+                        "runs": [item.label for item in items],
+                        "failures": sorted(failure),
+                        "differing_hyperparameters": differing,
+                        "setup_fields_compared": compared or "none readable (no config.json or args file)",
+                    },
+                )
+            )  # fmt: skip
+    return findings
+
+
+def _curve_gap(a: Curves, b: Curves) -> dict[str, float] | None:
+    """How far two train curves are apart at their common steps, against their own noise."""
+    from hf_sanity.rules.curves import _median, _noise
+
+    pa = {s: v for s, v in zip(a.train_steps, a.train_loss) if math.isfinite(v)}
+    pb = {s: v for s, v in zip(b.train_steps, b.train_loss) if math.isfinite(v)}
+    common = sorted(pa.keys() & pb.keys())
+    if len(common) < SEED_MIN_COMMON:
+        return None
+    va = np.array([pa[s] for s in common])
+    vb = np.array([pb[s] for s in common])
+    gap = _median(np.abs(va - vb))
+    level = _median(np.concatenate([va, vb]))
+    noise = (_noise(va) + _noise(vb)) / 2
+    differs = level > 0 and gap >= SEED_REL * level and gap >= SEED_NOISE * noise
+    return {"gap": gap, "level": level, "noise": noise, "common_steps": len(common), "differs": differs}
+
+
+def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
+    """Runs with one configuration (the same readable setup and hyperparameters, every field recorded by
+    one recorded by the other) whose train curves differ beyond noise. Runs whose recorded seeds differ
+    are meant to differ and are not compared."""
+    findings = []
+    groups: dict[str, list[int]] = {}
+    for i, run in enumerate(runs):  # one configuration: the very same readable description
+        groups.setdefault(_canonical([run.setup, run.hyperparameters]), []).append(i)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        pairs = []
+        for x in range(len(members)):
+            for y in range(x + 1, len(members)):
+                a, b = runs[members[x]], runs[members[y]]
+                gap = _curve_gap(a.curves, b.curves)
+                if gap and gap["differs"]:
+                    pairs.append((a, b, gap))
+        if not pairs:
+            continue
+        a, b, gap = max(pairs, key=lambda p: p[2]["gap"] / p[2]["level"])
+        seeds = {item.label: item.hyperparameters.get("seed") for item in (runs[i] for i in members)}
+        known = [s for s in seeds.values() if s is not None]
+        why = (
+            f"with the same seed {known[0]} (data order or kernels are not deterministic)"
+            if known and len(known) == len(seeds)
+            else "and no recorded seed"
+        )
+        findings.append(
+            SEED_UNFIXED.finding(
+                f"{a.label} and {b.label} have one configuration {why} but their train losses differ by "
+                f"{gap['gap'] / gap['level']:.1%} of the level at the median common step "
+                f"({gap['gap'] / gap['noise']:.1f}x the step-to-step noise)"
+                if gap["noise"] > 0
+                else f"{a.label} and {b.label} have one configuration {why} but their train losses differ by "
+                f"{gap['gap'] / gap['level']:.1%} of the level at the median common step",
+                evidence={
+                    "runs": [runs[i].label for i in members],
+                    "pair": [a.label, b.label],
+                    "median_gap": float(f"{gap['gap']:.4g}"),
+                    "relative_gap": float(f"{gap['gap'] / gap['level']:.3g}"),
+                    "noise": float(f"{gap['noise']:.4g}"),
+                    "common_steps": gap["common_steps"],
+                    "seeds": seeds,
+                    "differing_pairs": len(pairs),
+                },
+            )
+        )
+    return findings
+
+
+# -- predictions -----------------------------------------------------------------------------------
+
+
+def _key(value: Any) -> str:
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return json.dumps(value, sort_keys=True)
+
+
+def check_predictions(rows: list[dict[str, Any]]) -> list[Finding]:
+    """metric-suspicious and eval-scores-cluster on prediction rows."""
+    return metric_suspicious(rows) + eval_scores_cluster(rows)
+
+
+def metric_suspicious(rows: list[dict[str, Any]]) -> list[Finding]:
+    """Accuracy (exact match after stripping whitespace) at the majority-class rate, or >= 0.99."""
+    pairs = [(_key(r["prediction"]), _key(r["label"])) for r in rows if "prediction" in r and "label" in r]
+    n = len(pairs)
+    if n < PREDICTIONS_MIN:
+        return []
+    accuracy = sum(p == y for p, y in pairs) / n
+    labels = Counter(y for _, y in pairs)
+    predicted = Counter(p for p, _ in pairs)
+    majority_label, majority_count = labels.most_common(1)[0]
+    majority = majority_count / n
+    top_prediction, top_count = predicted.most_common(1)[0]
+    evidence = {
+        "accuracy": round(accuracy, 4),
+        "rows": n,
+        "majority_label": majority_label,
+        "majority_rate": round(majority, 4),
+        "distinct_labels": len(labels),
+        "most_predicted": top_prediction,
+        "most_predicted_rate": round(top_count / n, 4),
+    }
+    if len(labels) == 1:
+        return [
+            METRIC_SUSPICIOUS.finding(
+                f"every one of the {n} labels is {majority_label}: accuracy {accuracy:.1%} says nothing",
+                evidence=evidence,
+                fix="Evaluate on a set with more than one class (check the label column and the split).",
+            )
+        ]
+    if accuracy >= ACCURACY_HIGH:
+        return [
+            METRIC_SUSPICIOUS.finding(
+                f"accuracy {accuracy:.1%} on {n} rows is implausibly high: check leakage before trusting it",
+                evidence=evidence,
+            )
+        ]
+    if len(labels) <= CLASSIFICATION_MAX_LABELS:
+        se = math.sqrt(majority * (1 - majority) / n)
+        if accuracy <= majority + MAJORITY_SE * se:
+            return [
+                METRIC_SUSPICIOUS.finding(
+                    f"accuracy {accuracy:.1%} is at the majority-class rate {majority:.1%} (always answering "
+                    f"{majority_label}); {top_count / n:.0%} of the predictions are {top_prediction}",
+                    evidence={**evidence, "majority_margin": round(MAJORITY_SE * se, 4)},
+                )
+            ]
+    return []
+
+
+def eval_scores_cluster(rows: list[dict[str, Any]]) -> list[Finding]:
+    """Scores collapsed onto one or two values."""
+    scores = [_key(r["score"]) for r in rows if "score" in r and r["score"] is not None]
+    n = len(scores)
+    if n < SCORES_MIN:
+        return []
+    counts = Counter(scores)
+    top = counts.most_common(2)
+    on_one = top[0][1] / n
+    on_two = sum(c for _, c in top) / n
+    binary = len(counts) <= 2
+    if binary and on_one < SCORES_CLUSTER:
+        return []
+    if not binary and on_two < SCORES_CLUSTER:
+        return []
+    values = [v for v, _ in top[: 1 if binary or on_one >= SCORES_CLUSTER else 2]]
+    share = on_one if len(values) == 1 else on_two
+    return [
+        EVAL_SCORES_CLUSTER.finding(
+            f"{share:.0%} of the {n} scores are {' or '.join(values)} "
+            f"({len(counts)} distinct values): the scores do not discriminate",
+            evidence={
+                "scores": n,
+                "distinct": len(counts),
+                "top_values": dict(counts.most_common(5)),
+                "share_on_top": round(share, 4),
+            },
+        )
+    ]

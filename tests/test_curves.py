@@ -1,0 +1,409 @@
+"""Curve detectors on synthetic series: each planted bug fires its rule at the right step, and clean curves
+(noisy decreasing loss, eval tracking train) fire nothing at all."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+from hf_sanity.rules import curves as C
+from hf_sanity.rules.curves import Curves, analyze
+
+
+# -- series ----------------------------------------------------------------------------------------
+def decay(t, start=2.4, floor=0.9, tau=120.0):
+    return floor + (start - floor) * np.exp(-np.asarray(t, dtype=float) / tau)
+
+
+def schedule(n, peak=2e-4, warmup=20, zero_at=None):
+    """Linear warmup then linear decay reaching 0 at step `zero_at` (default: the last step)."""
+    t = np.arange(1, n + 1, dtype=float)
+    end = zero_at or n
+    lr = np.where(t <= warmup, peak * t / warmup, peak * (end - t) / (end - warmup))
+    return np.clip(lr, 0.0, None)
+
+
+def make(
+    n=400,
+    *,
+    seed=0,
+    noise=0.05,
+    tau=120.0,
+    start=2.4,
+    floor=0.9,
+    every=40,
+    eval_gap=1.05,
+    eval_noise=0.003,
+    vocab_size=None,
+    evals=True,
+):
+    """A clean run: noisy decreasing train loss, eval tracking it slightly above, rising accuracy."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(1, n + 1)
+    train = decay(t, start, floor, tau) * (1 + noise * rng.standard_normal(n))
+    curves = Curves(
+        train_steps=t.tolist(), train_loss=train.tolist(), lr=schedule(n).tolist(), vocab_size=vocab_size
+    )
+    if evals:
+        es = t[every - 1 :: every]
+        ev = decay(es, start * eval_gap, floor * eval_gap, tau) * (
+            1 + eval_noise * rng.standard_normal(len(es))
+        )
+        curves.eval_steps = es.tolist()
+        curves.eval_loss = ev.tolist()
+        curves.eval_metrics = {"eval_accuracy": (0.9 - 0.4 * np.exp(-es / tau)).round(4).tolist()}
+    return curves
+
+
+def slugs(findings):
+    return {f.rule for f in findings}
+
+
+def only(findings, slug):
+    found = [f for f in findings if f.rule == slug]
+    assert found, f"{slug} did not fire; got {[(f.rule, f.message) for f in findings]}"
+    return found
+
+
+# -- clean curves: nothing fires ---------------------------------------------------------------------
+CLEAN = [
+    pytest.param(dict(seed=seed, noise=noise), id=f"noise{noise}-seed{seed}")
+    for noise in (0.02, 0.05, 0.10)
+    for seed in range(6)
+] + [
+    pytest.param(dict(n=60, tau=20, every=6), id="short-run"),
+    pytest.param(dict(n=1500, tau=40, every=150, noise=0.08), id="fast-drop-long-plateau"),
+    pytest.param(dict(n=400, eval_gap=1.0), id="eval-equals-train"),
+    pytest.param(dict(n=400, eval_gap=1.25), id="eval-above-train"),
+    pytest.param(dict(n=400, vocab_size=32000), id="vocab-known"),
+    pytest.param(dict(n=400, evals=False), id="train-only"),
+]
+
+
+@pytest.mark.parametrize("kwargs", CLEAN)
+def test_clean_curves_fire_nothing(kwargs):
+    curves = make(**kwargs)
+    assert analyze(curves, final=True) == []
+    assert analyze(curves, final=False) == []
+
+
+def test_clean_run_online_prefixes_fire_nothing():
+    curves = make(n=400, seed=3, noise=0.08)
+    for end in (25, 60, 130, 250):
+        evals = [i for i, s in enumerate(curves.eval_steps) if s <= end]
+        prefix = Curves(
+            curves.train_steps[:end],
+            curves.train_loss[:end],
+            [curves.eval_steps[i] for i in evals],
+            [curves.eval_loss[i] for i in evals],
+            curves.lr[:end],
+            {k: [v[i] for i in evals] for k, v in curves.eval_metrics.items()},
+        )
+        assert analyze(prefix, final=False) == [], end
+
+
+def test_empty_curves_fire_nothing():
+    assert analyze(Curves(), final=True) == []
+
+
+# -- reading a log history ------------------------------------------------------------------------
+LOG = json.loads(
+    """[
+ {"epoch": 0.1, "grad_norm": 2.1, "learning_rate": 0.001, "loss": 6.9, "step": 1},
+ {"epoch": 0.2, "grad_norm": 2.0, "learning_rate": 0.0009, "loss": 6.7, "step": 2},
+ {"epoch": 0.2, "eval_loss": 6.5, "eval_accuracy": 0.25, "eval_runtime": 0.03,
+  "eval_samples_per_second": 900.1, "eval_steps_per_second": 112.5, "step": 2},
+ {"epoch": 0.3, "grad_norm": NaN, "learning_rate": 0.0008, "loss": NaN, "step": 3},
+ {"epoch": 0.4, "eval_loss": 6.4, "eval_accuracy": 0.5, "eval_runtime": 0.04, "step": 4},
+ {"epoch": 0.4, "train_runtime": 1.2, "train_loss": 6.6, "total_flos": 1.0, "step": 4}
+]"""
+)
+
+
+def test_from_log_history_reads_trainer_entries():
+    curves = Curves.from_log_history(LOG, vocab_size=1000)
+    assert curves.train_steps == [1, 2, 3]
+    assert curves.train_loss[:2] == [6.9, 6.7] and math.isnan(curves.train_loss[2])
+    assert curves.lr == [0.001, 0.0009, 0.0008]
+    assert curves.eval_steps == [2, 4] and curves.eval_loss == [6.5, 6.4]
+    assert curves.eval_metrics == {"eval_accuracy": [0.25, 0.5]}  # no timing entries, no summary
+    assert curves.vocab_size == 1000
+
+
+def test_from_log_history_without_lr_or_eval():
+    curves = Curves.from_log_history([{"loss": 1.0, "step": 5}, {"loss": 0.9, "step": 10}])
+    assert curves.lr == [] and curves.eval_steps == [] and curves.eval_metrics == {}
+
+
+def test_from_log_history_keeps_eval_loss_nan_free_when_some_evals_log_none():
+    log = [
+        {"eval_loss": 1.0, "step": 1},
+        {"eval_bleu": 3.0, "step": 2},  # another kind of evaluation: no loss
+        {"eval_loss": 0.9, "step": 3},
+    ]
+    curves = Curves.from_log_history(log)
+    assert curves.eval_steps == [1, 3] and curves.eval_loss == [1.0, 0.9]
+
+
+# -- loss-spike ------------------------------------------------------------------------------------
+def test_loss_spike_reports_step_and_lr():
+    curves = make(seed=1)
+    curves.train_loss[250] = 3.0 * decay(251)
+    found = C.loss_spike(curves)
+    assert [f.step for f in found] == [251]
+    assert found[0].evidence["learning_rate"] == pytest.approx(curves.lr[250])
+    assert found[0].evidence["recovered"] is True
+    assert "lr" in found[0].message
+    assert slugs(analyze(curves, final=True)) == {"loss-spike"}
+
+
+def test_loss_spike_that_never_recovers():
+    curves = make(seed=2)
+    for i in range(300, 400):
+        curves.train_loss[i] *= 4
+    found = only(analyze(curves, final=True), "loss-spike")
+    assert [f.step for f in found] == [301]
+    assert found[0].evidence["recovered"] is False and "never came back" in found[0].message
+
+
+def test_loss_spike_is_found_online_at_the_last_point():
+    curves = make(seed=1)
+    curves.train_loss[250] = 3.0 * decay(251)
+    prefix = Curves(curves.train_steps[:251], curves.train_loss[:251], lr=curves.lr[:251])
+    assert [f.step for f in only(analyze(prefix, final=False), "loss-spike")] == [251]
+
+
+def test_loss_spike_needs_a_jump_beyond_the_noise():
+    curves = make(seed=1, noise=0.02)
+    curves.train_loss[250] = 1.2 * decay(251)  # 20% up: well beyond the noise, below 1.5x
+    assert C.loss_spike(curves) == []
+
+
+# -- loss-oscillation ------------------------------------------------------------------------------
+def oscillating(n=200, seed=0):
+    rng = np.random.default_rng(seed)
+    t = np.arange(1, n + 1)
+    loss = 2.0 * (1 + 0.2 * (-1.0) ** t) * (1 + 0.02 * rng.standard_normal(n))
+    return Curves(train_steps=t.tolist(), train_loss=loss.tolist(), lr=[5e-3] * n)
+
+
+def test_loss_oscillation():
+    curves = oscillating()
+    found = C.loss_oscillation(curves)
+    assert len(found) == 1 and found[0].evidence["swing_fraction_of_level"] > 0.3
+    assert slugs(analyze(curves, final=True)) == {"loss-oscillation"}
+    assert analyze(curves, final=False) == []  # judged on the whole run only
+
+
+def test_noisy_plateau_without_oscillation_is_not_flagged():
+    # large per-step noise, but the loss clearly went down first: noise, not oscillation
+    assert C.loss_oscillation(make(n=600, tau=30, noise=0.12, evals=False)) == []
+
+
+# -- overfitting -----------------------------------------------------------------------------------
+EVAL_U = [2.0, 1.6, 1.4, 1.3, 1.32, 1.36, 1.42, 1.5, 1.58, 1.66]
+
+
+def with_evals(curves, values, every=40):
+    curves.eval_steps = [every * (i + 1) for i in range(len(values))]
+    curves.eval_loss = list(values)
+    curves.eval_metrics = {}
+    return curves
+
+
+def test_overfitting_reports_the_best_step():
+    curves = with_evals(make(seed=4, tau=80), EVAL_U)
+    found = C.overfitting(curves)
+    assert [f.step for f in found] == [160]
+    assert found[0].evidence["best_step"] == 160 and found[0].evidence["rise"] > 0.2
+    assert slugs(analyze(curves, final=True)) == {"overfitting"}
+
+
+def test_overfitting_needs_a_real_rise():
+    curves = with_evals(make(seed=4, tau=80), [2.0, 1.6, 1.4, 1.3, 1.31, 1.305, 1.31])  # +0.8%: flat
+    assert C.overfitting(curves) == []
+
+
+# -- underfitting ----------------------------------------------------------------------------------
+def test_underfitting_when_both_barely_move():
+    curves = make(n=300, start=2.5, floor=2.3, tau=100, noise=0.03, evals=False)
+    with_evals(curves, [2.5, 2.47, 2.45, 2.44, 2.43, 2.43, 2.42], every=40)
+    found = C.underfitting(curves)
+    assert [f.step for f in found] == [300] and found[0].evidence["reasons"] == ["barely-moved"]
+    assert slugs(analyze(curves, final=True)) == {"underfitting"}
+    assert analyze(curves, final=False) == []  # a verdict on the end of training
+
+
+def test_underfitting_near_chance():
+    curves = make(n=300, start=6.9, floor=5.8, tau=60, noise=0.01, vocab_size=1000, evals=False)
+    found = C.underfitting(curves)
+    assert found and "near-chance" in found[0].evidence["reasons"]
+    assert "ln(V)" in found[0].message
+    curves.vocab_size = None  # a 16% drop without the vocabulary is not underfitting
+    assert C.underfitting(curves) == []
+
+
+def test_diverged_run_is_not_underfitting():
+    curves = make(n=400, seed=5, evals=False)
+    for i in range(200, 400):
+        curves.train_loss[i] = 2.6
+    assert C.underfitting(curves) == []
+
+
+# -- val-below-train ---------------------------------------------------------------------------------
+def test_val_below_train():
+    curves = make(seed=6)
+    curves.eval_loss = [0.8 * decay(s) for s in curves.eval_steps]
+    found = C.val_below_train(curves)
+    assert len(found) == 1 and found[0].step == curves.eval_steps[0]
+    assert found[0].evidence["median_gap"] == pytest.approx(0.2, abs=0.03)
+    assert slugs(analyze(curves, final=True)) == {"val-below-train"}
+
+
+def test_val_below_train_needs_the_last_evaluations():
+    curves = make(seed=6)
+    curves.eval_loss = [0.8 * decay(s) for s in curves.eval_steps[:-1]] + [
+        1.02 * decay(curves.eval_steps[-1])
+    ]
+    assert C.val_below_train(curves) == []
+
+
+# -- eval-constant ---------------------------------------------------------------------------------
+def test_eval_constant_metric():
+    curves = make(seed=7)
+    curves.eval_metrics["eval_accuracy"] = [0.5] * len(curves.eval_steps)
+    found = C.eval_constant(curves)
+    assert len(found) == 1 and found[0].evidence["constant"] == {"eval_accuracy": 0.5}
+    assert found[0].step == curves.eval_steps[-1]
+    assert slugs(analyze(curves, final=True)) == {"eval-constant"}
+
+
+def test_eval_constant_loss_of_a_stale_model():
+    curves = make(seed=7)
+    curves.eval_loss = [2.5123] * len(curves.eval_steps)
+    curves.eval_metrics = {}
+    assert "eval_loss" in only(analyze(curves, final=True), "eval-constant")[0].evidence["constant"]
+
+
+def test_eval_constant_needs_training_to_move():
+    n = 100
+    curves = Curves(list(range(1, n + 1)), [2.0] * n, [20, 40, 60], [2.1] * 3, [1e-4] * n)
+    assert C.eval_constant(curves) == []  # nothing moved at all: that is loss-flat, not a stale eval
+
+
+# -- memorizing ------------------------------------------------------------------------------------
+def test_memorizing():
+    curves = make(n=400, start=2.0, floor=0.05, tau=60, noise=0.03, evals=False)
+    with_evals(curves, [2.05, 2.06, 2.04, 2.07, 2.05, 2.06, 2.05, 2.06, 2.05, 2.07], every=40)
+    found = C.memorizing(curves)
+    assert [f.step for f in found] == [400]
+    assert slugs(analyze(curves, final=True)) == {"memorizing"}
+
+
+# -- negative-loss, nonfinite-loss, lr-zero, loss-flat -------------------------------------------------
+def test_negative_loss():
+    curves = make(seed=8)
+    for i in range(300, 310):
+        curves.train_loss[i] = -0.5
+    found = C.negative_loss(curves)
+    assert [f.step for f in found] == [301] and found[0].severity == "error"
+    assert "negative-loss" in slugs(analyze(curves, final=False))
+
+
+def test_nonfinite_loss_nan():
+    curves = make(seed=9)
+    curves.train_loss[199:] = [math.nan] * (400 - 199)
+    found = C.nonfinite_loss(curves)
+    assert [f.step for f in found] == [200] and found[0].evidence["last_finite_step"] == 199
+    assert slugs(analyze(curves, final=True)) == {"nonfinite-loss"}
+
+
+def test_nonfinite_loss_hidden_as_zero_by_the_nan_filter():
+    curves = make(seed=9, evals=False)
+    curves.train_loss[199:] = [0.0] * (400 - 199)
+    found = C.nonfinite_loss(curves)
+    assert [f.step for f in found] == [200]
+    assert "logging_nan_inf_filter" in found[0].message and found[0].evidence["zero_losses"] == 201
+    assert "logging_nan_inf_filter=False" in found[0].fix
+    # the hidden NaNs are not read as a loss that fell to 0 (no spike, no memorizing, no oscillation)
+    assert slugs(analyze(curves, final=True)) == {"nonfinite-loss"}
+
+
+def test_a_loss_that_converges_to_zero_is_not_a_hidden_nan():
+    n = 60
+    loss = [1.0 * 0.7**i for i in range(n)]  # ... 1e-3, 1e-5, ..., then float32 reaches 0
+    loss[-5:] = [0.0] * 5
+    assert C.nonfinite_loss(Curves(list(range(1, n + 1)), loss)) == []
+
+
+def test_lr_zero_decayed_early():
+    curves = make(seed=10)
+    curves.lr = schedule(400, zero_at=240).tolist()
+    found = C.lr_zero(curves)
+    assert [f.step for f in found] == [240] and found[0].evidence["zero_until_end"] is True
+    assert "decayed to 0 early" in found[0].message
+    assert slugs(analyze(curves, final=False)) == {"lr-zero"}
+
+
+def test_lr_zero_everywhere():
+    curves = make(seed=10)
+    curves.lr = [0.0] * 400
+    assert "every one" in only(C.lr_zero(curves), "lr-zero")[0].message
+
+
+def flat(level, n=200, noise=0.002, seed=0, vocab_size=None):
+    rng = np.random.default_rng(seed)
+    loss = level * (1 + noise * rng.standard_normal(n))
+    return Curves(list(range(1, n + 1)), loss.tolist(), lr=[1e-4] * n, vocab_size=vocab_size)
+
+
+def test_loss_flat_at_chance():
+    curves = flat(math.log(1000), vocab_size=1000)
+    found = C.loss_flat(curves)
+    assert len(found) == 1 and found[0].evidence["at_chance"] is True and found[0].severity == "error"
+    assert "flat at chance" in found[0].message
+    assert slugs(analyze(curves, final=True)) == {"loss-flat"}
+    assert analyze(curves, final=False) == []  # online, the loss-flat monitor measures the cause
+
+
+def test_loss_flat_not_at_chance():
+    found = C.loss_flat(flat(2.0, vocab_size=32000))
+    assert found and found[0].evidence["at_chance"] is False and "chance would be" in found[0].message
+    assert C.loss_flat(flat(2.0))[0].evidence["chance_ln_vocab"] is None
+
+
+def test_a_plateau_after_a_drop_is_not_flat():
+    curves = flat(5.5, n=300)
+    curves.train_loss[:10] = np.linspace(6.9, 5.6, 10).tolist()
+    assert C.loss_flat(curves) == []
+
+
+def test_a_broken_detector_becomes_an_internal_error(monkeypatch):
+    def boom(curves):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(
+        C, "DETECTORS", ((C.LOSS_SPIKE, boom, True), *[d for d in C.DETECTORS if d[0] is not C.LOSS_SPIKE])
+    )
+    found = analyze(make(seed=0), final=True)
+    assert [f.rule for f in found] == ["internal-error"] and "loss-spike" in found[0].message
+
+
+def test_loss_flat_cause_from_the_logs():
+    zero_lr = flat(2.0)
+    zero_lr.lr = [0.0] * len(zero_lr.lr)
+    assert C.loss_flat(zero_lr)[0].evidence["cause"] == "lr-zero"
+    (unknown,) = C.loss_flat(flat(2.0))
+    assert unknown.evidence["cause"] == "unknown" and "SanityCallback" in unknown.fix
+
+
+def test_long_per_step_curves_are_analysed_fast():
+    # the callback analyses its exact per-step losses at every evaluation: this must stay cheap
+    curves = make(n=100_000, tau=20_000, every=1000, seed=11)
+    started = time.perf_counter()
+    assert analyze(curves, final=True) == []
+    assert time.perf_counter() - started < 5

@@ -1,0 +1,440 @@
+"""`doctor`: runs read from disk (synthetic trainer_state.json files and one real tiny Trainer run), the
+run rules across runs, the prediction rules, the plot, and the command line through a subprocess."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hf_sanity import catalog
+from hf_sanity.doctor import doctor, find_state
+from hf_sanity.errors import UserInputError
+from hf_sanity.rules import runs as R
+from hf_sanity.rules.curves import Curves
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+catalog.load()  # at import, on a shallow stack: define() inspects the caller's stack, slow deep in a test
+
+
+# -- synthetic runs ----------------------------------------------------------------------------------
+def series(n=200, *, seed=0, noise=0.04, start=2.4, floor=0.9, tau=50.0, peak=2e-4, flat=None):
+    rng = np.random.default_rng(seed)
+    t = np.arange(1, n + 1)
+    level = np.full(n, flat) if flat is not None else floor + (start - floor) * np.exp(-t / tau)
+    loss = level * (1 + noise * rng.standard_normal(n))
+    lr = np.where(t <= 10, peak * t / 10, peak * (n - t) / (n - 10))
+    es = t[19::20]
+    ev = (level[es - 1] * 1.05).tolist()
+    return Curves(t.tolist(), loss.tolist(), es.tolist(), ev, lr.tolist())
+
+
+def log_history(curves: Curves) -> list[dict]:
+    """A log_history the way Trainer writes it: train entries, eval entries after the train entry of
+    their step, the end-of-training summary."""
+    log = []
+    evals = dict(zip(curves.eval_steps, curves.eval_loss))
+    for i, (step, loss) in enumerate(zip(curves.train_steps, curves.train_loss)):
+        entry = {"epoch": step / 100, "grad_norm": 1.0, "loss": loss, "step": step}
+        if curves.lr:
+            entry["learning_rate"] = curves.lr[i]
+        log.append(entry)
+        if step in evals:
+            log.append({"epoch": step / 100, "eval_loss": evals[step], "eval_runtime": 0.1, "step": step})
+    last = curves.train_steps[-1] if curves.train_steps else 0
+    log.append({"train_loss": 1.0, "train_runtime": 2.0, "total_flos": 1.0, "step": last})
+    return log
+
+
+def write_run(folder: Path, curves: Curves, *, config=None, args=None, checkpoint=None) -> Path:
+    """An output_dir with the state at top level (or in checkpoint-N) and optional side files."""
+    where = folder / f"checkpoint-{checkpoint}" if checkpoint else folder
+    where.mkdir(parents=True, exist_ok=True)
+    state = {
+        "global_step": curves.train_steps[-1] if curves.train_steps else 0,
+        "max_steps": curves.train_steps[-1] if curves.train_steps else 0,
+        "train_batch_size": 8,
+        "logging_steps": 1,
+        "eval_steps": 20,
+        "num_train_epochs": 2,
+        "log_history": log_history(curves),
+    }
+    (where / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    if config is not None:
+        (where / "config.json").write_text(json.dumps(config))
+    if args is not None:
+        (folder / "training_args.json").write_text(json.dumps(args))
+    return folder
+
+
+LLAMA = {"_name_or_path": "meta-llama/Llama-3.2-1B", "model_type": "llama", "vocab_size": 128256,
+         "hidden_size": 2048, "num_hidden_layers": 16, "architectures": ["LlamaForCausalLM"]}  # fmt: skip
+
+
+def rules(report) -> set[str]:
+    return {f.rule for f in report.findings}
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+# -- reading runs ----------------------------------------------------------------------------------
+def test_clean_run_has_no_findings(tmp_path):
+    report = doctor([write_run(tmp_path / "run", series(), config=LLAMA)], use_config=False)
+    assert report.findings == []
+    assert report.exit_code == 0
+    assert report.stats["runs"][0]["vocab_size"] == 128256
+    assert report.stats["runs"][0]["train_points"] == 200 and report.stats["runs"][0]["evaluations"] == 10
+
+
+def test_a_run_is_a_file_a_checkpoint_or_an_output_dir(tmp_path):
+    out = tmp_path / "out"
+    write_run(out, series(n=100), checkpoint=9)
+    write_run(out, series(n=200), checkpoint=10)  # numerically the latest, though "9" > "10" as text
+    assert find_state(out) == out / "checkpoint-10" / "trainer_state.json"
+    assert find_state(out / "checkpoint-9") == out / "checkpoint-9" / "trainer_state.json"
+    state = out / "checkpoint-9" / "trainer_state.json"
+    assert find_state(state) == state
+    write_run(out, series(n=150))  # a top-level state (save_state) behind the latest checkpoint
+    assert find_state(out) == out / "checkpoint-10" / "trainer_state.json"
+    write_run(out, series(n=200))  # as far as the checkpoint: the final save_state wins
+    assert find_state(out) == out / "trainer_state.json"
+
+
+def test_findings_name_their_run(tmp_path):
+    spiky = series(seed=1)
+    spiky.train_loss[150] = 3 * spiky.train_loss[149]
+    one = doctor([write_run(tmp_path / "spiky", spiky)], use_config=False)
+    (spike,) = one.by_rule("loss-spike")
+    assert spike.step == 151 and spike.evidence["run"] == str(tmp_path / "spiky")
+    assert not spike.message.startswith(str(tmp_path))
+    two = doctor([tmp_path / "spiky", write_run(tmp_path / "clean", series(seed=2))], use_config=False)
+    (spike,) = two.by_rule("loss-spike")  # the two also differ beyond noise: seed-unfixed, not checked here
+    assert spike.message.startswith(f"{tmp_path / 'spiky'}: train loss jumped")
+
+
+def test_vocab_size_from_config_json_makes_flat_at_chance(tmp_path):
+    run = write_run(tmp_path / "run", series(flat=math.log(1000), noise=0.002), config={"vocab_size": 1000})
+    report = doctor([run], use_config=False)
+    (flat,) = report.by_rule("loss-flat")
+    assert flat.evidence["at_chance"] is True and report.exit_code == 1
+
+
+@pytest.mark.parametrize(
+    "make_bad, needle",
+    [
+        (lambda d: d / "missing", "does not exist"),
+        (lambda d: d, "no trainer_state.json in"),
+        (lambda d: (d / "trainer_state.json").write_text('{"log_history": [') and d, "malformed JSON"),
+        (lambda d: (d / "trainer_state.json").write_text('{"global_step": 3}') and d, "no log_history"),
+        (lambda d: (d / "trainer_state.json").write_text('{"log_history": []}') and d, "logs no loss"),
+    ],
+    ids=["missing", "no-state", "malformed", "not-a-state", "no-loss"],
+)
+def test_bad_runs_are_user_errors(tmp_path, make_bad, needle):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    with pytest.raises(UserInputError, match=needle) as info:
+        doctor([make_bad(folder)], use_config=False)
+    assert "\n" not in str(info.value)
+
+
+def test_a_folder_of_runs_says_to_pass_them(tmp_path):
+    write_run(tmp_path / "sweep" / "a", series(), checkpoint=5)
+    write_run(tmp_path / "sweep" / "b", series())
+    with pytest.raises(UserInputError, match=r"holds 2 .* pass them one by one"):
+        doctor([tmp_path / "sweep"], use_config=False)
+
+
+def test_malformed_side_file_is_a_user_error(tmp_path):
+    run = write_run(tmp_path / "run", series())
+    (run / "config.json").write_text("{nope")
+    with pytest.raises(UserInputError, match=r"config\.json: malformed JSON"):
+        doctor([run], use_config=False)
+
+
+def test_select_and_ignore(tmp_path):
+    bad = series(flat=2.0, noise=0.002)
+    bad.lr = [0.0] * len(bad.lr)
+    run = write_run(tmp_path / "run", bad)
+    assert rules(doctor([run], use_config=False)) == {"loss-flat", "lr-zero"}
+    assert rules(doctor([run], select="lr-zero", use_config=False)) == {"lr-zero"}
+    assert rules(doctor([run], ignore=["curves", "lr-zero", "loss-flat"], use_config=False)) == set()
+
+
+# -- hyperparameter-churn and seed-unfixed -------------------------------------------------------------
+def churn_runs(folder: Path, *, configs=(LLAMA, LLAMA, LLAMA)) -> list[Path]:
+    paths = []
+    for i, (peak, config) in enumerate(zip((1e-5, 1e-4, 1e-3), configs)):
+        curves = series(flat=2.1, noise=0.003, seed=i, peak=peak)
+        paths.append(write_run(folder / f"lr{peak:g}", curves, config=config))
+    return paths
+
+
+def test_hyperparameter_churn(tmp_path):
+    report = doctor(churn_runs(tmp_path), use_config=False)
+    (churn,) = report.by_rule("hyperparameter-churn")
+    assert churn.severity == "error" and "hf-sanity diagnose" in churn.message
+    assert churn.evidence["failures"] == ["loss-flat"]
+    assert churn.evidence["differing_hyperparameters"]["peak_learning_rate"] == [1e-5, 1e-4, 1e-3]
+    assert "model.model_type" in churn.evidence["setup_fields_compared"]
+    assert report.by_rule("seed-unfixed") == []  # different LRs: not one configuration
+
+
+def test_no_churn_across_different_setups(tmp_path):
+    other = {**LLAMA, "_name_or_path": "Qwen/Qwen2.5-0.5B", "model_type": "qwen2"}
+    report = doctor(churn_runs(tmp_path, configs=(LLAMA, LLAMA, other)), use_config=False)
+    assert report.by_rule("hyperparameter-churn") == []
+    assert len(report.by_rule("loss-flat")) == 3
+
+
+def test_no_churn_when_runs_fail_differently(tmp_path):
+    paths = churn_runs(tmp_path)
+    spiky = series(seed=5)
+    spiky.train_loss[150] = 3 * spiky.train_loss[149]
+    write_run(paths[2], spiky, config=LLAMA)
+    assert doctor(paths, use_config=False).by_rule("hyperparameter-churn") == []
+
+
+def test_training_args_json_separates_setups(tmp_path):
+    paths = churn_runs(tmp_path)
+    for i, path in enumerate(paths):
+        (path / "training_args.json").write_text(
+            json.dumps(
+                {"dataset_name": "a" if i < 2 else "b", "learning_rate": 1e-4, "output_dir": str(path)}
+            )
+        )
+    assert doctor(paths, use_config=False).by_rule("hyperparameter-churn") == []
+
+
+def test_seed_unfixed(tmp_path):
+    a = write_run(tmp_path / "a", series(seed=1), config=LLAMA)
+    b = write_run(tmp_path / "b", series(seed=2), config=LLAMA)
+    (finding,) = doctor([a, b], use_config=False).by_rule("seed-unfixed")
+    assert finding.evidence["pair"] == [str(a), str(b)] and "no recorded seed" in finding.message
+
+
+def test_seed_unfixed_needs_the_same_recorded_fields(tmp_path):
+    a = write_run(tmp_path / "a", series(seed=1), config=LLAMA)
+    b = write_run(tmp_path / "b", series(seed=2))  # no config.json: not known to be the same configuration
+    assert doctor([a, b], use_config=False).by_rule("seed-unfixed") == []
+
+
+def test_same_seed_same_curves_is_fine(tmp_path):
+    a = write_run(tmp_path / "a", series(seed=1), config=LLAMA)
+    b = write_run(tmp_path / "b", series(seed=1), config=LLAMA)
+    assert doctor([a, b], use_config=False).findings == []
+
+
+def test_different_recorded_seeds_are_meant_to_differ(tmp_path):
+    a = write_run(tmp_path / "a", series(seed=1), config=LLAMA, args={"seed": 1})
+    b = write_run(tmp_path / "b", series(seed=2), config=LLAMA, args={"seed": 2})
+    assert doctor([a, b], use_config=False).by_rule("seed-unfixed") == []
+    (b / "training_args.json").write_text(json.dumps({"seed": 1}))
+    (finding,) = doctor([a, b], use_config=False).by_rule("seed-unfixed")
+    assert "same seed 1" in finding.message
+
+
+# -- predictions -----------------------------------------------------------------------------------
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_accuracy_at_the_majority_rate(tmp_path):
+    rows = [{"prediction": "no", "label": "no" if i % 10 < 7 else "yes"} for i in range(100)]
+    (finding,) = R.metric_suspicious(rows)
+    assert finding.evidence["majority_rate"] == 0.7 and "majority-class rate" in finding.message
+
+
+def test_accuracy_implausibly_high(tmp_path):
+    rows = [{"prediction": str(i % 3), "label": str(i % 3)} for i in range(200)]
+    (finding,) = R.metric_suspicious(rows)
+    assert "leakage" in finding.message
+
+
+def test_honest_accuracy_is_fine():
+    labels = ["a", "b", "c", "d"] * 25
+    rows = [{"prediction": y if i % 5 else "a", "label": y} for i, y in enumerate(labels)]  # ~80%
+    assert R.metric_suspicious(rows) == []
+
+
+def test_scores_cluster():
+    assert R.eval_scores_cluster([{"score": 7 if i % 2 else 8} for i in range(50)] + [{"score": 3}])
+    assert R.eval_scores_cluster([{"score": 1}] * 48 + [{"score": 0}] * 2)
+    assert R.eval_scores_cluster([{"score": 1 + i % 10} for i in range(50)]) == []
+    assert R.eval_scores_cluster([{"score": i % 2} for i in range(50)]) == []  # a balanced pass/fail
+
+
+def test_predictions_through_doctor(tmp_path):
+    run = write_run(tmp_path / "run", series())
+    preds = write_jsonl(tmp_path / "p.jsonl", [{"prediction": "no", "label": "no"}] * 70
+                        + [{"prediction": "no", "label": "yes"}] * 30 + [{"score": 4}] * 20)  # fmt: skip
+    report = doctor([run], predictions=preds, use_config=False)
+    assert (
+        rules(report) == {"metric-suspicious", "eval-scores-cluster"} and report.stats["predictions"] == 120
+    )
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [(None, "does not exist"), ('{"prediction": 1, "label"\n', "line 1 is not JSON"),
+     ("[1, 2]\n", "not a JSON object"), ('{"text": "x"}\n', "no row with both")],
+    ids=["missing", "malformed", "not-object", "no-keys"],
+)  # fmt: skip
+def test_bad_predictions_are_user_errors(tmp_path, text, needle):
+    run = write_run(tmp_path / "run", series())
+    path = tmp_path / "p.jsonl"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(UserInputError, match=needle):
+        doctor([run], predictions=path, use_config=False)
+
+
+# -- plot ------------------------------------------------------------------------------------------
+def test_plot_is_a_png_and_nothing_is_written_into_runs(tmp_path):
+    spiky = series(seed=1)
+    spiky.train_loss[150] = 3 * spiky.train_loss[149]
+    runs = [write_run(tmp_path / "runs" / "a", spiky, config=LLAMA), *churn_runs(tmp_path / "runs")]
+    before = snapshot(tmp_path / "runs")
+    out = tmp_path / "plots" / "curves.png"
+    report = doctor(runs, plot=out, use_config=False)
+    assert snapshot(tmp_path / "runs") == before
+    assert report.stats["plot"] == str(out)
+    data = out.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width == 1000 and height > 4 * 300  # one panel per run
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out).shape[:2] == (height, width)
+
+
+# -- a real Trainer run ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    """A tiny Llama trained for 12 steps by transformers.Trainer: the files Trainer really writes."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from hf_sanity.testing import demo_conversations, tiny_setup
+
+    model, tok = tiny_setup("chatml", "distinct")
+    rows = [tok.apply_chat_template(r["messages"], tokenize=False) for r in demo_conversations(32)]
+    encoded = [tok(text, truncation=True, max_length=64)["input_ids"] for text in rows]
+
+    def collate(batch):
+        width = max(len(ids) for ids in batch)
+        input_ids = torch.full((len(batch), width), tok.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, ids in enumerate(batch):
+            input_ids[i, : len(ids)] = labels[i, : len(ids)] = torch.tensor(ids)
+            mask[i, : len(ids)] = 1
+        return {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 0.2M-parameter model: threads only add contention on a shared machine
+    out = tmp_path_factory.mktemp("real") / "out"
+    args = TrainingArguments(
+        output_dir=str(out), max_steps=12, logging_steps=1, eval_strategy="steps", eval_steps=4,
+        save_steps=6, per_device_train_batch_size=4, learning_rate=1e-3, report_to=[], use_cpu=True,
+        disable_tqdm=True, save_only_model=True,
+    )  # fmt: skip
+    try:
+        Trainer(
+            model=model, args=args, train_dataset=encoded, eval_dataset=encoded, data_collator=collate
+        ).train()
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_real_trainer_run(real_run):
+    report = doctor([real_run], use_config=False)
+    (stats,) = report.stats["runs"]
+    assert stats["state"] == str(real_run / "checkpoint-12" / "trainer_state.json")
+    assert stats["vocab_size"] == 1000 and stats["train_points"] == 12 and stats["evaluations"] == 3
+    # 12 steps of a random tiny model: still close to chance ln(1000)
+    assert rules(report) <= {"underfitting"}
+    same = doctor([real_run / "checkpoint-12" / "trainer_state.json"], use_config=False)
+    assert [f.to_dict() for f in same.findings] == [
+        {**f.to_dict(), "evidence": {**f.evidence, "run": same.stats["runs"][0]["run"]}}
+        for f in report.findings
+    ]
+
+
+# -- the command line ------------------------------------------------------------------------------
+def cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "hf_sanity.cli", "doctor", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, timeout=120,
+    )  # fmt: skip
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_cli_clean_run_exits_0_and_writes_json(tmp_path):
+    out = tmp_path / "report.json"
+    result = cli(write_run(tmp_path / "run", series(), config=LLAMA), "--json", out, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["findings"] == [] and report["title"] == "hf-sanity doctor"
+
+
+def test_cli_errors_exit_1_with_plot_and_predictions(tmp_path):
+    runs = churn_runs(tmp_path / "runs")
+    preds = write_jsonl(tmp_path / "p.jsonl", [{"score": 4}] * 20)
+    out, png = tmp_path / "r.json", tmp_path / "curves.png"
+    result = cli(*runs, "--json", out, "--plot", png, "--predictions", preds, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "hyperparameter-churn" in result.stdout and "plot written to" in result.stdout
+    found = {f["rule"] for f in json.loads(out.read_text())["findings"]}
+    assert found == {"loss-flat", "hyperparameter-churn", "eval-scores-cluster"}
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_cli_ignore_turns_exit_1_into_0(tmp_path):
+    runs = churn_runs(tmp_path / "runs")
+    result = cli(*runs, "--ignore", "loss-flat,hyperparameter-churn", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_cli_bad_input_is_one_line(tmp_path):
+    assert_one_line_error(cli(tmp_path / "nope", cwd=tmp_path), "does not exist", "trainer_state.json")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(cli(tmp_path / "empty", cwd=tmp_path), "no trainer_state.json")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "trainer_state.json").write_text('{"log_history": [')
+    assert_one_line_error(cli(bad, cwd=tmp_path), "malformed JSON")
+    assert_one_line_error(cli(write_run(tmp_path / "run", series()), "--select", "nope", cwd=tmp_path),
+                          "unknown rule or stage 'nope'")  # fmt: skip
+
+
+def test_cli_needs_a_run(tmp_path):
+    result = cli(cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+
+
+def test_cli_html_page_embeds_the_curves(tmp_path):
+    runs = churn_runs(tmp_path / "runs")
+    page = tmp_path / "doctor.html"
+    result = cli(*runs, "--html", page, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    text = page.read_text()
+    assert 'data-rule="hyperparameter-churn"' in text
+    assert "data:image/png;base64," in text and "loss curves" in text
