@@ -1,0 +1,26 @@
+"""The public Python API as a user imports it."""
+
+import importlib
+
+import datasets
+
+import hf_sanity
+from hf_sanity.testing import build_tokenizer, synthetic_conversations
+
+
+def test_top_level_preflight_is_the_function():
+    tok = build_tokenizer("chatml")
+    data = datasets.Dataset.from_list(synthetic_conversations(8))
+    report = hf_sanity.preflight(tokenizer=tok, dataset=data, max_len=16, use_config=False)
+    assert isinstance(report, hf_sanity.Report) and "truncated-completion" in report.rules()
+    importlib.import_module("hf_sanity.preflight.sources")  # the package stays importable beside the function
+    importlib.import_module("hf_sanity.preflight.trainer_batches")
+    assert callable(hf_sanity.preflight)
+
+
+def test_num_proc_gives_the_same_report():
+    tok = build_tokenizer("chatml")
+    data = datasets.Dataset.from_list(synthetic_conversations(300))
+    one = hf_sanity.preflight(tokenizer=tok, dataset=data, max_len=64, use_config=False)
+    two = hf_sanity.preflight(tokenizer=tok, dataset=data, max_len=64, num_proc=2, use_config=False)
+    assert one.to_dict()["findings"] == two.to_dict()["findings"] and one.findings
