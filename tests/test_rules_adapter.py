@@ -97,3 +97,25 @@ def test_adapter_folder_without_weights_is_bad_input(base, conversations, tmp_pa
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserInputError, match=r"no adapter_model\.safetensors"):
         run(tok, conversations[:2], model=model, adapter=str(tmp_path / "empty"), select="adapter-untrained")
+
+
+def test_served_model_must_compute_what_was_trained(base, conversations, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from hf_sanity.rules.adapter import served_model_findings
+
+    model, tok = base
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    ids = torch.tensor([tok.apply_chat_template(conversations[0]["messages"])["input_ids"]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    merged = copy.deepcopy(peft_model).merge_and_unload()
+    merged.save_pretrained(tmp_path / "merged")
+    served = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert served_model_findings(peft_model, served, batch, base=model) == []
+    # Serving the base checkpoint by mistake (the adapter never merged or loaded):
+    (finding,) = served_model_findings(peft_model, copy.deepcopy(model), batch, base=model)
+    assert finding.rule == "adapter-not-loaded" and "base model" in finding.message

@@ -220,3 +220,37 @@ def _logits(model, batch):
             )
     finally:
         model.train(was_training)
+
+
+def served_model_findings(trained, served, batch, *, base=None, atol: float = 1e-3):
+    """What is served must compute what was trained. Compares the logits of the served model (e.g. merged
+    and reloaded from disk) with the trained adapter model's on ``batch``, and with the base model's when
+    given: ``adapter-not-loaded`` when the served model is the base model in disguise or differs from the
+    trained one."""
+    import torch
+
+    trained_logits = _logits(trained, batch)
+    served_logits = _logits(served, batch)
+    scale = float(trained_logits.abs().max()) or 1.0
+    gap = float((served_logits - trained_logits).abs().max())
+    findings = []
+    if base is not None:
+        base_logits = _logits(base, batch)
+        if torch.allclose(served_logits, base_logits, atol=atol * scale) and not torch.allclose(
+            trained_logits, base_logits, atol=atol * scale
+        ):
+            findings.append(
+                ADAPTER_NOT_LOADED.finding(
+                    "the served model computes the base model's outputs, not the trained adapter's",
+                    evidence={"max_logit_gap_to_trained": gap, "served": type(served).__name__},
+                )
+            )
+            return findings
+    if gap > atol * scale:
+        findings.append(
+            ADAPTER_NOT_LOADED.finding(
+                f"the served model's logits differ from the trained model's by up to {gap:.3g}",
+                evidence={"max_logit_gap_to_trained": gap, "tolerance": atol * scale},
+            )
+        )
+    return findings
