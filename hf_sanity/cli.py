@@ -33,6 +33,34 @@ IgnoreOpt = Annotated[
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the report as JSON to this file.")]
 HtmlOpt = Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report page.")]
 
+# Options that several commands share: one definition each.
+ModelOpt = Annotated[
+    str, typer.Option(help="Model folder or hub id (its tokenizer is used unless --tokenizer).")
+]
+DatasetOpt = Annotated[str, typer.Option(help="JSON/JSONL/CSV/Parquet file, save_to_disk folder, or hub id.")]
+TokenizerOpt = Annotated[str | None, typer.Option(help="Tokenizer folder or hub id (default: --model).")]
+SplitOpt = Annotated[str, typer.Option(help="Dataset split to use.")]
+MaxLenOpt = Annotated[int | None, typer.Option(help="Training max_length (truncation keeps the start).")]
+LossOnOpt = Annotated[str, typer.Option(help="completion (labels on completions only) or all.")]
+FormatOpt = Annotated[
+    str | None,
+    typer.Option("--format", help="messages, prompt-completion, text or tokens (default: detect)."),
+]
+TrustOpt = Annotated[bool, typer.Option(help="Allow custom model/tokenizer code.")]
+AdapterConfigOpt = Annotated[
+    Path | None, typer.Option(help="A LoRA adapter_config.json (or its folder) to attach, as in training.")
+]
+LoraROpt = Annotated[int | None, typer.Option(help="Attach a LoRA adapter of this rank.")]
+LoraAlphaOpt = Annotated[int | None, typer.Option(help="LoRA alpha (default: 2 x rank).")]
+LoraTargetOpt = Annotated[
+    list[str] | None, typer.Option(help="LoRA target modules (repeat or comma-separate; default all-linear).")
+]
+ExamplesOpt = Annotated[int, typer.Option("--n", help="Examples to overfit (2-10).")]
+StepsOpt = Annotated[int, typer.Option(help="Step budget of the overfit.")]
+LrOpt = Annotated[
+    float | None, typer.Option(help="Learning rate (default: 1e-3 with an adapter, 1e-4 full fine-tuning).")
+]
+
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -117,7 +145,7 @@ def preflight_command(
     ] = None,
     sample: Annotated[int, typer.Option(help="Examples for the model-side checks.")] = 256,
     num_proc: Annotated[int | None, typer.Option(help="Processes for tokenization.")] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow custom model/tokenizer code.")] = False,
+    trust_remote_code: TrustOpt = False,
     json: JsonOpt = None,
     html: HtmlOpt = None,
     select: SelectOpt = None,
@@ -209,6 +237,94 @@ def doctor_command(
     if plot is not None:
         console.print(f"[dim]plot written to {plot}[/dim]")
     _finish(report, json, html)
+
+
+@app.command("overfit")
+def overfit_command(
+    model: ModelOpt,
+    dataset: DatasetOpt,
+    tokenizer: TokenizerOpt = None,
+    split: SplitOpt = "train",
+    adapter_config: AdapterConfigOpt = None,
+    lora_r: LoraROpt = None,
+    lora_alpha: LoraAlphaOpt = None,
+    lora_target: LoraTargetOpt = None,
+    n: ExamplesOpt = 8,
+    steps: StepsOpt = 300,
+    lr: LrOpt = None,
+    max_len: MaxLenOpt = None,
+    loss_on: LossOnOpt = "completion",
+    format: FormatOpt = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the loss curve as a PNG.")] = None,
+    trust_remote_code: TrustOpt = False,
+    json: JsonOpt = None,
+    html: HtmlOpt = None,
+) -> None:
+    """Overfit a handful of examples of your pipeline: if the loss does not reach near zero, name the broken link."""
+    _quiet_libraries()
+    from hf_sanity.protocol import overfit
+
+    pipeline = _pipeline(locals())
+    report = overfit(pipeline=pipeline, steps=steps, plot=plot, with_plot=html is not None)
+    if plot is not None:
+        console.print(f"[dim]plot written to {plot}[/dim]")
+    _finish(report, json, html)
+
+
+@app.command("diagnose")
+def diagnose_command(
+    model: ModelOpt,
+    dataset: DatasetOpt,
+    tokenizer: TokenizerOpt = None,
+    split: SplitOpt = "train",
+    adapter_config: AdapterConfigOpt = None,
+    lora_r: LoraROpt = None,
+    lora_alpha: LoraAlphaOpt = None,
+    lora_target: LoraTargetOpt = None,
+    n: ExamplesOpt = 8,
+    steps: StepsOpt = 300,
+    lr: LrOpt = None,
+    max_len: MaxLenOpt = None,
+    loss_on: LossOnOpt = "completion",
+    format: FormatOpt = None,
+    repro: Annotated[
+        Path | None,
+        typer.Option(help="Folder for the single-batch reproduction (default: ./hf-sanity-repro/...)."),
+    ] = None,
+    trust_remote_code: TrustOpt = False,
+    json: JsonOpt = None,
+    html: HtmlOpt = None,
+) -> None:
+    """Run the debugging protocol in order (overfit, step-0 loss, shapes and masks, LR range, precision) and stop at
+    the first broken layer, with its fix, a single-batch reproduction and the verification checklist."""
+    _quiet_libraries()
+    from hf_sanity.protocol import diagnose
+
+    pipeline = _pipeline(locals())
+    report = diagnose(pipeline=pipeline, steps=steps, repro=repro, with_plot=html is not None)
+    _finish(report, json, html)
+
+
+def _pipeline(options: dict):
+    """The pipeline overfit and diagnose train on, built from the shared setup options."""
+    from hf_sanity.protocol.setup import from_paths
+
+    keys = (
+        "tokenizer",
+        "split",
+        "n",
+        "steps",
+        "lr",
+        "max_len",
+        "loss_on",
+        "format",
+        "adapter_config",
+        "lora_r",
+        "lora_alpha",
+        "lora_target",
+        "trust_remote_code",
+    )
+    return from_paths(options["model"], options["dataset"], command=sys.argv, **{k: options[k] for k in keys})
 
 
 def main() -> None:

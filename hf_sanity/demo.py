@@ -59,11 +59,19 @@ def run_demo(console: Console | None = None) -> int:
         use_config=False,
     )
     console.print(broken)
+
+    from hf_sanity.protocol import demo_diagnose
+
+    diagnosis = demo_diagnose(console)
+    named = diagnosis.stats.get("broken_layer")
     console.print(Rule())
     console.print(f"tiny model: {folder}", style="dim")
-    ok = not clean.has_errors and broken.has_errors
+    ok = not clean.has_errors and broken.has_errors and diagnosis.has_errors and bool(named)
     console.print(
-        "demo: the correct setup is clean and the broken one is caught" if ok else "demo: unexpected result",
+        f"demo: the correct setup is clean, the broken one is caught, and diagnose names the broken layer ({named})"
+        if ok
+        else "demo: unexpected result",
         style="bold green" if ok else "bold red",
+        soft_wrap=True,
     )
     return 0 if ok else 1

@@ -24,3 +24,8 @@ def test_num_proc_gives_the_same_report():
     one = hf_sanity.preflight(tokenizer=tok, dataset=data, max_len=64, use_config=False)
     two = hf_sanity.preflight(tokenizer=tok, dataset=data, max_len=64, num_proc=2, use_config=False)
     assert one.to_dict()["findings"] == two.to_dict()["findings"] and one.findings
+
+
+def test_lazy_exports():
+    assert hf_sanity.SanityCallback.__name__ == "SanityCallback"
+    assert callable(hf_sanity.overfit) and callable(hf_sanity.diagnose) and callable(hf_sanity.doctor)

@@ -127,7 +127,8 @@ def test_demo_shows_clean_and_broken():
     assert result.returncode == 0, result.stdout + result.stderr
     for slug in ("prompt-in-loss", "eos-not-learned", "truncated-completion"):
         assert slug in result.stdout
-    assert "the correct setup is clean and the broken one is caught" in result.stdout
+    assert "the correct setup is clean, the broken one is caught, and diagnose names the broken layer" in result.stdout
+    assert "overfit-failed" in result.stdout
 
 
 def test_html_report_page(model_dir, data_file, tmp_path):

@@ -1,17 +1,51 @@
-"""Protocol rules: the ordered debugging protocol of `overfit` and `diagnose`."""
+"""Protocol rules: the ordered debugging protocol of `overfit` and `diagnose`.
+
+The detectors are pure functions over measurements (:class:`GradientPath`, :class:`OverfitRun`,
+:class:`LRSweep`, :class:`PrecisionRun`); `hf_sanity.protocol` takes the measurements on a copy of the
+user's model and hands them here. Thresholds are the named constants below, quoted in each ``detects``:
+
+* *near zero* (overfit): the loss on the handful of examples falls to 0.1 nat/token (every supervised token
+  predicted with ~90% probability, geometric mean) or to 5% of its step-0 value, whichever is larger; the
+  step-0 value is capped at chance, ln(V), so a broken init that starts far above chance cannot lower the bar.
+* *divergence* (LR range): the loss is non-finite, or above both 4x its best value so far (fastai's
+  ``lr_find`` stop rule) and its best value plus a quarter of its starting value (so oscillations around a
+  memorised, near-zero loss do not count).
+* *precision tolerance*: 8 unit roundoffs of the half format relative to the float32 loss (bf16: 3.1%,
+  fp16: 0.39%), plus 0.02 nat: a half-precision forward pass rounds at every op, and a few roundoffs of
+  relative error on the mean loss is its normal noise; more means a module lost range or precision.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
 from hf_sanity.catalog import define
+from hf_sanity.findings import Finding
+
+NEAR_ZERO_NATS = 0.1
+NEAR_ZERO_FRACTION = 0.05
+DIVERGE_RATIO = 4.0
+DIVERGE_FLOOR = 0.25  # of the starting loss
+SUGGEST_BELOW = 10.0  # the suggested LR is an order of magnitude below divergence
+PRECISION_ROUNDOFFS = 8
+PRECISION_ATOL = 0.02
+UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
 
 OVERFIT_FAILED = define(
     "overfit-failed",
     severity="error",
     stage="protocol",
     symptom="The model cannot overfit a handful of examples: the pipeline is broken, not the hyperparameters.",
-    detects="Training on 2-10 examples with regularisation off does not bring their loss near zero; the "
-    "gradient path is then measured: no trainable params, params not in the optimizer, no gradient reaching "
-    "them, labels all masked, loss not connected to the parameters being updated.",
+    detects="2-10 examples from the real pipeline (same tokenization, collator, adapter, optimizer class) are "
+    "trained on alone with regularisation off (dropout 0, weight decay 0) on a copy of the model. The loss must "
+    "reach near zero: 0.1 nat/token or 5% of its step-0 value (capped at ln(V)), whichever is larger. The "
+    "gradient path is measured, not guessed: label positions that carry loss, parameters that require grad, "
+    "which of them the optimizer holds, the loss's grad_fn, every parameter's .grad after one backward and "
+    "whether one optimizer step changes them. The first broken link is named: labels all masked, no "
+    "trainable params, params not in the optimizer, loss not connected to the parameters being updated, no "
+    "gradient reaching them, an optimizer step that updates nothing; with the path intact, the loss stalls.",
     fix="Fix the broken part of the gradient path named in the evidence before tuning anything.",
 )
 
@@ -20,8 +54,10 @@ LR_RANGE = define(
     severity="info",
     stage="protocol",
     symptom="Which learning rate to use.",
-    detects="A short exponential LR sweep; the loss is tracked until it diverges, and a base LR is suggested "
-    "below the divergence point.",
+    detects="A short exponential LR sweep (1e-7 to 1, 8 steps per decade) with the setup's optimizer class on "
+    "a copy of the model, on the overfit examples. The loss diverges at the first LR where it is non-finite or "
+    "above both 4x its best value so far and its best value plus a quarter of its starting value; the "
+    "suggested base LR is an order of magnitude below. A configured LR at or past divergence is a warning.",
     fix="Use the suggested learning rate as a starting point.",
 )
 
@@ -30,7 +66,427 @@ PRECISION_MISMATCH = define(
     severity="error",
     stage="protocol",
     symptom="Training in half precision diverges or behaves differently than in float32.",
-    detects="The same batch in float32 against bf16/fp16 where available: the loss differs beyond tolerance or "
-    "turns non-finite.",
+    detects="The same batch's loss in float32 against bf16 and fp16 autocast where the device supports them: "
+    "a non-finite half-precision loss, or one that differs from float32 by more than 8 unit roundoffs of the "
+    "format relative to it (bf16 3.1%, fp16 0.39%) plus 0.02 nat. The first weight or float32 module output "
+    "beyond the format's range is named.",
     fix="Train in bf16 (wider range than fp16), keep the loss and norms in fp32, or use fp32 for the unstable modules.",
 )
+
+
+# -- overfit ---------------------------------------------------------------------------------------
+@dataclass
+class GradientPath:
+    """What one forward/backward/step on the overfit batch measured (``None``: not measurable)."""
+
+    supervised_tokens: int | None = None  # label positions that carry loss (after the shift); None: no labels
+    label_positions: int = 0
+    trainable: int = 0  # parameter tensors that require grad
+    trainable_elements: int = 0
+    total_elements: int = 0
+    in_optimizer: int = 0  # trainable tensors the optimizer holds
+    not_in_optimizer: list[str] = field(default_factory=list)  # their names (trainable, not held)
+    not_in_optimizer_elements: int = 0
+    optimizer_frozen: int = 0  # tensors the optimizer holds that do not require grad
+    optimizer_foreign: int = 0  # tensors the optimizer holds that are not the model's
+    optimizer: str = ""
+    loss: float | None = None
+    loss_error: str | None = None
+    loss_requires_grad: bool = False
+    loss_grad_fn: str | None = None
+    grad_none: int = 0  # optimizer tensors whose .grad is None after backward
+    grad_zero: int = 0  # ... all zero
+    grad_nonfinite: int = 0
+    grad_nonzero: int = 0
+    no_grad_names: list[str] = field(default_factory=list)  # trainable tensors without a non-zero gradient
+    updated: int | None = None  # optimizer tensors changed by one step
+    never_updated: list[str] | None = None  # optimizer tensors still at their initial value after training
+
+    @property
+    def measured_backward(self) -> bool:
+        return self.loss_error is None and self.loss_grad_fn is not None
+
+
+@dataclass
+class Cause:
+    key: str
+    part: str  # the part of the gradient path, in words
+    message: str
+    fix: str
+
+
+def gradient_path_cause(path: GradientPath) -> Cause | None:
+    """The first broken link of the gradient path that no amount of training can get past, or None."""
+    if path.supervised_tokens == 0:
+        return Cause(
+            "labels-masked",
+            "labels all masked",
+            f"labels all masked: none of the {path.label_positions} label positions carries loss (all -100)",
+            "Check the response template / assistant mask (it must match the rendered text: a template that is "
+            "never found masks everything), `completion_only_loss`/`assistant_only_loss`, and max_len (completions "
+            "cut away entirely).",
+        )
+    if path.loss_error is not None:
+        return Cause(
+            "loss-error",
+            "loss not computable",
+            f"the loss cannot be computed on the batch: {path.loss_error}",
+            "Make the model return a finite loss on the collated batch (labels present, shapes matching input_ids, "
+            "token ids inside the vocabulary).",
+        )
+    if path.trainable == 0:
+        return Cause(
+            "no-trainable-params",
+            "no trainable params",
+            f"no trainable params: none of the model's {path.total_elements:,} parameters requires grad",
+            "Attach the adapter with peft.get_peft_model (its target_modules must name modules of this model) or "
+            "unfreeze the layers to train, before building the optimizer.",
+        )
+    if path.in_optimizer == 0:
+        held = (
+            f"; it holds {path.optimizer_frozen} frozen and {path.optimizer_foreign} foreign tensors"
+            if path.optimizer_frozen or path.optimizer_foreign
+            else ""
+        )
+        return Cause(
+            "params-not-in-optimizer",
+            "params not in the optimizer",
+            f"params not in the optimizer: none of the {path.trainable} trainable tensors "
+            f"({path.trainable_elements:,} weights) is in the optimizer{held}",
+            "Build the optimizer after the adapter is attached and from the model that is trained "
+            "(`AdamW(p for p in model.parameters() if p.requires_grad)`), or let the Trainer create it.",
+        )
+    if not path.loss_requires_grad or path.loss_grad_fn is None:
+        how = "does not require grad" if not path.loss_requires_grad else "is a leaf (grad_fn=None)"
+        return Cause(
+            "loss-not-connected",
+            "loss not connected",
+            f"loss not connected to the parameters being updated: the loss {how}, so backward reaches none of "
+            f"the {path.in_optimizer} trainable tensors",
+            "Return the loss tensor the forward pass built: no .detach(), .item(), torch.tensor(loss) or "
+            "torch.no_grad() between the model output and the returned loss; with gradient checkpointing and "
+            "frozen embeddings call model.enable_input_require_grads().",
+        )
+    if path.grad_nonzero == 0 and path.grad_none == path.in_optimizer:
+        return Cause(
+            "loss-not-connected",
+            "loss not connected",
+            f"loss not connected to the parameters being updated: the loss has a graph ({path.loss_grad_fn}) but "
+            f"after backward none of the {path.in_optimizer} tensors in the optimizer has a .grad",
+            "The loss is computed from tensors that do not depend on the trained parameters: check custom "
+            "compute_loss / forward code for detached or recomputed tensors, and that the optimizer holds the "
+            "parameters of the model that computes the loss.",
+        )
+    if path.grad_nonzero == 0:
+        what = "non-finite" if path.grad_nonfinite else "zero"
+        return Cause(
+            "no-gradient",
+            "no gradient reaching the params",
+            f"no gradient reaching the params: every one of the {path.in_optimizer} tensors in the optimizer got "
+            f"a {what} or missing gradient ({path.grad_zero} zero, {path.grad_nonfinite} non-finite, "
+            f"{path.grad_none} None)",
+            "A path between the trained parameters and the loss multiplies by zero or is cut (a scale of 0, a "
+            "masked or detached branch, a hook): find where the gradient stops with the tensors named in the "
+            "evidence.",
+        )
+    if path.updated == 0:
+        return Cause(
+            "no-update",
+            "optimizer step updates nothing",
+            f"the optimizer step changes none of the {path.in_optimizer} tensors it holds although their gradient "
+            "is non-zero",
+            "Check the optimizer's step (a wrapper that never calls the real one, a learning rate of 0) and any "
+            "code that restores or overwrites the weights after the step; with half-precision weights, updates "
+            "below their rounding step are lost (keep fp32 master weights).",
+        )
+    return None
+
+
+def near_zero_threshold(initial_loss: float, vocab_size: int | None) -> float:
+    """Loss (nat/token) under which the overfit examples count as memorised."""
+    start = initial_loss if math.isfinite(initial_loss) else 0.0
+    if vocab_size and vocab_size > 1:
+        start = min(start, math.log(vocab_size))
+    return max(NEAR_ZERO_NATS, NEAR_ZERO_FRACTION * max(start, 0.0))
+
+
+@dataclass
+class OverfitRun:
+    """The overfit measurements: the gradient path, then the loss on the examples at each step."""
+
+    path: GradientPath
+    losses: list[float]
+    threshold: float
+    steps: int  # the step budget
+    lr: float
+    examples: int
+    vocab_size: int | None = None
+
+    @property
+    def initial(self) -> float:
+        return self.losses[0] if self.losses else float("nan")
+
+    @property
+    def best(self) -> float:
+        finite = [x for x in self.losses if math.isfinite(x)]
+        return min(finite) if finite else float("nan")
+
+    @property
+    def reached_at(self) -> int | None:
+        """The first step whose loss is at or under the threshold."""
+        for step, loss in enumerate(self.losses):
+            if math.isfinite(loss) and loss <= self.threshold:
+                return step
+        return None
+
+    @property
+    def passed(self) -> bool:
+        return gradient_path_cause(self.path) is None and self.reached_at is not None
+
+
+def overfit_cause(run: OverfitRun) -> Cause | None:
+    """Why the examples were not overfit (None when they were)."""
+    blocking = gradient_path_cause(run.path)
+    if blocking is not None:
+        return blocking
+    if run.reached_at is not None:
+        return None
+    path = run.path
+    if path.not_in_optimizer:
+        share = path.not_in_optimizer_elements / max(path.trainable_elements, 1)
+        return Cause(
+            "params-not-in-optimizer",
+            "params not in the optimizer",
+            f"params not in the optimizer: {len(path.not_in_optimizer)} of the {path.trainable} trainable tensors "
+            f"({share:.0%} of trainable weights) are not in the optimizer and never update",
+            "Build the optimizer over every trainable parameter (after attaching the adapter), or let the Trainer "
+            "create it.",
+        )
+    if run.losses and not math.isfinite(run.losses[-1]):
+        return Cause(
+            "loss-nonfinite",
+            "loss became non-finite",
+            f"the loss became non-finite after {len(run.losses) - 1} steps at lr={run.lr:g}",
+            "Lower the learning rate (see the LR range test) and check the precision (diagnose's layer 5).",
+        )
+    stalled = path.never_updated or []
+    extra = f"; {len(stalled)} tensors in the optimizer never changed (e.g. {stalled[0]})" if stalled else ""
+    return Cause(
+        "not-converged",
+        "loss does not reach near zero",
+        f"the gradient path is intact but the loss only went from {run.initial:.3g} to {run.best:.3g} in "
+        f"{len(run.losses) - 1} steps at lr={run.lr:g} (near zero: {run.threshold:.3g}){extra}",
+        "Rerun with a larger --lr (x10) or more --steps. If it still stalls, the examples cannot be memorised: "
+        "labels that do not follow from the inputs (shuffled or misaligned), or an adapter with too little "
+        "capacity or on the wrong modules.",
+    )
+
+
+# The measurements each cause is shown with (beyond the loss curve's).
+CAUSE_EVIDENCE = {
+    "labels-masked": ("supervised_tokens", "label_positions"),
+    "loss-error": ("loss_error", "supervised_tokens"),
+    "no-trainable-params": ("trainable", "total_elements"),
+    "params-not-in-optimizer": (
+        "trainable",
+        "in_optimizer",
+        "optimizer",
+        "not_in_optimizer",
+        "optimizer_frozen",
+        "optimizer_foreign",
+    ),
+    "loss-not-connected": ("loss_grad_fn", "loss_requires_grad", "in_optimizer", "grads"),
+    "no-gradient": ("in_optimizer", "grads", "no_grad"),
+    "no-update": ("optimizer", "in_optimizer", "grads", "updated"),
+}
+CONVERGENCE_EVIDENCE = ("supervised_tokens", "trainable", "in_optimizer", "grads", "updated", "never_updated")
+
+
+def check_overfit(run: OverfitRun) -> list[Finding]:
+    cause = overfit_cause(run)
+    if cause is None:
+        return []
+    path = run.path
+    measured = {
+        "supervised_tokens": path.supervised_tokens,
+        "label_positions": path.label_positions,
+        "trainable": path.trainable,
+        "total_elements": path.total_elements,
+        "in_optimizer": path.in_optimizer,
+        "optimizer": path.optimizer,
+        "not_in_optimizer": path.not_in_optimizer[:5],
+        "optimizer_frozen": path.optimizer_frozen,
+        "optimizer_foreign": path.optimizer_foreign,
+        "loss_error": path.loss_error,
+        "loss_grad_fn": path.loss_grad_fn,
+        "loss_requires_grad": path.loss_requires_grad,
+        "grads": {
+            "nonzero": path.grad_nonzero,
+            "zero": path.grad_zero,
+            "none": path.grad_none,
+            "nonfinite": path.grad_nonfinite,
+        },
+        "no_grad": path.no_grad_names[:5],
+        "updated": path.updated,
+        "never_updated": (path.never_updated or [])[:5],
+    }
+    evidence = {
+        "cause": cause.key,
+        "broken": cause.part,
+        "loss_start": run.initial,
+        "loss_best": run.best,
+        "near_zero": round(run.threshold, 4),
+        "steps_run": max(len(run.losses) - 1, 0),
+        "lr": run.lr,
+        "examples": run.examples,
+    }
+    for key in CAUSE_EVIDENCE.get(cause.key, CONVERGENCE_EVIDENCE):
+        if measured[key] is not None and measured[key] != []:
+            evidence[key] = measured[key]
+    return [OVERFIT_FAILED.finding(cause.message, evidence=evidence, fix=cause.fix)]
+
+
+# -- LR range --------------------------------------------------------------------------------------
+@dataclass
+class LRSweep:
+    lrs: list[float]  # the LR of each step that ran
+    losses: list[float]  # the loss before that step's update
+    lr_min: float
+    lr_max: float
+    configured_lr: float | None = None
+
+    @property
+    def divergence(self) -> int | None:
+        return divergence_index(self.losses)
+
+    @property
+    def suggestion(self) -> float | None:
+        i = self.divergence
+        top = self.lrs[i] if i is not None else (self.lrs[-1] if self.lrs else None)
+        if top is None or i == 0:
+            return None
+        return top / SUGGEST_BELOW
+
+
+def divergence_index(losses: Sequence[float]) -> int | None:
+    """The first step at which the sweep's loss diverges (see the module docstring), or None."""
+    if not losses:
+        return None
+    start = losses[0]
+    best = math.inf
+    for i, loss in enumerate(losses):
+        if not math.isfinite(loss):
+            return i
+        if i > 0 and math.isfinite(start) and loss > max(DIVERGE_RATIO * best, best + DIVERGE_FLOOR * start):
+            return i
+        best = min(best, loss)
+    return None
+
+
+def check_lr_range(sweep: LRSweep) -> list[Finding]:
+    if not sweep.lrs:
+        return []
+    i = sweep.divergence
+    suggestion = sweep.suggestion
+    best_i = min(
+        (k for k, x in enumerate(sweep.losses) if math.isfinite(x)),
+        key=lambda k: sweep.losses[k],
+        default=None,
+    )
+    evidence = {
+        "diverges_at": sweep.lrs[i] if i is not None else None,
+        "suggested_lr": suggestion,
+        "lowest_loss_at": sweep.lrs[best_i] if best_i is not None else None,
+        "configured_lr": sweep.configured_lr,
+        "sweep": [
+            [float(f"{lr:.3g}"), round(x, 4) if math.isfinite(x) else str(x)]
+            for lr, x in zip(sweep.lrs, sweep.losses)
+        ],
+    }
+    if suggestion is None:
+        return [
+            LR_RANGE.finding(
+                f"the loss is non-finite or diverging from the first step (lr={sweep.lrs[0]:.0e}): no LR is stable",
+                evidence=evidence,
+                severity="warning",
+                fix="Fix the overfit and precision layers first; a setup that diverges at lr=1e-7 is broken.",
+            )
+        ]
+    if i is None:
+        message = (
+            f"the loss did not diverge up to lr={sweep.lrs[-1]:.0e}; suggested base LR {suggestion:.1e} "
+            "(an order of magnitude below the end of the sweep)"
+        )
+    else:
+        message = (
+            f"the loss diverges at lr≈{sweep.lrs[i]:.1e}; suggested base LR {suggestion:.1e} "
+            "(an order of magnitude below)"
+        )
+    configured = sweep.configured_lr
+    if configured and i is not None and configured >= sweep.lrs[i]:
+        return [
+            LR_RANGE.finding(
+                f"the configured LR {configured:.1e} is at or past where the loss diverges "
+                f"(lr≈{sweep.lrs[i]:.1e}); suggested base LR {suggestion:.1e}",
+                evidence=evidence,
+                severity="warning",
+                fix=f"Lower the learning rate to about {suggestion:.1e}.",
+            )
+        ]
+    return [
+        LR_RANGE.finding(message, evidence=evidence, fix=f"Start from a base LR of about {suggestion:.1e}.")
+    ]
+
+
+# -- precision -------------------------------------------------------------------------------------
+@dataclass
+class PrecisionRun:
+    fp32: float
+    half: dict[str, float]  # dtype name -> loss under autocast
+    skipped: dict[str, str] = field(default_factory=dict)  # dtype name -> why it was not run
+    overflow: dict[str, str] = field(default_factory=dict)  # dtype name -> first module beyond its range
+    max_abs: dict[str, float] = field(default_factory=dict)  # dtype name -> largest fp32 activation seen
+    used: str | None = None  # the half format the trainer is configured with, if any
+
+
+def precision_tolerance(dtype: str, fp32_loss: float) -> float:
+    return PRECISION_ATOL + PRECISION_ROUNDOFFS * UNIT_ROUNDOFF[dtype] * abs(fp32_loss)
+
+
+def check_precision(run: PrecisionRun) -> list[Finding]:
+    out = []
+    if not math.isfinite(run.fp32):
+        return out
+    for dtype, loss in run.half.items():
+        tolerance = precision_tolerance(dtype, run.fp32)
+        finite = math.isfinite(loss)
+        if finite and abs(loss - run.fp32) <= tolerance:
+            continue
+        where = (
+            f"; first module past the {dtype} range: {run.overflow[dtype]}" if dtype in run.overflow else ""
+        )
+        if finite:
+            message = (
+                f"the {dtype} loss {loss:.4g} differs from float32 {run.fp32:.4g} by {abs(loss - run.fp32):.3g} "
+                f"(tolerance {tolerance:.3g}){where}"
+            )
+        else:
+            message = f"the loss turns {loss} in {dtype} (float32: {run.fp32:.4g}){where}"
+        other = run.used is not None and run.used != dtype
+        out.append(
+            PRECISION_MISMATCH.finding(
+                message + (f" (you train in {run.used})" if other else ""),
+                evidence={
+                    "dtype": dtype,
+                    "loss_fp32": run.fp32,
+                    "loss_half": loss,
+                    "difference": abs(loss - run.fp32) if finite else None,
+                    "tolerance": round(tolerance, 5),
+                    "first_overflow": run.overflow.get(dtype),
+                    "max_abs_activation_fp32": run.max_abs.get(dtype),
+                    "trainer_precision": run.used,
+                },
+                severity="info" if other else None,
+            )
+        )
+    return out

@@ -1,0 +1,280 @@
+"""`diagnose()`: the ordered debugging protocol, cheapest and most decisive check first, stopping at the
+first layer that is broken (an error finding):
+
+1. overfit one batch (the gradient path);
+2. the loss at initialization against chance;
+3. shapes (every module's, via forward hooks) and masks (the preflight mask rules on the collated batch);
+4. the learning rate (an LR range test);
+5. numerical precision (float32 against bf16/fp16).
+
+The report names the broken layer and its fix, saves a single-batch reproduction, and ends with the
+verification checklist: every item ticked from what was measured, the rest shown as skipped with why.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hf_sanity.errors import UserInputError
+from hf_sanity.protocol.overfit import path_checklist, run_overfit
+from hf_sanity.protocol.setup import Pipeline, build
+from hf_sanity.rules.internal import internal_error
+from hf_sanity.rules.protocol import check_overfit
+
+LAYERS: tuple[tuple[int, str], ...] = (
+    (1, "overfit one batch"),
+    (2, "loss at initialization vs chance"),
+    (3, "shapes and masks"),
+    (4, "learning rate (LR range test)"),
+    (5, "numerical precision"),
+)
+
+
+def _item(layer: int, text: str, status: str, detail: str) -> dict[str, Any]:
+    return {"layer": layer, "item": text, "status": status, "detail": detail}
+
+
+def _status(findings) -> str:
+    severities = {f.severity for f in findings}
+    return "failed" if "error" in severities else "warning" if "warning" in severities else "passed"
+
+
+def layer_overfit(pipeline: Pipeline, report, options: dict) -> tuple[list, list]:
+    from hf_sanity.protocol.render import overfit_png, want_png
+
+    run, stats = run_overfit(pipeline, options["steps"])
+    report.stats["overfit"] = stats
+    if want_png(None, options["with_plot"]):
+        report.plots["1. overfit: loss on the examples"] = overfit_png(run)
+    return check_overfit(run), path_checklist(stats, layer=1)
+
+
+def layer_init_loss(pipeline: Pipeline, report, options: dict) -> tuple[list, list]:
+    from hf_sanity.protocol.layers import run_init_loss
+
+    model = pipeline.working_copy()
+    findings, stats = run_init_loss(pipeline, model)
+    del model
+    report.stats["init_loss"] = stats
+    text = "the step-0 loss is near chance (labels aligned, no leakage)"
+    if stats.get("loss") is None:
+        return findings, [_item(2, text, "skipped", stats.get("note", "not measured"))]
+    detail = f"{stats['loss']:.4g} nat/token vs ln(V)={stats['ln_vocab']:.4g}, model entropy {stats['model_entropy']:.4g}"
+    return findings, [_item(2, text, _status(findings), detail)]
+
+
+def layer_shapes_masks(pipeline: Pipeline, report, options: dict) -> tuple[list, list]:
+    from hf_sanity.protocol.layers import run_masks, shape_rows
+
+    model = pipeline.working_copy()
+    rows, summary = shape_rows(model, pipeline.batches[0])
+    findings, masks = run_masks(pipeline, model)
+    del model
+    report.stats["shapes"] = rows
+    report.stats["masks"] = {**masks, "shapes": summary}
+    shape_detail = f"input_ids {summary['input_ids']}, labels {summary['labels']}, logits {summary['logits']}"
+    items = [
+        _item(
+            3,
+            "tensor shapes agree through the forward pass",
+            "passed" if summary["consistent"] else "warning",
+            f"{len(rows)} module rows; {shape_detail}",
+        ),
+    ]
+    if "note" in masks:
+        items.append(_item(3, "masks: the right tokens carry loss", "skipped", masks["note"]))
+    else:
+        fired = ", ".join(masks["rules"]) or "no mask rule fired"
+        items.append(
+            _item(
+                3,
+                "masks: the right tokens carry loss",
+                _status(findings),
+                f"{masks['supervised_tokens']} of {masks['tokens']} tokens carry loss; {fired}",
+            )
+        )
+    return findings, items
+
+
+def layer_lr(pipeline: Pipeline, report, options: dict) -> tuple[list, list]:
+    from hf_sanity.protocol.layers import run_lr_range
+    from hf_sanity.protocol.render import lr_png, want_png
+    from hf_sanity.rules.protocol import check_lr_range
+
+    sweep, stats = run_lr_range(pipeline)
+    report.stats["lr_range"] = stats
+    findings = check_lr_range(sweep)
+    if want_png(None, options["with_plot"]) and sweep.lrs:
+        report.plots["4. LR range test"] = lr_png(sweep)
+    if stats["suggested_lr"] is None:
+        detail = stats.get("error") or "the loss diverges from the first step"
+        return findings, [_item(4, "an LR range with a stable base LR", "failed", detail)]
+    where = f"diverges at {stats['diverges_at']:.1e}" if stats["diverges_at"] is not None else "no divergence"
+    detail = f"{where}; suggested {stats['suggested_lr']:.1e}"
+    if stats["configured_lr"]:
+        detail += f"; configured {stats['configured_lr']:.1e}"
+    return findings, [_item(4, "an LR range with a stable base LR", _status(findings), detail)]
+
+
+def layer_precision(pipeline: Pipeline, report, options: dict) -> tuple[list, list]:
+    from hf_sanity.protocol.layers import run_precision
+    from hf_sanity.rules.protocol import check_precision
+
+    run, stats = run_precision(pipeline)
+    report.stats["precision"] = stats
+    findings = check_precision(run)
+    items = []
+    for name, row in stats["half"].items():
+        detail = f"{row['loss']:.5g} vs float32 {stats['fp32']:.5g} (tolerance {row['tolerance']:.3g})"
+        items.append(_item(5, f"the {name} loss matches float32", row["status"], detail))
+    for name, why in stats["skipped"].items():
+        items.append(_item(5, f"the {name} loss matches float32", "skipped", why))
+    return findings, items
+
+
+LAYER_RUNNERS: dict[int, Callable] = {
+    1: layer_overfit,
+    2: layer_init_loss,
+    3: layer_shapes_masks,
+    4: layer_lr,
+    5: layer_precision,
+}
+
+
+def check_repro_target(repro: str | Path | None, protected: list[Path]) -> None:
+    """Refuse, before any work, a reproduction folder inside the model or data folders."""
+    from hf_sanity.protocol.repro import _inside
+
+    if repro is None:
+        return
+    for guarded in protected:
+        if _inside(Path(repro).expanduser(), guarded):
+            raise UserInputError(
+                f"--repro {str(repro)!r} is inside {str(guarded)!r}; hf-sanity never writes into the model or "
+                "data folders: pass another folder"
+            )
+
+
+def diagnose(
+    trainer=None,
+    model=None,
+    tokenizer=None,
+    dataset=None,
+    *,
+    n: int = 8,
+    steps: int = 300,
+    lr: float | None = None,
+    max_len: int | None = None,
+    loss_on: str = "completion",
+    format: str | None = None,
+    lora=None,
+    optimizer=None,
+    repro: str | Path | None = None,
+    write_repro: bool = True,
+    with_plot: bool = True,
+    pipeline: Pipeline | None = None,
+):
+    """Run the five layers in order on the user's setup and stop at the first broken one.
+
+    Takes the same setup as :func:`hf_sanity.protocol.overfit` (``trainer=`` or ``model=``/``tokenizer=``/
+    ``dataset=``). When a layer is broken, its batch is saved as a reproduction into ``repro`` (default: a fresh
+    folder under ``./hf-sanity-repro/``) unless ``write_repro=False``. ``with_plot``: attach the loss curve and the
+    LR sweep as PNGs to ``report.plots`` (when matplotlib is installed). Nothing of the user's is modified.
+    """
+    from hf_sanity.protocol.render import ProtocolReport
+    from hf_sanity.rng import preserved_rng
+
+    started = time.perf_counter()
+    report = ProtocolReport(title="hf-sanity diagnose")
+    options = {"steps": steps, "with_plot": with_plot}
+    checklist: list[dict[str, Any]] = []
+    broken: tuple[int, str, Any] | None = None
+    with preserved_rng():
+        pipeline = build(
+            pipeline,
+            trainer=trainer,
+            model=model,
+            tokenizer=tokenizer,
+            dataset=dataset,
+            n=n,
+            steps=steps,
+            lr=lr,
+            max_len=max_len,
+            loss_on=loss_on,
+            format=format,
+            lora=lora,
+            optimizer=optimizer,
+        )
+        check_repro_target(repro, pipeline.protected)
+        report.stats["setup"] = {}  # first in the report, filled once the layers have run
+        for number, title in LAYERS:
+            if broken is not None:
+                checklist.append(
+                    _item(
+                        number,
+                        title,
+                        "skipped",
+                        f"not run: layer {broken[0]} ({broken[1]}) is broken and this layer builds on it",
+                    )
+                )
+                continue
+            try:
+                findings, items = LAYER_RUNNERS[number](pipeline, report, options)
+            except UserInputError:
+                raise
+            except Exception as exc:  # a check that breaks is a finding, and the next layer still runs
+                report.add(internal_error(f"diagnose layer {number} ({title})", exc))
+                checklist.append(
+                    _item(number, title, "skipped", f"the check raised {type(exc).__name__}: {exc}")
+                )
+                continue
+            report.extend(findings)
+            checklist.extend(items)
+            errors = [f for f in findings if f.severity == "error"]
+            if errors:
+                broken = (number, title, errors[0])
+    report.stats["setup"] = pipeline.describe()
+    report.stats["checklist"] = checklist
+    if broken is None:
+        report.stats["broken_layer"] = None
+        counts = Counter(item["status"] for item in checklist)
+        if counts["warning"] or counts["skipped"]:
+            report.stats["verdict"] = (
+                f"no layer is broken; {counts['warning']} checks warn and {counts['skipped']} were skipped "
+                "(see the checklist)"
+            )
+        else:
+            report.stats["verdict"] = (
+                f"no layer is broken: all {len(checklist)} checks of the five layers pass"
+            )
+    else:
+        number, title, finding = broken
+        cause = finding.evidence.get("cause") or finding.rule
+        report.stats["broken_layer"] = f"{number}. {title}"
+        report.stats["cause"] = cause
+        report.stats["verdict"] = f"broken at layer {number} ({title}): {finding.message}"
+        if write_repro:
+            from hf_sanity.protocol.repro import repro_folder, save_repro
+
+            measured = {
+                1: report.stats.get("overfit", {}).get("gradient_path"),
+                2: report.stats.get("init_loss"),
+                3: report.stats.get("masks"),
+                4: report.stats.get("lr_range"),
+                5: report.stats.get("precision"),
+            }[number]
+            folder = repro_folder(repro, pipeline.protected)
+            report.stats["repro"] = save_repro(
+                pipeline,
+                folder,
+                layer=f"layer {number} ({title})",
+                message=finding.message,
+                cause=cause,
+                measured={"rule": finding.rule, "evidence": finding.evidence, "layer_stats": measured},
+            )
+    report.stats["seconds"] = round(time.perf_counter() - started, 2)
+    return report

@@ -1,0 +1,398 @@
+"""Layer 1: overfit a handful of examples, measuring the gradient path on the way.
+
+A working copy of the model is trained on the pipeline's examples alone. The first step is also the probe:
+its forward pass gives the loss and its grad_fn, its backward pass every parameter's ``.grad``, its optimizer
+step whether the parameters move. :func:`hf_sanity.rules.protocol.check_overfit` then judges the measurements.
+When the probe already shows a break no training can get past (no trainable params, nothing in the optimizer,
+a detached loss, ...) only a short confirmation run follows, to show the flat curve.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from hf_sanity.protocol.setup import (
+    Bound,
+    Pipeline,
+    build,
+    label_positions,
+    model_device,
+    supervised_count,
+    to_device,
+)
+from hf_sanity.rules.protocol import (
+    GradientPath,
+    OverfitRun,
+    check_overfit,
+    gradient_path_cause,
+    near_zero_threshold,
+    overfit_cause,
+)
+
+CONFIRM_STEPS = 20  # steps run to show the curve when the gradient path is already known to be broken
+MAX_NAMES = 10
+
+
+def micro_weights(batches: list[dict]) -> list[float]:
+    """Each micro-batch's share of the supervised tokens: the mean loss over all examples is their weighted sum."""
+    counts = [supervised_count(b) for b in batches]
+    if any(c is None for c in counts) or sum(counts) == 0:
+        return [1.0 / len(batches)] * len(batches)
+    total = sum(counts)
+    return [c / total for c in counts]
+
+
+def forward_loss(bound: Bound, batches: list[dict], weights: list[float]):
+    """(combined loss, the first micro-batch's loss as returned): the returned one is what grad_fn is read from."""
+    device = model_device(bound.model)
+    first = None
+    total = None
+    for batch, weight in zip(batches, weights):
+        loss = bound.loss(to_device(batch, device))
+        if not hasattr(loss, "requires_grad"):
+            raise TypeError(f"the loss is a {type(loss).__name__}, not a tensor")
+        if loss.numel() != 1:
+            loss = loss.mean()
+        first = loss if first is None else first
+        term = loss * weight if len(batches) > 1 else loss
+        total = term if total is None else total + term
+    return total, first
+
+
+def optimizer_params(optimizer) -> list:
+    return [p for group in getattr(optimizer, "param_groups", []) for p in group["params"]]
+
+
+def _clip(params: list, max_norm: float | None) -> None:
+    import torch
+
+    with_grad = [p for p in params if p.grad is not None]
+    if max_norm and with_grad:
+        torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def _signature(p) -> tuple[float, float]:
+    """Two numbers that change when a tensor does (no copy of it is made)."""
+    import torch
+
+    data = p.detach()
+    return float(torch.sum(data, dtype=torch.float64)), float(
+        torch.linalg.vector_norm(data, dtype=torch.float64)
+    )
+
+
+def probe(pipeline: Pipeline, bound: Bound, weights: list[float]) -> tuple[GradientPath, float]:
+    """The gradient path, measured on the first training step (which it performs). Returns the path and the
+    step-0 loss."""
+    import torch
+
+    model, optimizer = bound.model, bound.optimizer
+    path = GradientPath(optimizer=type(optimizer).__name__)
+    named = list(model.named_parameters())
+    path.total_elements = sum(p.numel() for _, p in named)
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    path.trainable = len(trainable)
+    path.trainable_elements = sum(p.numel() for _, p in trainable)
+    held = optimizer_params(optimizer)
+    held_ids = {id(p) for p in held}
+    own = {id(p): p for _, p in named}
+    path.in_optimizer = sum(1 for _, p in trainable if id(p) in held_ids)
+    missing = [(n, p) for n, p in trainable if id(p) not in held_ids]
+    path.not_in_optimizer = [n for n, _ in missing]
+    path.not_in_optimizer_elements = sum(p.numel() for _, p in missing)
+    path.optimizer_frozen = sum(1 for i in held_ids if i in own and not own[i].requires_grad)
+    path.optimizer_foreign = sum(1 for i in held_ids if i not in own) + getattr(
+        optimizer, "_hf_sanity_foreign", 0
+    )
+    counts = [supervised_count(b) for b in pipeline.batches]
+    path.supervised_tokens = None if any(c is None for c in counts) else sum(counts)
+    path.label_positions = sum(label_positions(b) for b in pipeline.batches)
+
+    for _, p in named:
+        p.grad = None
+    loss_value = float("nan")
+    try:
+        loss, first = forward_loss(bound, pipeline.batches, weights)
+        loss_value = float(loss.detach().float())
+    except Exception as exc:
+        path.loss_error = _first_line(exc)
+        return path, loss_value
+    path.loss = loss_value
+    path.loss_requires_grad = bool(first.requires_grad)
+    path.loss_grad_fn = type(first.grad_fn).__name__ if first.grad_fn is not None else None
+    if not math.isfinite(loss_value) and path.supervised_tokens != 0:
+        path.loss_error = f"the step-0 loss is {loss_value}"
+        return path, loss_value
+    if loss.requires_grad:
+        try:
+            loss.backward()
+        except Exception as exc:
+            path.loss_error = f"backward failed: {_first_line(exc)}"
+            return path, loss_value
+    trained = [(n, p) for n, p in trainable if id(p) in held_ids]
+    silent = []
+    for name, p in trained:
+        if p.grad is None:
+            path.grad_none += 1
+            silent.append(name)
+        elif not bool(torch.isfinite(p.grad).all()):
+            path.grad_nonfinite += 1
+        elif bool((p.grad == 0).all()):
+            path.grad_zero += 1
+            silent.append(name)
+        else:
+            path.grad_nonzero += 1
+    path.no_grad_names = silent[:MAX_NAMES]
+    if path.grad_nonzero:
+        before = {id(p): _signature(p) for _, p in trained}
+        _clip(held, pipeline.max_grad_norm)
+        optimizer.step()
+        path.updated = sum(1 for _, p in trained if _signature(p) != before[id(p)])
+    return path, loss_value
+
+
+def train(
+    pipeline: Pipeline, bound: Bound, weights: list[float], losses: list[float], steps: int, threshold: float
+) -> None:
+    """Continue training after the probe's step; ``losses[i]`` is the loss after i updates. Stops once the loss
+    is near zero or non-finite."""
+    held = optimizer_params(bound.optimizer)
+    for step in range(1, steps + 1):
+        bound.optimizer.zero_grad(set_to_none=True)
+        for p in bound.model.parameters():
+            p.grad = None
+        loss, _ = forward_loss(bound, pipeline.batches, weights)
+        value = float(loss.detach().float())
+        losses.append(value)
+        if not math.isfinite(value) or value <= threshold or step == steps:
+            return
+        if loss.requires_grad:
+            loss.backward()
+        _clip(held, pipeline.max_grad_norm)
+        bound.optimizer.step()
+
+
+def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[str, Any]]:
+    """Train a working copy on the examples; the measurements and their stats. The user's model is untouched."""
+    import torch
+
+    from hf_sanity.rng import preserved_rng
+
+    started = time.perf_counter()
+    with preserved_rng():
+        torch.manual_seed(0)
+        model = pipeline.working_copy()
+        bound = pipeline.bind(model, pipeline.lr)
+        weights = micro_weights(pipeline.batches)
+        held = {id(p) for p in optimizer_params(bound.optimizer)}
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in held]
+        initial = {n: _signature(p) for n, p in trained}
+        path, loss0 = probe(pipeline, bound, weights)
+        threshold = near_zero_threshold(loss0, pipeline.vocab_size)
+        losses = [loss0]
+        broken = gradient_path_cause(path)
+        budget = min(steps, CONFIRM_STEPS) if broken is not None else steps
+        if path.loss_error is None and math.isfinite(loss0) and loss0 > threshold:
+            try:
+                train(pipeline, bound, weights, losses, budget, threshold)
+            except Exception as exc:  # a later step broke (after the probe's passed): report it as measured
+                path.loss_error = f"step {len(losses)}: {_first_line(exc)}"
+        if path.updated:
+            path.never_updated = [n for n, p in trained if _signature(p) == initial[n]]
+        del model, bound
+    run = OverfitRun(
+        path=path,
+        losses=losses,
+        threshold=threshold,
+        steps=steps,
+        lr=pipeline.lr,
+        examples=pipeline.examples,
+        vocab_size=pipeline.vocab_size,
+    )
+    return run, overfit_stats(run, pipeline, time.perf_counter() - started)
+
+
+def overfit_stats(run: OverfitRun, pipeline: Pipeline, seconds: float) -> dict[str, Any]:
+    cause = overfit_cause(run)
+    path = run.path
+    return {
+        "passed": cause is None,
+        "cause": cause.key if cause else None,
+        "loss_start": run.initial,
+        "loss_final": run.losses[-1] if run.losses else None,
+        "near_zero": round(run.threshold, 4),
+        "reached_at_step": run.reached_at,
+        "steps_run": max(len(run.losses) - 1, 0),
+        "step_budget": run.steps,
+        "lr": run.lr,
+        "examples": run.examples,
+        "losses": [round(x, 5) if math.isfinite(x) else str(x) for x in run.losses],
+        "gradient_path": {
+            "supervised_tokens": path.supervised_tokens,
+            "label_positions": path.label_positions,
+            "trainable": path.trainable,
+            "trainable_elements": path.trainable_elements,
+            "total_elements": path.total_elements,
+            "optimizer": path.optimizer,
+            "in_optimizer": path.in_optimizer,
+            "not_in_optimizer": path.not_in_optimizer[:MAX_NAMES],
+            "optimizer_frozen": path.optimizer_frozen,
+            "optimizer_foreign": path.optimizer_foreign,
+            "loss_grad_fn": path.loss_grad_fn,
+            "loss_requires_grad": path.loss_requires_grad,
+            "loss_error": path.loss_error,
+            "grads": {
+                "nonzero": path.grad_nonzero,
+                "zero": path.grad_zero,
+                "none": path.grad_none,
+                "nonfinite": path.grad_nonfinite,
+            },
+            "no_grad": path.no_grad_names,
+            "updated": path.updated,
+            "never_updated": path.never_updated[:MAX_NAMES] if path.never_updated is not None else None,
+        },
+        "seconds": round(seconds, 2),
+    }
+
+
+def path_checklist(stats: dict[str, Any], layer: int = 1) -> list[dict[str, Any]]:
+    """The gradient-path items of the checklist, each ticked from a measurement."""
+    path = stats["gradient_path"]
+    grads = path["grads"]
+    items = []
+
+    def item(text: str, status: str, detail: str) -> None:
+        items.append({"layer": layer, "item": text, "status": status, "detail": detail})
+
+    sup = path["supervised_tokens"]
+    if path["loss_error"] and sup != 0:
+        item("the loss is computable", "failed", path["loss_error"])
+    if sup is None:
+        item("labels carry loss", "skipped", "the batch has no labels (the loss builds its own)")
+    else:
+        item(
+            "labels carry loss",
+            "passed" if sup else "failed",
+            f"{sup} of {path['label_positions']} label positions",
+        )
+    item(
+        "trainable parameters exist",
+        "passed" if path["trainable"] else "failed",
+        f"{path['trainable']} tensors, {path['trainable_elements']:,} of {path['total_elements']:,} weights",
+    )
+    if not path["trainable"]:
+        status = "skipped"
+        detail = "nothing is trainable"
+    elif path["in_optimizer"] == 0:
+        status, detail = "failed", f"none of {path['trainable']} trainable tensors"
+    elif path["not_in_optimizer"]:
+        status, detail = "warning", f"{len(path['not_in_optimizer'])} trainable tensors missing"
+    else:
+        status, detail = "passed", f"all {path['in_optimizer']} trainable tensors ({path['optimizer']})"
+    item("the optimizer holds the trainable parameters", status, detail)
+    if path["loss_error"] or path["in_optimizer"] == 0 or not path["trainable"] or sup == 0:
+        for text in (
+            "the loss is connected to the graph",
+            "gradient reaches the parameters",
+            "an optimizer step updates them",
+        ):
+            item(text, "skipped", "not measurable past the failure above")
+    else:
+        connected = path["loss_grad_fn"] is not None and path["loss_requires_grad"]
+        item(
+            "the loss is connected to the graph",
+            "passed" if connected else "failed",
+            f"grad_fn={path['loss_grad_fn']}",
+        )
+        reach = (
+            f"{grads['nonzero']} non-zero, {grads['zero']} zero, {grads['none']} None, "
+            f"{grads['nonfinite']} non-finite"
+        )
+        item("gradient reaches the parameters", "passed" if grads["nonzero"] else "failed", reach)
+        if path["updated"] is None:
+            item("an optimizer step updates them", "skipped", "no gradient to step on")
+        else:
+            item(
+                "an optimizer step updates them",
+                "passed" if path["updated"] else "failed",
+                f"{path['updated']} of {path['in_optimizer']} tensors changed",
+            )
+    reached = stats["reached_at_step"]
+    loss_detail = (
+        f"{_num(stats['loss_start'])} -> {_num(stats['loss_final'])} in {stats['steps_run']} steps "
+        f"(near zero: {stats['near_zero']})"
+    )
+    item(
+        "the loss reaches near zero",
+        "passed" if stats["passed"] and reached is not None else "failed",
+        loss_detail,
+    )
+    return items
+
+
+def _num(value) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
+
+
+def overfit(
+    trainer=None,
+    model=None,
+    tokenizer=None,
+    dataset=None,
+    *,
+    n: int = 8,
+    steps: int = 300,
+    lr: float | None = None,
+    max_len: int | None = None,
+    loss_on: str = "completion",
+    format: str | None = None,
+    lora=None,
+    optimizer=None,
+    plot=None,
+    with_plot: bool = True,
+    pipeline: Pipeline | None = None,
+):
+    """Overfit ``n`` (2-10) examples of the real pipeline on a copy of the model; a report that says whether the
+    loss reaches near zero and, if not, which part of the gradient path is broken.
+
+    Pass ``trainer=`` (its batches, loss and optimizer class are used) or ``model=``, ``tokenizer=`` and
+    ``dataset=`` (rows tokenized as TRL does; ``lora=`` a peft LoraConfig or dict to attach an adapter,
+    ``optimizer=`` to use yours). ``plot=`` writes the loss curve as a PNG; ``with_plot`` attaches it to ``report.plots`` (for the HTML page)
+    when matplotlib is installed. Nothing of the user's is modified:
+    the model is deep-copied and the RNG states are restored.
+    """
+    from hf_sanity.protocol.render import ProtocolReport, overfit_png, want_png
+    from hf_sanity.rng import preserved_rng
+
+    started = time.perf_counter()
+    with preserved_rng():
+        pipeline = build(
+            pipeline,
+            trainer=trainer,
+            model=model,
+            tokenizer=tokenizer,
+            dataset=dataset,
+            n=n,
+            steps=steps,
+            lr=lr,
+            max_len=max_len,
+            loss_on=loss_on,
+            format=format,
+            lora=lora,
+            optimizer=optimizer,
+        )
+        run, stats = run_overfit(pipeline, steps)
+    report = ProtocolReport(title="hf-sanity overfit")
+    report.extend(check_overfit(run))
+    report.stats.update(setup=pipeline.describe(), overfit=stats, checklist=path_checklist(stats))
+    report.stats["seconds"] = round(time.perf_counter() - started, 2)
+    if want_png(plot, with_plot):
+        report.plots["overfit: loss on the examples"] = overfit_png(run, plot)
+    return report

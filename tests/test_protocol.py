@@ -1,0 +1,339 @@
+"""The debugging protocol (`overfit`, `diagnose`) on real tiny setups: each planted bug is caught with the
+right cause, a clean setup passes all five layers, and nothing of the user's is changed."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import random
+import time
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+from hf_sanity.errors import UserInputError
+from hf_sanity.preflight.encode import EncodeOptions, Encoder
+from hf_sanity.protocol import broken_setup, demo_diagnose, diagnose, overfit
+from hf_sanity.protocol.layers import half_support, run_precision
+from hf_sanity.protocol.setup import from_objects
+from hf_sanity.testing import demo_conversations, tiny_setup
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model is overhead-bound: one intra-op thread is faster, and steadier on shared CPU cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_setup("chatml", "distinct")
+
+
+@pytest.fixture
+def model(tiny):
+    return copy.deepcopy(tiny[0])
+
+
+@pytest.fixture
+def tok(tiny):
+    return tiny[1]
+
+
+def token_rows(tok, n: int = 16) -> datasets.Dataset:
+    """Completion-only labels, as TRL computes them."""
+    encoder = Encoder(tok, EncodeOptions(fmt="messages"))
+    rows = [encoder.encode(r) for r in demo_conversations(n)]
+    return datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
+
+
+def make_trainer(model, tok, tmp_path, *, cls=Trainer, optimizer=None, collator=None, train=None, **args):
+    base = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        max_steps=2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+        learning_rate=1e-2,
+    )
+    return cls(
+        model=model,
+        args=TrainingArguments(**{**base, **args}),
+        train_dataset=train if train is not None else token_rows(tok),
+        data_collator=collator or DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100),
+        optimizers=(optimizer, None),
+    )
+
+
+def cause(report) -> str:
+    [finding] = report.by_rule("overfit-failed")
+    assert finding.severity == "error"
+    return finding.evidence["cause"]
+
+
+# -- a clean setup ---------------------------------------------------------------------------------
+def test_clean_setup_overfits_and_passes_all_five_layers(model, tok):
+    started = time.perf_counter()
+    report = diagnose(model=model, tokenizer=tok, dataset=demo_conversations(16), lr=1e-2, write_repro=False)
+    assert not report.has_errors, report.summary()
+    assert report.rules() == {"lr-range"} and report.by_rule("lr-range")[0].severity == "info"
+    stats = report.stats
+    assert stats["broken_layer"] is None
+    overfit_stats = stats["overfit"]
+    assert overfit_stats["passed"] and overfit_stats["reached_at_step"] is not None
+    assert overfit_stats["loss_final"] <= overfit_stats["near_zero"] < overfit_stats["loss_start"]
+    assert overfit_stats["steps_run"] < 300
+    # every layer ran and every item was ticked from a measurement
+    assert {item["layer"] for item in stats["checklist"]} == {1, 2, 3, 4, 5}
+    assert [i for i in stats["checklist"] if i["status"] != "passed"] == []
+    # the step-0 loss of a fresh head is at chance
+    assert abs(stats["init_loss"]["loss"] - stats["init_loss"]["ln_vocab"]) < 0.5
+    # the shape table folds the repeated decoder layers and ends with the logits
+    shapes = {row["module"]: row for row in stats["shapes"]}
+    assert shapes["model.layers.*.mlp.down_proj"]["calls"] == 2
+    assert shapes["lm_head"]["output"] == f"(8, {stats['masks']['shapes']['input_ids'][1]}, 1000)"
+    # the LR range test gives a finite suggestion an order of magnitude below divergence
+    lr = stats["lr_range"]
+    assert lr["diverges_at"] is not None and math.isfinite(lr["suggested_lr"])
+    assert lr["suggested_lr"] == pytest.approx(lr["diverges_at"] / 10)
+    assert 1e-5 < lr["suggested_lr"] < 1
+    assert all(row["status"] == "passed" for row in stats["precision"]["half"].values())
+    assert all(png.startswith(PNG) for png in report.plots.values()) and len(report.plots) == 2
+    assert time.perf_counter() - started < 30
+
+
+def test_clean_trainer_diagnose_leaves_trainer_model_and_rng_untouched(model, tok, tmp_path):
+    for module in model.modules():  # regularisation the protocol switches off, on its copies only
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = 0.1
+    model.config.attention_dropout = 0.1
+    trainer = make_trainer(model, tok, tmp_path, weight_decay=0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    modes = [m.training for m in model.modules()]
+
+    report = diagnose(trainer=trainer)
+
+    assert not report.has_errors and report.stats["broken_layer"] is None, report.summary()
+    assert report.stats["setup"]["source"] == "trainer"
+    assert torch.equal(rng[0], torch.get_rng_state())
+    assert rng[1] == random.getstate() and np.array_equal(rng[2], np.random.get_state()[1])
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert flags == {n: p.requires_grad for n, p in model.named_parameters()}
+    assert all(p.grad is None for p in model.parameters())
+    assert trainer.model is model and trainer.optimizer is None and trainer.lr_scheduler is None
+    assert trainer.state.global_step == 0
+    assert trainer.args.weight_decay == 0.1 and trainer.args.learning_rate == 1e-2
+    assert model.config.attention_dropout == 0.1
+    assert all(m.attention_dropout == 0.1 for m in model.modules() if hasattr(m, "attention_dropout"))
+    assert modes == [m.training for m in model.modules()]
+    assert hooks == sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_sft_trainer_passes_and_is_left_untouched(model, tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_sanity.testing import build_tokenizer
+
+    tok = build_tokenizer("chatml", "distinct")
+    config = SFTConfig(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, report_to=[],
+                       use_cpu=True, save_strategy="no", max_length=128, learning_rate=1e-2,
+                       dataset_num_proc=None)  # fmt: skip
+    trainer = SFTTrainer(model=model, args=config, processing_class=tok,
+                         train_dataset=datasets.Dataset.from_list(demo_conversations(16)))  # fmt: skip
+    metrics = copy.deepcopy(dict(trainer._metrics))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = diagnose(trainer=trainer, write_repro=False)
+    assert not report.has_errors, [f.message for f in report.findings]
+    assert report.stats["overfit"]["passed"] and report.stats["broken_layer"] is None
+    # TRL wraps model.forward on the instance, the original forward in its closure: the copies run their own
+    # modules (the shape table sees every layer), never the user's model
+    assert "model.layers.*.mlp.down_proj" in {row["module"] for row in report.stats["shapes"]}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    # SFTTrainer.compute_loss logs metrics into the trainer: into a copy of it, not the user's
+    assert dict(trainer._metrics) == metrics
+
+
+# -- planted bugs, one cause each ------------------------------------------------------------------
+def test_no_trainable_params(model, tok):
+    model.requires_grad_(False)
+    report = overfit(model=model, tokenizer=tok, dataset=demo_conversations(8), lr=1e-2)
+    assert cause(report) == "no-trainable-params"
+    assert report.exit_code == 1
+    assert report.stats["overfit"]["steps_run"] <= 20  # the measurement decided it; training only confirms
+
+
+def test_optimizer_over_a_subset_of_the_params(model, tok, tmp_path):
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    trainer = make_trainer(model, tok, tmp_path, optimizer=torch.optim.AdamW(norms, lr=1e-2))
+    report = overfit(trainer=trainer, steps=100)
+    assert cause(report) == "params-not-in-optimizer"
+    finding = report.by_rule("overfit-failed")[0]
+    assert "model.embed_tokens.weight" in report.stats["overfit"]["gradient_path"]["not_in_optimizer"]
+    assert finding.evidence["in_optimizer"] == len(norms)
+    assert "not in the optimizer" in finding.message
+
+
+def test_optimizer_built_before_the_adapter_holds_none_of_its_params():
+    report = overfit(**broken_setup())
+    assert cause(report) == "params-not-in-optimizer"
+    path = report.stats["overfit"]["gradient_path"]
+    assert path["in_optimizer"] == 0 and path["trainable"] > 0 and path["optimizer_frozen"] > 0
+
+
+def test_detached_loss(model, tok, tmp_path):
+    class DetachingTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return loss.detach().requires_grad_(True)  # backward() runs, and reaches nothing
+
+    report = overfit(trainer=make_trainer(model, tok, tmp_path, cls=DetachingTrainer))
+    assert cause(report) == "loss-not-connected"
+    path = report.stats["overfit"]["gradient_path"]
+    assert path["loss_grad_fn"] is None and path["loss_requires_grad"] is True
+    assert report.stats["overfit"]["loss_final"] == pytest.approx(report.stats["overfit"]["loss_start"])
+
+
+class CompletionOnlyCollator:
+    """The pre-0.20 TRL recipe: mask everything up to the response template; rows without it lose all labels."""
+
+    def __init__(self, tokenizer, response_template: str):
+        self.tokenizer = tokenizer
+        self.template = tokenizer(response_template, add_special_tokens=False)["input_ids"]
+
+    def __call__(self, features):
+        batch = self.tokenizer.pad([{"input_ids": f["input_ids"]} for f in features], return_tensors="pt")
+        labels = batch["input_ids"].clone()
+        width = len(self.template)
+        for row in range(labels.shape[0]):
+            ids = batch["input_ids"][row].tolist()
+            starts = [i for i in range(len(ids) - width + 1) if ids[i : i + width] == self.template]
+            labels[row, : starts[0] + width if starts else len(ids)] = -100
+        labels[batch["attention_mask"] == 0] = -100
+        batch["labels"] = labels
+        return batch
+
+
+def test_labels_all_masked_by_a_wrong_response_template(model, tok, tmp_path):
+    rows = datasets.Dataset.from_list(
+        [{"input_ids": tok.apply_chat_template(r["messages"])["input_ids"]} for r in demo_conversations(16)]
+    )
+    collator = CompletionOnlyCollator(tok, "### Answer:")  # a Llama-2-era template on ChatML data
+    report = overfit(trainer=make_trainer(model, tok, tmp_path, collator=collator, train=rows))
+    assert cause(report) == "labels-masked"
+    assert report.stats["overfit"]["gradient_path"]["supervised_tokens"] == 0
+    assert report.stats["overfit"]["gradient_path"]["label_positions"] > 0
+
+
+def test_zero_gradient_through_a_path_multiplied_by_zero(model, tok):
+    model.lm_head.register_forward_hook(lambda module, args, output: output * 0)  # e.g. a scale left at 0
+    report = overfit(model=model, tokenizer=tok, dataset=demo_conversations(8), lr=1e-2)
+    assert cause(report) == "no-gradient"
+    grads = report.by_rule("overfit-failed")[0].evidence["grads"]
+    assert grads["nonzero"] == 0 and grads["zero"] > 0
+
+
+def test_optimizer_step_that_updates_nothing(model, tok, tmp_path):
+    class LoggingAdamW(torch.optim.AdamW):
+        def step(self, closure=None):  # a wrapper meant to log the step, that never calls the real one
+            return None
+
+    trainer = make_trainer(model, tok, tmp_path, optimizer=LoggingAdamW(model.parameters(), lr=1e-2))
+    report = overfit(trainer=trainer, steps=50)
+    assert cause(report) == "no-update"
+    assert report.stats["overfit"]["gradient_path"]["updated"] == 0
+    assert report.stats["overfit"]["gradient_path"]["optimizer"] == "LoggingAdamW"
+
+
+# -- layers ----------------------------------------------------------------------------------------
+def test_precision_catches_a_planted_fp16_overflow_and_is_silent_on_the_clean_model(model, tok):
+    if half_support(torch.device("cpu"))["float16"] is not None:
+        pytest.skip("fp16 autocast is not available on this CPU")
+    clean = from_objects(model, tok, demo_conversations(8), lr=1e-2)
+    run, _ = run_precision(clean)
+    from hf_sanity.rules.protocol import check_precision
+
+    assert check_precision(run) == [] and set(run.half) == {"bfloat16", "float16"}
+    hot = copy.deepcopy(model)
+    # weights within fp16's range (65504), activations beyond it; float32 and bf16 have the range
+    with torch.no_grad():
+        hot.model.layers[1].mlp.up_proj.weight.mul_(1e4)
+        hot.model.layers[1].mlp.down_proj.weight.mul_(1e4)
+    assert max(float(p.abs().max()) for p in hot.parameters()) < torch.finfo(torch.float16).max
+    run, stats = run_precision(from_objects(hot, tok, demo_conversations(8), lr=1e-2))
+    findings = check_precision(run)
+    assert [f.evidence["dtype"] for f in findings] == ["float16"]
+    assert findings[0].rule == "precision-mismatch" and findings[0].severity == "error"
+    assert findings[0].evidence["first_overflow"].startswith("model.layers.1.mlp.down_proj ")
+    assert math.isfinite(run.fp32) and stats["half"]["bfloat16"]["status"] == "passed"
+
+
+def test_diagnose_stops_at_the_broken_layer_and_saves_a_reproduction(model, tok):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    masked = [{"input_ids": ids, "labels": [-100] * len(ids)} for ids in token_rows(tok, 8)["input_ids"]]
+    report = diagnose(model=model, tokenizer=tok, dataset=masked, lr=1e-2)
+    assert report.stats["broken_layer"] == "1. overfit one batch" and report.stats["cause"] == "labels-masked"
+    skipped = [i for i in report.stats["checklist"] if i["layer"] > 1]
+    assert [i["layer"] for i in skipped] == [2, 3, 4, 5]
+    assert all(i["status"] == "skipped" and "layer 1" in i["detail"] for i in skipped)
+    folder = Path(report.stats["repro"]["folder"])
+    assert folder.parent == Path.cwd() / "hf-sanity-repro"  # a fresh folder under the current directory
+    tensors = load_file(str(folder / "batch.safetensors"))
+    assert set(tensors) == {"0.input_ids", "0.attention_mask", "0.labels"}
+    assert bool((tensors["0.labels"] == -100).all()) and tensors["0.input_ids"].shape[0] == 8
+    assert (folder / "reproduce.py").is_file() and "reproduce.py" in report.stats["repro"]["command"]
+    text = io.StringIO()
+    Console(file=text, width=120).print(report)
+    assert "broken at layer 1 (overfit one batch): labels all masked" in text.getvalue()
+    assert "not run: layer 1" in text.getvalue()
+
+
+def test_reproduction_never_goes_into_the_model_folder(model, tok):
+    from hf_sanity.testing import tiny_model_dir
+
+    inside = tiny_model_dir("chatml", "distinct") / "repro"
+    with pytest.raises(UserInputError, match="never writes into the model"):
+        diagnose(model=model, tokenizer=tok, dataset=demo_conversations(8), lr=1e-2, repro=inside)
+    assert not inside.exists()
+
+
+def test_bad_options_are_user_errors(model, tok):
+    with pytest.raises(UserInputError, match="between 2 and 10"):
+        overfit(model=model, tokenizer=tok, dataset=demo_conversations(8), n=11)
+    with pytest.raises(UserInputError, match="--steps"):
+        overfit(model=model, tokenizer=tok, dataset=demo_conversations(8), steps=0)
+    with pytest.raises(UserInputError, match="trainer="):
+        overfit(model=model)
+
+
+def test_demo_names_the_broken_layer_quickly():
+    started = time.perf_counter()
+    out = io.StringIO()
+    report = demo_diagnose(Console(file=out, width=100))
+    assert time.perf_counter() - started < 30
+    assert report.stats["broken_layer"] == "1. overfit one batch"
+    assert report.stats["cause"] == "params-not-in-optimizer"
+    text = out.getvalue()
+    assert "broken at layer 1 (overfit one batch)" in text and "params not in the optimizer" in text
+    assert "verification checklist" in text

@@ -1,0 +1,143 @@
+"""`hf-sanity overfit` and `hf-sanity diagnose` as a user meets them: exit codes, --json, --html, --plot, the
+reproduction folder and its script, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_sanity.testing import demo_conversations, tiny_model_dir
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run(*args, cwd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the tiny model is overhead-bound; 1 thread is steadier
+    return subprocess.run(args, capture_output=True, text=True, cwd=cwd, timeout=300, env=env)
+
+
+def cli(*args, cwd):
+    return run(sys.executable, "-m", "hf_sanity.cli", *args, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return str(tiny_model_dir("chatml", "distinct"))
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in demo_conversations(16)) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def masked_file(tmp_path, model_dir):
+    """Pre-tokenized rows whose labels are all -100: what a response template that never matches produces."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = []
+    for row in demo_conversations(8):
+        ids = tok.apply_chat_template(row["messages"])["input_ids"]
+        rows.append({"input_ids": ids, "labels": [-100] * len(ids)})
+    path = tmp_path / "masked.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_overfit_clean_exits_0_with_plot_json_and_html(model_dir, data_file, tmp_path):
+    result = cli(
+        "overfit",
+        "--model",
+        model_dir,
+        "--dataset",
+        data_file,
+        "--lr",
+        "1e-2",
+        "--plot",
+        "curve.png",
+        "--json",
+        "r.json",
+        "--html",
+        "r.html",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "near zero" in result.stdout and "verification checklist" in result.stdout
+    assert (tmp_path / "curve.png").read_bytes().startswith(PNG)
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["findings"] == [] and report["stats"]["overfit"]["passed"] is True
+    assert report["stats"]["overfit"]["loss_final"] <= report["stats"]["overfit"]["near_zero"]
+    page = (tmp_path / "r.html").read_text()
+    assert page.startswith("<!DOCTYPE html>") and "data:image/png;base64," in page
+    assert not (tmp_path / "hf-sanity-repro").exists()  # nothing is broken: nothing to reproduce
+
+
+def test_diagnose_broken_exits_1_names_the_layer_and_reproduces(model_dir, masked_file, tmp_path):
+    before = sorted(p.name for p in Path(model_dir).iterdir())
+    result = cli(
+        "diagnose",
+        "--model",
+        model_dir,
+        "--dataset",
+        masked_file,
+        "--json",
+        "r.json",
+        "--html",
+        "r.html",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "broken at layer 1 (overfit one batch): labels all masked" in " ".join(result.stdout.split())
+    report = json.loads((tmp_path / "r.json").read_text())
+    [finding] = report["findings"]
+    assert finding["rule"] == "overfit-failed" and finding["evidence"]["cause"] == "labels-masked"
+    assert [i["status"] for i in report["stats"]["checklist"] if i["layer"] > 1] == ["skipped"] * 4
+    assert 'data-rule="overfit-failed"' in (tmp_path / "r.html").read_text()
+    repro = report["stats"]["repro"]
+    folder = Path(repro["folder"])
+    assert folder.parent == tmp_path / "hf-sanity-repro" and (folder / "batch.safetensors").is_file()
+    assert repro["diagnose"].startswith("hf-sanity diagnose --model ")
+    # nothing was written into the model folder
+    assert sorted(p.name for p in Path(model_dir).iterdir()) == before
+    replay = run(sys.executable, str(folder / "reproduce.py"), cwd=tmp_path)
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert "0 label positions carry loss" in replay.stdout
+
+
+def test_bad_example_count_is_one_line(model_dir, data_file, tmp_path):
+    assert_one_line_error(
+        cli("overfit", "--model", model_dir, "--dataset", data_file, "--n", "50", cwd=tmp_path),
+        "--n must be between 2 and 10",
+    )
+
+
+def test_lora_targets_that_match_nothing_are_one_line(model_dir, data_file, tmp_path):
+    result = cli(
+        "diagnose",
+        "--model",
+        model_dir,
+        "--dataset",
+        data_file,
+        "--lora-r",
+        "4",
+        "--lora-target",
+        "c_attn",
+        cwd=tmp_path,
+    )
+    assert_one_line_error(result, "cannot attach the LoRA adapter")

@@ -1,0 +1,143 @@
+"""The protocol's detectors, on numbers: which link of the gradient path is named, near zero, divergence and
+precision tolerance. No model needed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hf_sanity.protocol.render import sparkline
+from hf_sanity.rules.protocol import (
+    GradientPath,
+    LRSweep,
+    OverfitRun,
+    PrecisionRun,
+    check_lr_range,
+    check_overfit,
+    check_precision,
+    divergence_index,
+    gradient_path_cause,
+    near_zero_threshold,
+    overfit_cause,
+)
+
+HEALTHY = dict(
+    supervised_tokens=40,
+    label_positions=200,
+    trainable=4,
+    trainable_elements=1000,
+    total_elements=1000,
+    in_optimizer=4,
+    loss=6.9,
+    loss_requires_grad=True,
+    loss_grad_fn="NllLossBackward0",
+    grad_nonzero=4,
+    updated=4,
+)
+
+
+def path(**changes) -> GradientPath:
+    return GradientPath(**{**HEALTHY, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({}, None),
+        ({"supervised_tokens": 0, "loss": math.nan}, "labels-masked"),
+        ({"supervised_tokens": 0, "trainable": 0}, "labels-masked"),  # the first broken link wins
+        ({"loss_error": "ValueError: shapes"}, "loss-error"),
+        ({"trainable": 0, "trainable_elements": 0, "in_optimizer": 0}, "no-trainable-params"),
+        ({"in_optimizer": 0, "optimizer_frozen": 3}, "params-not-in-optimizer"),
+        ({"loss_grad_fn": None}, "loss-not-connected"),
+        ({"loss_requires_grad": False, "loss_grad_fn": None}, "loss-not-connected"),
+        ({"grad_nonzero": 0, "grad_none": 4, "updated": None}, "loss-not-connected"),
+        ({"grad_nonzero": 0, "grad_zero": 4, "updated": None}, "no-gradient"),
+        ({"grad_nonzero": 0, "grad_zero": 2, "grad_none": 2, "updated": None}, "no-gradient"),
+        ({"grad_nonzero": 0, "grad_nonfinite": 4, "updated": None}, "no-gradient"),
+        ({"updated": 0}, "no-update"),
+        ({"not_in_optimizer": ["lm_head.weight"]}, None),  # partial: only a cause when the overfit fails
+    ],
+)
+def test_gradient_path_cause(changes, expected):
+    found = gradient_path_cause(path(**changes))
+    assert (found.key if found else None) == expected
+
+
+def run(losses, **changes) -> OverfitRun:
+    return OverfitRun(
+        path=path(**changes),
+        losses=losses,
+        threshold=near_zero_threshold(losses[0], 1000),
+        steps=300,
+        lr=1e-3,
+        examples=8,
+        vocab_size=1000,
+    )
+
+
+def test_near_zero_threshold():
+    assert near_zero_threshold(6.9, 1000) == pytest.approx(0.05 * 6.9)  # 5% of the start
+    assert near_zero_threshold(1.2, 128_000) == pytest.approx(0.1)  # 0.1 nat/token floor
+    assert near_zero_threshold(80.0, 1000) == pytest.approx(0.05 * math.log(1000))  # start capped at chance
+    assert near_zero_threshold(math.nan, 1000) == pytest.approx(0.1)
+
+
+def test_overfit_verdicts():
+    assert overfit_cause(run([6.9, 3.0, 0.2])) is None and check_overfit(run([6.9, 3.0, 0.2])) == []
+    stalled = run([6.9, 5.0, 4.0], never_updated=["model.norm.weight"])
+    assert (
+        overfit_cause(stalled).key == "not-converged"
+        and "model.norm.weight" in overfit_cause(stalled).message
+    )
+    partial = run([6.9, 5.0], not_in_optimizer=["lm_head.weight"], not_in_optimizer_elements=640)
+    assert overfit_cause(partial).key == "params-not-in-optimizer" and "64%" in overfit_cause(partial).message
+    assert overfit_cause(run([6.9, 8.0, math.inf])).key == "loss-nonfinite"
+    # near zero at step 0 with no label carrying loss is not a pass (SFTTrainer's loss is 0 on such batches)
+    [finding] = check_overfit(run([0.0], supervised_tokens=0))
+    assert finding.evidence["cause"] == "labels-masked" and finding.severity == "error"
+
+
+def test_divergence_index():
+    assert divergence_index([6.9, 6.9, 6.0, 3.0, 1.0, 0.5]) is None
+    assert divergence_index([6.9, 6.0, 1.0, 5.0]) == 3  # > 4 x best and > best + 0.25 x start
+    assert divergence_index([6.9, 6.0, math.nan]) == 2
+    # a memorised loss wobbling from 0.01 to 0.05 (5x, but 0.04 nat) is not a divergence
+    assert divergence_index([6.9, 1.0, 0.01, 0.05, 0.02]) is None
+
+
+def test_lr_range_suggests_an_order_of_magnitude_below_divergence():
+    lrs = [1e-4, 1e-3, 1e-2, 1e-1]
+    sweep = LRSweep(lrs=lrs, losses=[6.9, 5.0, 1.0, 9.0], lr_min=1e-4, lr_max=1.0, configured_lr=2e-4)
+    [finding] = check_lr_range(sweep)
+    assert finding.severity == "info" and sweep.suggestion == pytest.approx(1e-2)
+    assert finding.evidence["diverges_at"] == pytest.approx(1e-1)
+    too_high = LRSweep(lrs=lrs, losses=[6.9, 5.0, 1.0, 9.0], lr_min=1e-4, lr_max=1.0, configured_lr=0.5)
+    [warning] = check_lr_range(too_high)
+    assert warning.severity == "warning" and "past where the loss diverges" in warning.message
+    broken = LRSweep(lrs=[1e-7], losses=[math.nan], lr_min=1e-7, lr_max=1.0)
+    assert broken.suggestion is None and check_lr_range(broken)[0].severity == "warning"
+
+
+def test_precision_tolerance():
+    assert check_precision(PrecisionRun(fp32=2.0, half={"bfloat16": 2.05, "float16": 2.02})) == []
+    [finding] = check_precision(PrecisionRun(fp32=2.0, half={"bfloat16": 2.3}))
+    assert finding.severity == "error" and finding.evidence["tolerance"] == pytest.approx(
+        0.02 + 8 * 2**-8 * 2.0
+    )
+    [overflow] = check_precision(
+        PrecisionRun(fp32=2.0, half={"float16": math.nan}, overflow={"float16": "x.mlp"})
+    )
+    assert "turns nan in float16" in overflow.message and "x.mlp" in overflow.message
+    # a trainer configured for bf16 is told about fp16, not failed by it
+    [note] = check_precision(
+        PrecisionRun(fp32=2.0, half={"bfloat16": 2.0, "float16": math.inf}, used="bfloat16")
+    )
+    assert note.severity == "info" and note.evidence["trainer_precision"] == "bfloat16"
+
+
+def test_sparkline():
+    assert sparkline([3, 2, 1]) == "█▅▁"
+    assert sparkline([1, math.nan, "nan"]) == "▁××"
+    assert len(sparkline(list(range(500)), width=40)) == 40
