@@ -1,0 +1,147 @@
+"""Full fine-tuning with `transformers.Trainer` (every weight trains), checked by hf-sanity.
+
+Top to bottom:
+  1. load the model, its tokenizer and a conversation dataset (a `messages` column);
+  2. tokenize with the chat template, loss on the assistant turns only;
+  3. preflight the conversations and the exact batches before a single step (stop on errors);
+  4. train with `SanityCallback` watching every step; save the model and tokenizer together, so inference
+     renders conversations with the very template training used.
+
+Run it:
+    python recipes/full_finetune.py               # the embedded tiny model and demo data, on CPU, in seconds
+    python recipes/full_finetune.py --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset train.jsonl \\
+        --max-len 2048 --max-steps 1000 --lr 2e-5 --bf16 --output-dir out/smollm-full
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import datasets
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+import hf_sanity
+from hf_sanity.callback import SanityCallback
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="model folder or hub id (default: the embedded tiny model)")
+    parser.add_argument("--dataset", help="JSONL or hub id with a `messages` column (default: demo data)")
+    parser.add_argument("--output-dir", default="out/full_finetune")
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--max-steps", type=int, default=60)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--force", action="store_true", help="train even when preflight finds errors")
+    return parser.parse_args(argv)
+
+
+def encode_fn(tokenizer, max_len):
+    """Chat template for the text; loss on the assistant turns only, EOS/end-of-turn included."""
+
+    def render(messages, **kwargs):
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+    def count(text):
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def encode(row):
+        messages = row["messages"]
+        ids = tokenizer(render(messages), add_special_tokens=False)["input_ids"]
+        labels = [-100] * len(ids)
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                start = count(render(messages[:i], add_generation_prompt=True))
+                end = count(render(messages[: i + 1]))
+                labels[start:end] = ids[start:end]
+        return {"input_ids": ids[:max_len], "labels": labels[:max_len]}
+
+    return encode
+
+
+def collate_fn(pad_id):
+    """Right padding; padding masked by position, never by token id (pad == EOS cannot mask EOS)."""
+
+    def collate(rows):
+        width = max(len(r["input_ids"]) for r in rows)
+        batch = {"input_ids": [], "labels": [], "attention_mask": []}
+        for r in rows:
+            pad = width - len(r["input_ids"])
+            batch["input_ids"].append(r["input_ids"] + [pad_id] * pad)
+            batch["labels"].append(r["labels"] + [-100] * pad)
+            batch["attention_mask"].append([1] * len(r["input_ids"]) + [0] * pad)
+        return {k: torch.tensor(v) for k, v in batch.items()}
+
+    return collate
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.model is None:
+        from hf_sanity.testing import tiny_model_dir
+
+        args.model = str(tiny_model_dir("llama3", "distinct"))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=torch.bfloat16 if args.bf16 else torch.float32
+    )
+    if args.dataset is None:
+        from hf_sanity.testing import demo_conversations
+
+        rows = datasets.Dataset.from_list(demo_conversations(64))
+    else:
+        from hf_sanity.preflight.sources import load_dataset_ref
+
+        rows = load_dataset_ref(args.dataset)
+
+    report = hf_sanity.preflight(model=model, tokenizer=tokenizer, dataset=rows, max_len=args.max_len)
+    report.print()
+    if report.has_errors and not args.force:
+        sys.exit("preflight found errors (see above); fix them or pass --force")
+
+    train = rows.map(encode_fn(tokenizer, args.max_len), remove_columns=rows.column_names)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    sanity = SanityCallback(abort_on="error")
+    trainer = Trainer(
+        model=model,
+        args=TrainingArguments(
+            output_dir=args.output_dir,
+            max_steps=args.max_steps,
+            per_device_train_batch_size=args.batch_size,
+            learning_rate=args.lr,
+            weight_decay=0.01,
+            lr_scheduler_type="cosine",
+            warmup_steps=max(1, args.max_steps // 20),
+            logging_steps=max(1, args.max_steps // 20),
+            save_strategy="no",
+            bf16=args.bf16,
+            report_to=[],
+            seed=0,
+        ),
+        train_dataset=train,
+        data_collator=collate_fn(pad_id),
+        processing_class=tokenizer,
+        callbacks=[sanity],
+    )
+    batches = hf_sanity.preflight(trainer=trainer)
+    batches.print()
+    if batches.has_errors and not args.force:
+        sys.exit("preflight on the batches found errors (see above); fix them or pass --force")
+
+    trainer.train()
+    trainer.save_model(
+        Path(args.output_dir) / "final"
+    )  # the tokenizer (and its chat template) travels with it
+    print(
+        f"\nmodel: {Path(args.output_dir) / 'final'}\ntraining report: {Path(args.output_dir) / 'hf-sanity'}"
+    )
+    return 1 if sanity.report.has_errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

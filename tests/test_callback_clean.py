@@ -1,0 +1,134 @@
+"""SanityCallback on healthy runs: nothing above info, the run is bit-for-bit the run without the callback,
+and a check that breaks becomes an internal-error finding while training goes on."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from dist import tinytrain as tt
+
+from hf_sanity.callback import SanityCallback
+
+
+def watch(**kwargs) -> SanityCallback:
+    # Frequent reads and probes: every mechanism of the callback runs many times in a short run.
+    kwargs = {"check_every": 2, "probe_every": 3, **kwargs}
+    return SanityCallback(use_config=False, print_findings=False, **kwargs)
+
+
+def above_info(callback) -> list[str]:
+    return [f"{f.rule}@{f.step}: {f.message}" for f in callback.report.findings if f.severity != "info"]
+
+
+def test_clean_full_fine_tune_is_silent(tmp_path):
+    model, tok = tt.setup()
+    cb = watch()
+    trainer = tt.trainer(
+        tmp_path, callbacks=[cb], model=model, tok=tok, max_steps=30, eval_strategy="steps", eval_steps=10,
+        eval_dataset=tt.rows(tok, 8),
+    )  # fmt: skip
+    trainer.train()
+    assert above_info(cb) == []
+    assert cb.report.stats["steps"] == 30 and (tmp_path / "hf-sanity" / "report.json").is_file()
+    losses = tt.step_losses(trainer)
+    assert losses[-1] < losses[0] - 1.0  # it did learn: silence is not blindness
+
+
+def test_clean_lora_is_silent(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = tt.setup()
+    config = LoraConfig(
+        r=8, lora_alpha=16, target_modules="all-linear", modules_to_save=["lm_head"], task_type="CAUSAL_LM"
+    )
+    model = get_peft_model(model, config)
+    cb = watch()
+    trainer = tt.trainer(
+        tmp_path, callbacks=[cb], model=model, tok=tok, max_steps=30, learning_rate=5e-3,
+        eval_strategy="steps", eval_steps=10, eval_dataset=tt.rows(tok, 8),
+    )  # fmt: skip
+    trainer.train()
+    assert above_info(cb) == []
+    losses = tt.step_losses(trainer)
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_clean_sft_trainer_with_completion_only_loss_is_silent(tmp_path):
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_sanity.testing import as_prompt_completion, demo_conversations
+
+    model, tok = tt.setup()
+    data = datasets.Dataset.from_list(as_prompt_completion(demo_conversations(32), conversational=True))
+    config = SFTConfig(
+        output_dir=str(tmp_path), max_steps=30, per_device_train_batch_size=4, learning_rate=3e-3,
+        logging_steps=5, report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+        completion_only_loss=True, max_length=128, lr_scheduler_type="constant",
+    )  # fmt: skip
+    cb = watch()
+    trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tok, callbacks=[cb])
+    trainer.train()
+    assert above_info(cb) == []
+    assert cb.report.stats["transfers"] >= 1  # it did watch
+    losses = tt.step_losses(trainer)
+    assert losses[-1] < losses[0] - 1.0
+
+
+def fine_tune(output_dir, callbacks=()):
+    """A run where randomness matters (dropout on, shuffled data) with an evaluation in the middle."""
+    model, tok = tt.setup(dropout=0.1)
+    trainer = tt.trainer(
+        output_dir, callbacks=list(callbacks), model=model, tok=tok, max_steps=12, logging_steps=1,
+        eval_strategy="steps", eval_steps=5, eval_dataset=tt.rows(tok, 8),
+    )  # fmt: skip
+    trainer.train()
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    return tt.step_losses(trainer), weights, rng, trainer
+
+
+def test_a_run_with_the_callback_is_bit_for_bit_the_run_without(tmp_path):
+    losses, weights, rng, _ = fine_tune(tmp_path / "without")
+    cb = watch(check_every=1, probe_every=2)
+    losses_cb, weights_cb, rng_cb, trainer = fine_tune(tmp_path / "with", [cb])
+    assert cb.report.stats["transfers"] >= 12 and cb.report.stats["reads"] >= 12  # it did all its work
+    assert losses_cb == losses
+    assert all(torch.equal(weights[name], weights_cb[name]) for name in weights)
+    assert torch.equal(rng[0], rng_cb[0]) and rng[1] == rng_cb[1] and np.array_equal(rng[2], rng_cb[2])
+    assert "training_step" not in vars(trainer) and "_get_grad_norm" not in vars(
+        trainer
+    )  # unwrapped at the end
+    assert not trainer.model._forward_pre_hooks and not trainer.model._forward_hooks
+
+
+def test_a_check_that_breaks_is_an_internal_error_and_training_goes_on(tmp_path, monkeypatch):
+    from hf_sanity.monitors import GradientMonitor, first_batch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(GradientMonitor, "update", broken)
+    monkeypatch.setattr(first_batch, "token_findings", broken)
+    _, weights, _, _ = fine_tune(tmp_path / "without")
+    cb = watch()
+    losses_cb, weights_cb, _, trainer = fine_tune(tmp_path / "with", [cb])
+    internal = cb.report.by_rule("internal-error")
+    assert sorted(f.evidence["check"] for f in internal) == ["first-batch", "grad-explosion"]  # once each
+    assert all("planted failure" in f.message for f in internal)
+    assert trainer.state.global_step == 12 and len(losses_cb) == 12
+    assert all(torch.equal(weights[name], weights_cb[name]) for name in weights)
+
+
+@pytest.mark.parametrize("select", [["nonfinite-loss"], ["predictions-frozen"], ["memory-growth"]])
+def test_only_the_selected_rules_do_work(tmp_path, select):
+    cb = watch(select=select)
+    trainer = tt.trainer(tmp_path, callbacks=[cb], max_steps=4)
+    trainer.train()
+    checks = {
+        name for name in cb.report.stats["callback_seconds_by_check"] if not name.startswith("callback-")
+    }
+    assert checks <= {*select, "first-batch", "curves", "report"}  # plumbing aside, no other rule's work ran

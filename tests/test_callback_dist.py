@@ -1,0 +1,61 @@
+"""SanityCallback under torchrun: 2 processes, gloo, CPU (tests/dist/ddp_run.py). No deadlock; a NaN on one
+rank is reported at its step with that rank, in one report written by the main process; replicas that
+bypass DDP and drift apart are ranks-diverged."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "dist" / "ddp_run.py"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), str(SCRIPT), str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def findings(path: Path) -> list[tuple]:
+    data = json.loads(path.read_text())
+    return [(f["rule"], f["step"], f["evidence"].get("rank")) for f in data["findings"]]
+
+
+def test_a_nan_on_one_rank_is_reported_once_by_the_main_process(ddp_runs):
+    run = ddp_runs / "nan"
+    assert sorted(p.name for p in (run / "hf-sanity").glob("*.json")) == ["report.json"]  # one report
+    report = json.loads((run / "hf-sanity" / "report.json").read_text())
+    loss = next(f for f in report["findings"] if f["rule"] == "nonfinite-loss")
+    assert (loss["step"], loss["evidence"]["rank"], loss["evidence"]["cause"]) == (3, 1, "input")
+    assert Path(loss["evidence"]["batch_file"]).name == "nonfinite-loss-step3-rank1.safetensors"
+    # DDP averaged rank 1's NaN gradient into rank 0's: there the loss was finite, the gradient not.
+    assert ("nonfinite-grad", 3, 0) in findings(run / "hf-sanity" / "report.json")
+    for rank in (0, 1):  # both ranks trained to the end: nobody waited on a collective the other skipped
+        assert json.loads((run / f"rank{rank}.json").read_text())["steps"] == 8
+
+
+def test_replicas_that_bypass_ddp_are_ranks_diverged(ddp_runs):
+    run = ddp_runs / "drift"
+    assert findings(run / "hf-sanity" / "report.json") == [("ranks-diverged", 3, 0)]
+    for rank in (0, 1):
+        seen = json.loads((run / f"rank{rank}.json").read_text())
+        assert seen["steps"] == 8 and [f["rule"] for f in seen["findings"]] == ["ranks-diverged"]

@@ -1,0 +1,342 @@
+"""The monitors behind SanityCallback, driven with plain numbers: each rule fires on its pattern at the step
+where it first appears, and stays silent on healthy series."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from hf_sanity.monitors import (
+    EarlyFlags,
+    GradientMonitor,
+    LossMonitor,
+    MemoryMonitor,
+    PredictionsMonitor,
+    RankMonitor,
+    Recorder,
+    TrainModeMonitor,
+    UpdateMonitor,
+    first_batch,
+    memory,
+    nonfinite,
+    updates,
+)
+
+NAN = math.nan
+
+
+def feed(monitor, records) -> list:
+    """``records``: (step, values) pairs; every finding, in order."""
+    return [f for step, values in records for f in monitor.update(step, values)]
+
+
+def healthy_losses(n=80, start=6.9, end=1.0, seed=0):
+    rng = random.Random(seed)
+    return [end + (start - end) * math.exp(-i / 15) + rng.uniform(-0.1, 0.1) for i in range(n)]
+
+
+# -- loss ---------------------------------------------------------------------------------------------
+def test_nonfinite_loss_fires_once_at_the_first_nonfinite_step_with_its_cause():
+    records = [(s, {"loss": 5.0 - 0.1 * s, "grad_norm": 1.0}) for s in range(1, 5)]
+    records += [(5, {"loss": NAN, "losses": [2.0, NAN], "nonfinite": {"input_nonfinite": ["pixel_values"]}})]
+    records += [(6, {"loss": NAN, "nonfinite": {}})]
+    found = feed(LossMonitor(), records)
+    assert [(f.rule, f.step) for f in found] == [("nonfinite-loss", 5)]
+    assert found[0].evidence["cause"] == "input" and found[0].evidence["micro_batch"] == 1
+
+
+def test_healthy_losses_are_silent():
+    records = [
+        (s, {"loss": v, "grad_norm": 1.0, "label_entropy": 3.0}) for s, v in enumerate(healthy_losses(), 1)
+    ]
+    assert feed(LossMonitor(), records) == []
+
+
+def test_negative_loss():
+    found = feed(
+        LossMonitor(), [(1, {"loss": 0.5}), (2, {"loss": 0.2, "losses": [0.3, -0.1]}), (3, {"loss": -1.0})]
+    )
+    assert [(f.rule, f.step) for f in found] == [("negative-loss", 2)]
+
+
+def test_plateau_at_the_label_prior():
+    prior = 3.0
+    losses = [prior + 3.9 * math.exp(-i / 4) + 0.02 * math.sin(i) for i in range(80)]
+    records = [(s, {"loss": v, "label_entropy": prior}) for s, v in enumerate(losses, 1)]
+    found = feed(LossMonitor(), records)
+    assert [f.rule for f in found] == ["loss-plateau-prior"]
+    first_near = next(s for s, v in enumerate(losses, 1) if abs(v - prior) <= 0.05 * prior)
+    assert found[0].step == first_near and found[0].evidence["label_entropy"] == prior
+
+
+def test_a_loss_that_passes_the_prior_on_its_way_down_is_not_a_plateau():
+    prior = 3.0
+    losses = [6.9 - 0.06 * i for i in range(90)]  # crosses 3.0 around step 65 and keeps going
+    assert (
+        feed(LossMonitor(), [(s, {"loss": v, "label_entropy": prior}) for s, v in enumerate(losses, 1)]) == []
+    )
+
+
+@pytest.mark.parametrize(
+    ("facts", "grads", "losses", "cause"),
+    [
+        ({"input_nonfinite": ["inputs_embeds"], "supervised_tokens": 0}, [], [], "input"),
+        ({"supervised_tokens": 0, "logits_finite": True}, [], [], "empty-loss-mask"),
+        ({"logits_finite": True}, [1.0, 1.1, 0.9, 60.0], [3.0, 2.9], "lr-too-high"),
+        ({"logits_finite": True}, [1.0, NAN], [3.0, 2.9], "lr-too-high"),
+        ({"logits_finite": False}, [1.0], [3.0, 2.9, 80.0], "lr-too-high"),
+        ({"nonfinite_weights": ["lm_head.weight"]}, [1.0], [3.0], "lr-too-high"),
+        ({"logits_finite": True, "supervised_tokens": 12}, [1.0, 1.2, 0.9], [3.0, 2.9], "unsafe-math"),
+        (
+            {"logits_finite": False, "half_precision": True, "fp32_finite": True},
+            [1.0],
+            [3.0],
+            "precision-overflow",
+        ),
+        ({"logits_finite": False, "half_precision": True, "fp32_finite": False}, [1.0], [3.0], "unknown"),
+        ({"logits_finite": False, "half_precision": False}, [1.0], [3.0], "unknown"),
+    ],
+)
+def test_nonfinite_causes(facts, grads, losses, cause):
+    assert nonfinite.classify(facts, grad_norms=grads, losses=losses)[0] == cause
+
+
+# -- gradients ---------------------------------------------------------------------------------------------
+def test_grad_explosion_at_the_spike():
+    norms = [1.0 + 0.1 * math.sin(s) for s in range(1, 12)] + [40.0, 1.0]
+    found = feed(
+        GradientMonitor(), [(s, {"grad_norm": n, "loss_finite": True}) for s, n in enumerate(norms, 1)]
+    )
+    assert [(f.rule, f.step) for f in found] == [("grad-explosion", 12)]
+    assert found[0].evidence["ratio"] > 30
+
+
+def test_noisy_healthy_grad_norms_are_silent():
+    rng = random.Random(1)
+    norms = [2.0 * math.exp(-s / 50) * rng.uniform(0.5, 2.0) for s in range(200)]
+    records = [(s, {"grad_norm": n, "loss_finite": True, "stale_norm": 0.0}) for s, n in enumerate(norms, 1)]
+    assert feed(GradientMonitor(), records) == []
+
+
+def test_nonfinite_grad_only_when_the_loss_is_finite():
+    records = [(1, {"grad_norm": 1.0, "loss_finite": True}), (2, {"grad_norm": NAN, "loss_finite": False})]
+    assert feed(GradientMonitor(), records) == []
+    found = feed(
+        GradientMonitor(),
+        [(1, {"grad_norm": 1.0, "loss_finite": True}), (2, {"grad_norm": math.inf, "loss_finite": True})],
+    )
+    assert [(f.rule, f.step) for f in found] == [("nonfinite-grad", 2)]
+
+
+def test_a_grad_scaler_calibrating_is_not_nonfinite_grad_until_it_persists():
+    calibrating = [(s, {"grad_norm": math.inf, "loss_finite": True, "scaler": True}) for s in range(1, 6)]
+    assert feed(GradientMonitor(), calibrating + [(6, {"grad_norm": 1.0, "scaler": True})]) == []
+    stuck = [(s, {"grad_norm": math.inf, "loss_finite": True, "scaler": True}) for s in range(1, 13)]
+    found = feed(GradientMonitor(), stuck)
+    assert [(f.rule, f.step) for f in found] == [("nonfinite-grad", 1)]
+
+
+def test_stale_gradients_grow_step_after_step():
+    records = [(1, {"grad_norm": 1.0, "stale_norm": 0.0})]
+    records += [(s, {"grad_norm": float(s), "stale_norm": float(s - 1)}) for s in range(2, 7)]
+    found = feed(GradientMonitor(), records)
+    assert [(f.rule, f.step) for f in found] == [("stale-gradients", 2)]
+
+
+def test_gradients_left_over_but_not_growing_are_not_stale_gradients():
+    records = [(s, {"grad_norm": 1.0 + 0.01 * (s % 2), "stale_norm": 0.5}) for s in range(1, 10)]
+    assert feed(GradientMonitor(), records) == []
+
+
+# -- the gradient path ------------------------------------------------------------------------------------
+def path(step, **values):
+    base = {
+        "n_trainable": 10,
+        "n_with_grad": 10,
+        "n_in_optimizer": 10,
+        "lr": 1e-3,
+        "loss": 6.9,
+        "loss_finite": True,
+    }
+    return (step, {**base, **values})
+
+
+@pytest.mark.parametrize(
+    ("values", "cause"),
+    [
+        ({"n_trainable": 0, "n_with_grad": 0, "n_in_optimizer": 0}, "frozen"),
+        ({"n_with_grad": 0, "n_in_optimizer": 0}, "no-grad"),
+        ({"n_in_optimizer": 0}, "not-in-optimizer"),
+        ({"lr": 0.0}, "lr-zero"),
+        ({"updated": False}, "no-update"),
+    ],
+)
+def test_loss_flat_names_the_measured_cause(values, cause):
+    records = [path(1, updated=True), *[path(s, **values) for s in range(2, 8)]]
+    found = [f for f in feed(UpdateMonitor(), records) if f.rule == "loss-flat"]
+    assert [(f.step, f.evidence["cause"]) for f in found] == [(2, cause)]
+
+
+def test_a_constant_loss_with_no_other_cause_is_loss_flat_unknown():
+    found = feed(UpdateMonitor(), [path(s, loss=2.5, updated=True) for s in range(1, 12)])
+    assert [(f.rule, f.step, f.evidence["cause"]) for f in found] == [("loss-flat", 1, "unknown")]
+
+
+def test_no_loss_flat_when_the_loss_falls_or_the_run_is_healthy():
+    falling = [
+        path(s, n_trainable=0, n_with_grad=0, n_in_optimizer=0, loss=7 - 0.2 * s) for s in range(1, 10)
+    ]
+    assert [
+        f for f in feed(UpdateMonitor(), falling) if f.rule == "loss-flat"
+    ] == []  # an outside parameter learns
+    healthy = [path(s, loss=v, updated=True, update_ratio=1e-3) for s, v in enumerate(healthy_losses(), 1)]
+    assert feed(UpdateMonitor(), healthy) == []
+
+
+def test_lr_zero_at_the_first_step_without_warmup_and_after_it_with_warmup():
+    assert [(f.rule, f.step) for f in feed(UpdateMonitor(), [path(1, lr=0.0)])] == [("lr-zero", 1)]
+    with_warmup = [path(1, lr=0.0), path(2, lr=1e-4), path(3, lr=2e-4)]
+    assert feed(UpdateMonitor(warmup_steps=3), with_warmup) == []
+    decayed = [*with_warmup, path(4, lr=0.0)]
+    assert [(f.rule, f.step) for f in feed(UpdateMonitor(warmup_steps=3), decayed)] == [("lr-zero", 4)]
+
+
+def test_lr_too_low_after_warmup():
+    records = [path(s, update_ratio=1e-7, lr=1e-9, updated=True, loss=6.9 - 0.001 * s) for s in range(1, 20)]
+    found = feed(UpdateMonitor(warmup_steps=5), records)
+    assert [(f.rule, f.step) for f in found] == [("lr-too-low", 6)]
+    assert found[0].evidence["measurements"] == 8
+
+
+def test_setup_findings():
+    none = updates.setup_findings(total_params=100, trainable=[], in_optimizer=set())
+    assert [f.rule for f in none] == ["no-trainable-params"]
+    missing = updates.setup_findings(
+        total_params=100, trainable=["a", "b", "lora_B"], in_optimizer={"a", "b"}
+    )
+    assert [(f.rule, f.evidence["names"]) for f in missing] == [("optimizer-missing-params", ["lora_B"])]
+    assert updates.setup_findings(total_params=100, trainable=["a"], in_optimizer={"a"}) == []
+
+
+# -- mode, predictions, ranks -------------------------------------------------------------------------------
+def test_train_mode_off():
+    found = feed(TrainModeMonitor(), [(s, {"training": s < 7, "after_eval": 6}) for s in range(1, 10)])
+    assert [(f.rule, f.step) for f in found] == [("train-mode-off", 7)]
+
+
+def test_predictions_frozen_while_the_loss_moves():
+    records = [
+        (s, {"changed": 0.0, "loss_start": 6.9, "loss_level": 6.9 - 0.02 * s}) for s in (10, 20, 30, 40)
+    ]
+    found = feed(PredictionsMonitor(), records)
+    assert [(f.rule, f.step) for f in found] == [("predictions-frozen", 10)]
+    changing = [(s, {"changed": 0.1, "loss_start": 6.9, "loss_level": 3.0}) for s in (10, 20, 30, 40)]
+    assert feed(PredictionsMonitor(), changing) == []
+    still = [(s, {"changed": 0.0, "loss_start": 6.9, "loss_level": 6.88}) for s in (10, 20, 30, 40)]
+    assert feed(PredictionsMonitor(), still) == []  # nothing moves at all: that is loss-flat's business
+
+
+def test_ranks_diverged():
+    same = {"checksum_max": [1.5, -2.0], "checksum_min": [1.5, -2.0], "names": ["a", "b"]}
+    drifted = {"checksum_max": [1.5, -1.9], "checksum_min": [1.5, -2.0], "names": ["a", "b"]}
+    found = feed(RankMonitor(world_size=2), [(10, same), (20, drifted)])
+    assert [(f.rule, f.step, f.evidence["names"]) for f in found] == [("ranks-diverged", 20, ["b"])]
+
+
+# -- memory -----------------------------------------------------------------------------------------------
+def test_memory_growth_of_held_graphs_names_the_holder():
+    records = [(s, {"graph_tensors": s, "holders": {"trainer.losses": s} if s else {}}) for s in range(0, 5)]
+    found = feed(MemoryMonitor(), records)
+    assert [(f.rule, f.step, f.evidence["holder"]) for f in found] == [("memory-growth", 1, "trainer.losses")]
+
+
+def test_allocated_memory_growth_and_noise():
+    mib = 1 << 20
+    noisy = [(s, {"allocated": 100 * mib + (s % 3) * mib // 2}) for s in range(0, 40, 5)]
+    assert feed(MemoryMonitor(), noisy) == []
+    leak = [(s, {"allocated": 100 * mib + s * 20 * mib}) for s in range(0, 40, 5)]
+    found = feed(MemoryMonitor(), leak)
+    assert [(f.rule, f.step) for f in found] == [("memory-growth", 10)]  # steps <= 2 are the optimizer's
+    assert found[0].evidence["per_step"] == pytest.approx(20 * mib)
+
+
+def test_oom_says_whether_memory_grew_before():
+    grew = MemoryMonitor()
+    feed(grew, [(s, {"graph_tensors": s}) for s in range(4)])
+    assert grew.update(4, {"oom": {"error": "CUDA out of memory"}})[0].evidence["growth_before"] is True
+    flat = MemoryMonitor()
+    feed(flat, [(s, {"graph_tensors": 0}) for s in range(4)])
+    finding = flat.update(4, {"oom": {"error": "CUDA out of memory"}})[0]
+    assert finding.rule == "oom" and finding.evidence["growth_before"] is False
+
+
+def test_graph_tensors_are_found_where_they_are_held():
+    class Holder:
+        def __init__(self):
+            self.kept = []
+            self.fine = []
+
+    weight = torch.ones(3, requires_grad=True)
+    holder = Holder()
+    for _ in range(3):
+        holder.kept.append((weight * 2).sum())
+        holder.fine.append((weight * 2).sum().detach())
+    assert memory.graph_tensors([("trainer", holder)]) == {"trainer.kept": 3}
+    assert memory.graph_tensors([("model", torch.nn.Linear(2, 2))]) == {}
+
+
+# -- first batch ------------------------------------------------------------------------------------------
+def test_shape_mismatch():
+    ok = {"input_ids": (4, 30), "labels": (4, 30), "attention_mask": (4, 30)}
+    assert first_batch.shape_findings(ok, (4, 30, 1000)) == []
+    wrong = first_batch.shape_findings({**ok, "labels": (4, 31)})
+    assert [(f.rule, f.step) for f in wrong] == [("shape-mismatch", 1)]
+    assert [f.rule for f in first_batch.shape_findings(ok, (4, 29, 1000))] == ["shape-mismatch"]
+
+
+# -- plumbing -----------------------------------------------------------------------------------------------
+def test_recorder_reads_everything_in_one_transfer():
+    recorder = Recorder(capacity=2)
+    for step in (1, 2, 3):
+        recorder.push(step, "loss", torch.tensor(float(step)))
+        recorder.push(step, "lr", 0.1 * step)
+    recorder.push(3, "loss", torch.tensor(7.0))  # a second micro-batch; the buffer grows on the device
+    records = recorder.read()
+    assert recorder.transfers == 1
+    assert records == {
+        1: {"loss": [1.0], "lr": [0.1]},
+        2: {"loss": [2.0], "lr": [0.2]},
+        3: {"loss": [3.0, 7.0], "lr": [0.30000000000000004]},
+    }
+    assert recorder.read() == {} and recorder.transfers == 1
+
+
+def test_early_flags_on_cpu():
+    flags = EarlyFlags()
+    flags.mark(4, 0, torch.tensor(1.0))
+    assert flags.nonfinite() is None
+    flags.mark(5, 0, torch.tensor(1.0))
+    flags.mark(5, 1, torch.tensor(math.nan))
+    assert flags.nonfinite() == (5, 1)
+    assert flags.nonfinite() is None
+
+
+def test_replay_names_the_first_nonfinite_module_and_changes_nothing():
+    class Blow(torch.nn.Module):
+        def forward(self, x):
+            return torch.where(x > 0, x * math.inf, x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), Blow(), torch.nn.Linear(4, 2))
+    model.train()
+    model[3].eval()  # a module the user keeps in eval mode must stay so
+    rng = torch.get_rng_state()
+    with nonfinite.quiet_forward(model):
+        assert not model.training
+        first, final_ok = nonfinite.first_nonfinite_module(model, lambda: model(torch.ones(2, 4)))
+        torch.rand(3)  # even RNG drawn inside is given back
+    assert (first, final_ok) == ("2", False)
+    assert model.training and model[1].training and not model[3].training
+    assert torch.equal(torch.get_rng_state(), rng)
