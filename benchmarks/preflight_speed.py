@@ -20,13 +20,19 @@ def bare_tokenize(tokenizer, dataset, num_proc):
     def encode(batch):
         return {"input_ids": [tokenizer.apply_chat_template(m)["input_ids"] for m in batch["messages"]]}
 
-    return dataset.map(encode, batched=True, batch_size=256, num_proc=num_proc, remove_columns=dataset.column_names,
-                       load_from_cache_file=False)
+    return dataset.map(
+        encode,
+        batched=True,
+        batch_size=256,
+        num_proc=num_proc,
+        remove_columns=dataset.column_names,
+        load_from_cache_file=False,
+    )
 
 
-def timed(fn) -> float:
+def timed(fn, *args, **kwargs) -> float:
     started = time.perf_counter()
-    fn()
+    fn(*args, **kwargs)
     return time.perf_counter() - started
 
 
@@ -37,20 +43,28 @@ def run(tokenizer, sizes=(2_000, 20_000), repeats=3, num_proc=None, label="") ->
         data = datasets.Dataset.from_list(synthetic_conversations(n))
         bare, scan = [], []
         for _ in range(repeats):  # alternate, so drift hits both alike
-            bare.append(timed(lambda: bare_tokenize(tokenizer, data, num_proc)))
+            bare.append(timed(bare_tokenize, tokenizer, data, num_proc))
             scan.append(
                 timed(
-                    lambda: preflight(
-                        tokenizer=tokenizer,
-                        dataset=data,
-                        max_len=1024,
-                        num_proc=num_proc,
-                        select=["data", "tokens", "template"],
-                        use_config=False,
-                    )
+                    preflight,
+                    tokenizer=tokenizer,
+                    dataset=data,
+                    max_len=1024,
+                    num_proc=num_proc,
+                    select=["data", "tokens", "template"],
+                    use_config=False,
                 )
             )
         b, s = statistics.median(bare), statistics.median(scan)
-        rows.append({"tokenizer": label, "conversations": n, "num_proc": num_proc or 1, "bare_s": b, "preflight_s": s,
-                     "ratio": s / b, "preflight_us_per_conversation": 1e6 * s / n})
+        rows.append(
+            {
+                "tokenizer": label,
+                "conversations": n,
+                "num_proc": num_proc or 1,
+                "bare_s": b,
+                "preflight_s": s,
+                "ratio": s / b,
+                "preflight_us_per_conversation": 1e6 * s / n,
+            }
+        )
     return rows
