@@ -1,11 +1,11 @@
 """hf-sanity: finds the silent bugs of Hugging Face fine-tuning, before and during training.
 
-    import hf_sanity
-    report = hf_sanity.preflight(model=model, tokenizer=tokenizer, dataset=train, max_len=2048)
-    report = hf_sanity.preflight(trainer=trainer)            # the exact batches the model will see
-    trainer = Trainer(..., callbacks=[hf_sanity.SanityCallback()])
-    report = hf_sanity.diagnose(trainer=trainer)             # the ordered debugging protocol
-    report = hf_sanity.doctor(["out/checkpoint-500"])        # post-mortem of a finished run
+import hf_sanity
+report = hf_sanity.preflight(model=model, tokenizer=tokenizer, dataset=train, max_len=2048)
+report = hf_sanity.preflight(trainer=trainer)            # the exact batches the model will see
+trainer = Trainer(..., callbacks=[hf_sanity.SanityCallback()])
+report = hf_sanity.diagnose(trainer=trainer)             # the ordered debugging protocol
+report = hf_sanity.doctor(["out/checkpoint-500"])        # post-mortem of a finished run
 """
 
 __version__ = "0.1.0"

@@ -6,6 +6,8 @@ masked by a pad == EOS collator, answers truncated by max_len) and prints both r
 
 from __future__ import annotations
 
+import copy
+
 from rich.console import Console
 from rich.rule import Rule
 
@@ -21,6 +23,64 @@ def broken_pipeline_rows(tokenizer, conversations) -> list[dict]:
         labels = [IGNORE_INDEX if i == tokenizer.pad_token_id else i for i in ids]
         rows.append({"input_ids": ids, "labels": labels})
     return rows
+
+
+def watched_broken_run(console: Console):
+    """A Trainer run whose hand-written loss takes log(softmax(logits / T)) at a small temperature: softmax
+    underflows to 0, 0 * log(0) is NaN, and Trainer logs the step as loss 0.0. SanityCallback names the
+    exact step and the cause, and stops the run."""
+    import tempfile
+
+    import datasets
+    import torch
+    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    from hf_sanity.callback import SanityCallback
+    from hf_sanity.preflight.encode import EncodeOptions, Encoder
+    from hf_sanity.testing import demo_conversations, tiny_setup
+
+    class DistillStyleTrainer(Trainer):
+        temperature = 1e-4  # the bug: far too sharp
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            labels = inputs.pop("labels")
+            logits = model(**inputs).logits[:, :-1]
+            target, mask = labels[:, 1:], labels[:, 1:] != -100
+            probs = torch.softmax(logits / self.temperature, -1)
+            onehot = torch.nn.functional.one_hot(target.clamp(min=0), probs.shape[-1])
+            return -(onehot * torch.log(probs)).sum(-1)[mask].mean()
+
+    console.print(Rule("3. SanityCallback on a broken training run"))
+    console.print(
+        "a hand-written loss, -(onehot * log(softmax(logits / 1e-4))): Trainer logs the NaN steps as loss 0.0\n",
+        style="dim",
+    )
+    model, tokenizer = tiny_setup("chatml", "distinct")
+    encoder = Encoder(tokenizer, EncodeOptions(fmt="messages"))
+    rows = [encoder.encode(r) for r in demo_conversations(32)]
+    train = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
+    callback = SanityCallback(abort_on="error", use_config=False, print_findings=False)
+    trainer = DistillStyleTrainer(
+        model=copy.deepcopy(model),
+        args=TrainingArguments(
+            output_dir=tempfile.mkdtemp(prefix="hf-sanity-demo-"),
+            max_steps=20,
+            per_device_train_batch_size=8,
+            learning_rate=1e-3,
+            logging_steps=5,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            seed=0,
+            disable_tqdm=True,
+        ),
+        train_dataset=train,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
+        callbacks=[callback],
+    )
+    trainer.train()
+    console.print(callback.report)
+    return callback.report
 
 
 def run_demo(console: Console | None = None) -> int:
@@ -60,15 +120,19 @@ def run_demo(console: Console | None = None) -> int:
     )
     console.print(broken)
 
+    watched = watched_broken_run(console)
+
     from hf_sanity.protocol import demo_diagnose
 
     diagnosis = demo_diagnose(console)
     named = diagnosis.stats.get("broken_layer")
     console.print(Rule())
     console.print(f"tiny model: {folder}", style="dim")
-    ok = not clean.has_errors and broken.has_errors and diagnosis.has_errors and bool(named)
+    caught = [f for f in watched.by_rule("nonfinite-loss") if f.evidence.get("cause") == "unsafe-math"]
+    ok = not clean.has_errors and broken.has_errors and bool(caught) and diagnosis.has_errors and bool(named)
     console.print(
-        f"demo: the correct setup is clean, the broken one is caught, and diagnose names the broken layer ({named})"
+        "demo: the correct setup is clean, the broken one is caught, the callback names the NaN step and its cause, "
+        f"and diagnose names the broken layer ({named})"
         if ok
         else "demo: unexpected result",
         style="bold green" if ok else "bold red",

@@ -340,3 +340,10 @@ def test_replay_names_the_first_nonfinite_module_and_changes_nothing():
     assert (first, final_ok) == ("2", False)
     assert model.training and model[1].training and not model[3].training
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_nonfinite_fix_follows_the_cause():
+    from hf_sanity.monitors.nonfinite import CAUSES, FIX_BY_CAUSE
+
+    assert set(FIX_BY_CAUSE) == set(CAUSES) - {"unknown"}
+    assert "log_softmax" in FIX_BY_CAUSE["unsafe-math"] and "bf16" in FIX_BY_CAUSE["precision-overflow"]

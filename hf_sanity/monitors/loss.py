@@ -14,7 +14,7 @@ from typing import Any
 
 from hf_sanity.findings import Finding
 from hf_sanity.monitors.base import Monitor, fmt, is_finite, median
-from hf_sanity.monitors.nonfinite import classify
+from hf_sanity.monitors.nonfinite import FIX_BY_CAUSE, classify
 from hf_sanity.rules.training import LOSS_PLATEAU_PRIOR, NEGATIVE_LOSS, NONFINITE_LOSS
 
 PLATEAU_WINDOW = 30  # steps the loss must sit at the label prior ...
@@ -81,6 +81,7 @@ class LossMonitor(Monitor):
             f"the loss is {loss} at step {step} (first non-finite step; cause: {cause}){where}",
             step=step,
             evidence=evidence,
+            fix=FIX_BY_CAUSE.get(cause),
         )
 
     def _plateau(self, step: int) -> list[Finding]:

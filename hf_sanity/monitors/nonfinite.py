@@ -17,6 +17,17 @@ from typing import Any
 from hf_sanity.monitors.base import finite, median
 
 CAUSES = ("input", "empty-loss-mask", "lr-too-high", "unsafe-math", "precision-overflow", "unknown")
+# The fix for each cause; the catalog's fix lists them all.
+FIX_BY_CAUSE = {
+    "input": "Find where the non-finite values enter the batch (the saved batch shows them) and clean or drop them.",
+    "empty-loss-mask": "Drop batches without supervised tokens or fix the labels mask (empty-loss-mask shows which "
+    "examples carry no loss); a mean over zero tokens is 0/0.",
+    "lr-too-high": "Lower the learning rate or lengthen the warmup, and keep gradient clipping on (max_grad_norm).",
+    "unsafe-math": "The model's outputs are finite; the loss computation is not. Use log_softmax / "
+    "F.cross_entropy instead of log(softmax(...)), and guard log(0), exp overflow and division by zero.",
+    "precision-overflow": "The same batch is finite in float32: train in bf16 instead of fp16, or keep the "
+    "overflowing module (evidence.module) in float32.",
+}
 BLOW_UP = 10.0  # a grad norm (or loss) 10x its earlier median: the run was diverging
 IGNORE_INDEX = -100
 

@@ -57,7 +57,9 @@ def demo_conversations(n: int = 64, seed: int = 0, *, multi_turn_every: int = 5)
             seen.add(key)
             rows.append({"messages": messages})
     if len(rows) < n:
-        raise ValueError(f"demo_conversations has only about {len(rows)} distinct rows; use synthetic_conversations")
+        raise ValueError(
+            f"demo_conversations has only about {len(rows)} distinct rows; use synthetic_conversations"
+        )
     return rows
 
 
@@ -73,7 +75,10 @@ def synthetic_conversations(n: int, seed: int = 0, *, words: int = 60) -> list[d
     for i in range(n):
         messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if i % 3 == 0 else []
         for _ in range(1 + (i % 4 == 3)):
-            messages += [{"role": "user", "content": sentence()}, {"role": "assistant", "content": sentence()}]
+            messages += [
+                {"role": "user", "content": sentence()},
+                {"role": "assistant", "content": sentence()},
+            ]
         rows.append({"messages": messages})
     return rows
 

@@ -197,7 +197,9 @@ def _key(**parts) -> str:
 
     vocab = hashlib.sha256(_bpe_json().encode()).hexdigest()
     blob = json.dumps(
-        {"version": __version__, "revision": FACTORY_REVISION, "vocab": vocab, **parts}, sort_keys=True, default=str
+        {"version": __version__, "revision": FACTORY_REVISION, "vocab": vocab, **parts},
+        sort_keys=True,
+        default=str,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
