@@ -135,3 +135,20 @@ def test_demo_shows_clean_and_broken():
         assert slug in result.stdout
     assert "cause: unsafe-math" in result.stdout
     assert "demo: the correct setup is clean, the broken one is caught" in result.stdout
+
+
+def test_html_report_page(model_dir, data_file, tmp_path):
+    page = tmp_path / "report.html"
+    result = cli(
+        "preflight", "--model", model_dir, "--dataset", data_file, "--max-len", "12", "--html", str(page)
+    )
+    assert result.returncode == 1
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") and 'data-rule="truncated-completion"' in text
+
+
+def test_missing_adapter_folder(model_dir, data_file, tmp_path):
+    assert_one_line_error(
+        cli("preflight", "--model", model_dir, "--dataset", data_file, "--adapter", str(tmp_path / "nope")),
+        "is not a folder",
+    )
