@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import datasets
 
 from hf_sanity.preflight import preflight
@@ -18,3 +22,25 @@ def slugs(report) -> set[str]:
 
 def above_info(report) -> list[str]:
     return [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"]
+
+
+def cli(*args, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`hf-sanity ARGS...` in a fresh process, as a user runs it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the tiny models are overhead-bound; one thread is steadier
+    return subprocess.run(
+        [sys.executable, "-m", "hf_sanity.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def assert_one_line_error(result, *needles) -> None:
+    """Bad input: exit code 2 and one line on stderr naming the problem, never a traceback."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]

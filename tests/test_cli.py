@@ -1,18 +1,11 @@
 """The command line as a user meets it: exit codes, one-line errors, JSON output."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from helpers import assert_one_line_error, cli
 from hf_sanity.testing import demo_conversations, tiny_model_dir
-
-
-def cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "hf_sanity.cli", *args], capture_output=True, text=True, cwd=cwd, timeout=300
-    )
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +18,6 @@ def data_file(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in demo_conversations(24)) + "\n")
     return str(path)
-
-
-def assert_one_line_error(result, *needles):
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def test_rules_lists_the_catalog():

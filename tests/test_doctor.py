@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from helpers import assert_one_line_error, cli
 from hf_sanity import catalog
 from hf_sanity.doctor import doctor, find_state
 from hf_sanity.errors import UserInputError
@@ -372,24 +371,13 @@ def test_real_trainer_run(real_run):
 
 
 # -- the command line ------------------------------------------------------------------------------
-def cli(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "hf_sanity.cli", "doctor", *map(str, args)],
-        capture_output=True, text=True, cwd=cwd, timeout=120,
-    )  # fmt: skip
-
-
-def assert_one_line_error(result, *needles):
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+def doctor_cli(*args, cwd=None):
+    return cli("doctor", *args, cwd=cwd, timeout=120)
 
 
 def test_cli_clean_run_exits_0_and_writes_json(tmp_path):
     out = tmp_path / "report.json"
-    result = cli(write_run(tmp_path / "run", series(), config=LLAMA), "--json", out, cwd=tmp_path)
+    result = doctor_cli(write_run(tmp_path / "run", series(), config=LLAMA), "--json", out, cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["findings"] == [] and report["title"] == "hf-sanity doctor"
@@ -399,7 +387,7 @@ def test_cli_errors_exit_1_with_plot_and_predictions(tmp_path):
     runs = churn_runs(tmp_path / "runs")
     preds = write_jsonl(tmp_path / "p.jsonl", [{"score": 4}] * 20)
     out, png = tmp_path / "r.json", tmp_path / "curves.png"
-    result = cli(*runs, "--json", out, "--plot", png, "--predictions", preds, cwd=tmp_path)
+    result = doctor_cli(*runs, "--json", out, "--plot", png, "--predictions", preds, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "hyperparameter-churn" in result.stdout and "plot written to" in result.stdout
     found = {f["rule"] for f in json.loads(out.read_text())["findings"]}
@@ -409,31 +397,31 @@ def test_cli_errors_exit_1_with_plot_and_predictions(tmp_path):
 
 def test_cli_ignore_turns_exit_1_into_0(tmp_path):
     runs = churn_runs(tmp_path / "runs")
-    result = cli(*runs, "--ignore", "loss-flat,hyperparameter-churn", cwd=tmp_path)
+    result = doctor_cli(*runs, "--ignore", "loss-flat,hyperparameter-churn", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_cli_bad_input_is_one_line(tmp_path):
-    assert_one_line_error(cli(tmp_path / "nope", cwd=tmp_path), "does not exist", "trainer_state.json")
+    assert_one_line_error(doctor_cli(tmp_path / "nope", cwd=tmp_path), "does not exist", "trainer_state.json")
     (tmp_path / "empty").mkdir()
-    assert_one_line_error(cli(tmp_path / "empty", cwd=tmp_path), "no trainer_state.json")
+    assert_one_line_error(doctor_cli(tmp_path / "empty", cwd=tmp_path), "no trainer_state.json")
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "trainer_state.json").write_text('{"log_history": [')
-    assert_one_line_error(cli(bad, cwd=tmp_path), "malformed JSON")
-    assert_one_line_error(cli(write_run(tmp_path / "run", series()), "--select", "nope", cwd=tmp_path),
+    assert_one_line_error(doctor_cli(bad, cwd=tmp_path), "malformed JSON")
+    assert_one_line_error(doctor_cli(write_run(tmp_path / "run", series()), "--select", "nope", cwd=tmp_path),
                           "unknown rule or stage 'nope'")  # fmt: skip
 
 
 def test_cli_needs_a_run(tmp_path):
-    result = cli(cwd=tmp_path)
+    result = doctor_cli(cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
 
 
 def test_cli_html_page_embeds_the_curves(tmp_path):
     runs = churn_runs(tmp_path / "runs")
     page = tmp_path / "doctor.html"
-    result = cli(*runs, "--html", page, cwd=tmp_path)
+    result = doctor_cli(*runs, "--html", page, cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     text = page.read_text()
     assert 'data-rule="hyperparameter-churn"' in text

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import assert_one_line_error
 from hf_sanity.testing import demo_conversations, tiny_model_dir
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -50,14 +51,6 @@ def masked_file(tmp_path, model_dir):
     path = tmp_path / "masked.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return str(path)
-
-
-def assert_one_line_error(result, *needles):
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def test_overfit_clean_exits_0_with_plot_json_and_html(model_dir, data_file, tmp_path):
