@@ -29,3 +29,21 @@ def test_num_proc_gives_the_same_report():
 def test_lazy_exports():
     assert hf_sanity.SanityCallback.__name__ == "SanityCallback"
     assert callable(hf_sanity.overfit) and callable(hf_sanity.diagnose) and callable(hf_sanity.doctor)
+
+
+def test_nothing_is_written_into_a_saved_dataset_folder(tmp_path):
+    from hf_sanity.preflight.sources import load_dataset_ref
+    from hf_sanity.testing import demo_conversations
+
+    folder = tmp_path / "data"
+    datasets.Dataset.from_list(demo_conversations(30)).save_to_disk(str(folder))
+    before = sorted(p.name for p in folder.iterdir())
+    for num_proc in (None, 2):
+        report = hf_sanity.preflight(
+            tokenizer=build_tokenizer("chatml"),
+            dataset=load_dataset_ref(str(folder)),
+            num_proc=num_proc,
+            use_config=False,
+        )
+        assert report.stats["examples"] == 30
+    assert sorted(p.name for p in folder.iterdir()) == before  # datasets would drop cache-*.arrow files here

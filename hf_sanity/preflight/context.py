@@ -6,9 +6,11 @@ Model work (a forward pass over a bounded sample) is done once, lazily, only if 
 
 from __future__ import annotations
 
+import tempfile
 import uuid
 from collections.abc import Callable, Sequence
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,6 +57,7 @@ class Context:
         self._config = model_config
         self.first_batch = None  # with a trainer: its first collated batch, exactly as the model receives it
         self.reencode_rows = False
+        self._scratch_dir: tempfile.TemporaryDirectory | None = None
         # Under torchrun, scan only this process's shard and judge on rank 0 (see preflight.distributed).
         self.shard = shard
         self._columns: dict[str, np.ndarray] = {}
@@ -119,10 +122,18 @@ class Context:
                 desc="hf-sanity: tokenizing",
                 load_from_cache_file=False,
                 new_fingerprint=uuid.uuid4().hex,  # hashing the encoder (and its tokenizer) costs more than it saves
+                # datasets would write its cache file next to the data (a save_to_disk folder is the user's):
+                # ours goes to a scratch folder that lives as long as this context.
+                cache_file_name=str(self._scratch() / f"{uuid.uuid4().hex}.arrow"),
             )
         finally:
             if quiet:
                 datasets.enable_progress_bars()
+
+    def _scratch(self) -> Path:
+        if self._scratch_dir is None:
+            self._scratch_dir = tempfile.TemporaryDirectory(prefix="hf-sanity-preflight-")
+        return Path(self._scratch_dir.name)
 
     def __len__(self) -> int:
         return len(self.encoded)
