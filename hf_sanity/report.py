@@ -108,10 +108,13 @@ class Report:
 
 
 def _short(value: Any) -> str:
+    """One evidence value for the terminal: sentences in full (up to 200 characters), long lists and dicts
+    cut at 100 (the JSON report has them whole)."""
     if isinstance(value, float):
         return f"{value:.4g}"
     text = json.dumps(jsonable(value), ensure_ascii=False)
-    return text if len(text) <= 80 else text[:77] + "..."
+    limit = 200 if isinstance(value, str) else 100
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def render_finding(finding: Finding) -> Group:

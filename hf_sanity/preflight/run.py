@@ -78,13 +78,14 @@ def preflight(
         if max_len is not None and max_len <= 0:
             raise UserInputError(f"--max-len must be positive, got {max_len}")
         fmt = detect_format(dataset.column_names, format)
+        is_loader = callable(model) and not hasattr(model, "forward")  # a function that loads the model lazily
         ctx = Context(
             tokenizer=tokenizer,
             dataset=dataset,
             fmt=fmt,
             options=EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len),
-            model=None if callable(model) and not hasattr(model, "forward") else model,
-            model_loader=model if callable(model) and not hasattr(model, "forward") else None,
+            model=None if is_loader else model,
+            model_loader=model if is_loader else None,
             eval_dataset=eval_dataset,
             inference_tokenizer=inference_tokenizer,
             adapter_path=adapter,
