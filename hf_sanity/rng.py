@@ -21,3 +21,21 @@ def preserved_rng():
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
+
+
+@contextlib.contextmanager
+def untouched(model, *, train: bool = False):
+    """Run extra passes on the user's model without leaving a trace: its train/eval mode, the RNG states and
+    every parameter's ``.grad`` are restored on exit. ``train`` is the mode the passes run in."""
+    was_training = model.training
+    saved = {p: p.grad for p in model.parameters()}
+    for p in saved:
+        p.grad = None
+    model.train(train)
+    try:
+        with preserved_rng():
+            yield
+    finally:
+        for p, grad in saved.items():
+            p.grad = grad
+        model.train(was_training)

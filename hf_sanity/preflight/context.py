@@ -246,36 +246,31 @@ def token_loss(model, batches: Sequence[dict[str, Any]]) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    was_training = model.training
-    model.eval()
+    from hf_sanity.rng import untouched
+
     device = next(model.parameters()).device
     total, count, entropy_sum = 0.0, 0, 0.0
     label_counts: dict[int, int] = {}
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                batch = {k: v.to(device) for k, v in batch.items()}
-                logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-                shift_logits = logits[:, :-1].float()
-                shift_labels = batch["labels"][:, 1:]
-                loss = F.cross_entropy(
-                    shift_logits.reshape(-1, shift_logits.size(-1)),
-                    shift_labels.reshape(-1),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                )
-                supervised = shift_labels != IGNORE_INDEX
-                n = int(supervised.sum())
-                log_probs = torch.log_softmax(shift_logits[supervised], dim=-1)
-                entropy_sum += float(-(log_probs.exp() * log_probs).sum())
-                total += float(loss)
-                count += n
-                for token, c in zip(
-                    *torch.unique(shift_labels[shift_labels != IGNORE_INDEX], return_counts=True)
-                ):
-                    label_counts[int(token)] = label_counts.get(int(token), 0) + int(c)
-    finally:
-        model.train(was_training)
+    with untouched(model), torch.no_grad():
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            shift_logits = logits[:, :-1].float()
+            shift_labels = batch["labels"][:, 1:]
+            loss = F.cross_entropy(
+                shift_logits.reshape(-1, shift_logits.size(-1)),
+                shift_labels.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            supervised = shift_labels != IGNORE_INDEX
+            n = int(supervised.sum())
+            log_probs = torch.log_softmax(shift_logits[supervised], dim=-1)
+            entropy_sum += float(-(log_probs.exp() * log_probs).sum())
+            total += float(loss)
+            count += n
+            for token, c in zip(*torch.unique(shift_labels[supervised], return_counts=True)):
+                label_counts[int(token)] = label_counts.get(int(token), 0) + int(c)
     probs = np.array(list(label_counts.values()), dtype=float)
     probs /= max(probs.sum(), 1)
     entropy = float(-(probs * np.log(probs)).sum()) if len(probs) else 0.0

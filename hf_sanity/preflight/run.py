@@ -78,7 +78,8 @@ def preflight(
         if max_len is not None and max_len <= 0:
             raise UserInputError(f"--max-len must be positive, got {max_len}")
         fmt = detect_format(dataset.column_names, format)
-        is_loader = callable(model) and not hasattr(model, "forward")  # a function that loads the model lazily
+        # `model` may be a function that loads the model, so that only a model rule pays for loading it.
+        is_loader = callable(model) and not hasattr(model, "forward")
         ctx = Context(
             tokenizer=tokenizer,
             dataset=dataset,

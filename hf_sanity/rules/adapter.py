@@ -204,22 +204,15 @@ def _probe_batch(ctx):
 def _logits(model, batch):
     import torch
 
-    from hf_sanity.rng import preserved_rng
+    from hf_sanity.rng import untouched
 
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
-    try:
-        with torch.no_grad(), preserved_rng():
-            return (
-                model(
-                    input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)
-                )
-                .logits.float()
-                .cpu()
-            )
-    finally:
-        model.train(was_training)
+    with untouched(model), torch.no_grad():
+        inputs = {
+            "input_ids": batch["input_ids"].to(device),
+            "attention_mask": batch["attention_mask"].to(device),
+        }
+        return model(**inputs).logits.float().cpu()
 
 
 def served_model_findings(trained, served, batch, *, base=None, atol: float = 1e-3):

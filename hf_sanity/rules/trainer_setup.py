@@ -6,11 +6,10 @@ passes run with RNG states preserved, and gradients are restored afterwards.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 from hf_sanity.catalog import define
-from hf_sanity.rng import preserved_rng
+from hf_sanity.rng import untouched
 
 
 def _device_batch(model, batch):
@@ -18,23 +17,6 @@ def _device_batch(model, batch):
 
     device = next(model.parameters()).device
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-
-
-@contextlib.contextmanager
-def _untouched(model, *, train: bool):
-    """Run extra passes without leaving a trace: mode, RNG and every parameter's .grad are restored."""
-    was_training = model.training
-    saved = {p: p.grad for p in model.parameters()}
-    for p in saved:
-        p.grad = None
-    model.train(train)
-    try:
-        with preserved_rng():
-            yield
-    finally:
-        for p, grad in saved.items():
-            p.grad = grad
-        model.train(was_training)
 
 
 PACKING_CONTAMINATION = define(
@@ -95,7 +77,7 @@ def check_packing(ctx):
         return
     model = trainer.model
     inputs = _device_batch(model, {k: v for k, v in batch.items() if k != "labels"})
-    with _untouched(model, train=False), torch.no_grad():
+    with untouched(model, train=False), torch.no_grad():
         packed_logits = model(**inputs).logits[row, start:stop].float()
         alone_logits = model(input_ids=inputs["input_ids"][row : row + 1, start:stop]).logits[0].float()
     diff = float((packed_logits - alone_logits).abs().max())
@@ -151,7 +133,7 @@ def check_grad_accum(ctx):
     if not takes_items:
         ignores = True
     else:
-        with _untouched(model, train=False), torch.no_grad():
+        with untouched(model, train=False), torch.no_grad():
             one = float(trainer.compute_loss(model, dict(inputs), num_items_in_batch=torch.tensor(items)))
             two = float(trainer.compute_loss(model, dict(inputs), num_items_in_batch=torch.tensor(2 * items)))
         ignores = abs(one - two) <= 1e-6 * max(abs(one), 1e-12)
@@ -191,7 +173,7 @@ def check_checkpointing(ctx):
     if not trainable:
         return
     inputs = _device_batch(model, batch)
-    with _untouched(model, train=True):
+    with untouched(model, train=True):
         loss = model(**inputs).loss
         if loss is not None and loss.requires_grad:
             loss.backward()
