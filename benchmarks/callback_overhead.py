@@ -40,7 +40,7 @@ def one_run(with_callback: bool, steps: int, device: str, dtype) -> list[float]:
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
     from hf_sanity.callback import SanityCallback
-    from hf_sanity.preflight.encode import EncodeOptions, Encoder
+    from hf_sanity.measure.encode import EncodeOptions, Encoder
     from hf_sanity.testing import TinyConfig, build_tokenizer, demo_conversations, tiny_model_for
 
     tokenizer = build_tokenizer("chatml", "distinct")

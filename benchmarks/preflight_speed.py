@@ -12,7 +12,7 @@ import time
 
 import datasets
 
-from hf_sanity.preflight import preflight
+from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing import synthetic_conversations
 
 

@@ -8,28 +8,31 @@ report = hf_sanity.diagnose(trainer=trainer)             # the ordered debugging
 report = hf_sanity.doctor(["out/checkpoint-500"])        # post-mortem of a finished run
 """
 
-__version__ = "0.1.0"
+from hf_sanity.version import __version__
 
-# `preflight` and `doctor` are also module names here: binding the functions now, after their modules are
-# imported, keeps `hf_sanity.preflight(...)` the function for good.
-from hf_sanity.doctor import doctor
-from hf_sanity.findings import Finding
-from hf_sanity.preflight.run import preflight
-from hf_sanity.report import Report
-
-_LAZY = {  # imported on first use: they pull in transformers/torch
+# Imported on first use: most of them pull in torch and transformers, and `hf-sanity rules` or a bad option
+# should answer before those load.
+_PUBLIC = {
+    "preflight": "hf_sanity.drivers.preflight",
+    "doctor": "hf_sanity.drivers.doctor",
     "SanityCallback": "hf_sanity.callback",
     "overfit": "hf_sanity.protocol",
     "diagnose": "hf_sanity.protocol",
+    "Finding": "hf_sanity.findings",
+    "Report": "hf_sanity.report",
 }
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
+    if name in _PUBLIC:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'hf_sanity' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
 
 
 __all__ = ["Finding", "Report", "SanityCallback", "__version__", "diagnose", "doctor", "overfit", "preflight"]

@@ -1,24 +1,34 @@
-"""The rule catalog: every rule is declared once, with the text that `explain`, the docs page and
-each finding's fix come from.
+"""The rule catalog: every rule is declared once, with the text that `explain`, the docs page and each
+finding's fix come from, and with the detectors that find it.
 
-A rule module declares its rule with :func:`define` next to the code that detects it::
+A rule module under `hf_sanity.rules` declares its rule with :func:`define` and registers its detector right
+below it. The detector's *kind* says what it reads; the drivers ask the catalog for the detectors of their
+kind and never list them by hand::
 
-    PROMPT_IN_LOSS = define(
-        "prompt-in-loss", severity="warning", stage="tokens",
-        symptom="Model repeats the prompt back.",
-        detects="Fraction of supervised tokens that lie in prompt turns.",
-        fix="Compute the loss on completions only ...",
-    )
+    PROMPT_IN_LOSS = define("prompt-in-loss", severity="warning", stage="tokens", symptom=..., detects=..., fix=...)
 
-    @PROMPT_IN_LOSS.check
-    def check(ctx): ...
+    @PROMPT_IN_LOSS.check                            # kind "context": preflight, the callback's first batch
+    def check_prompt_in_loss(ctx): ...
+
+    @LOSS_SPIKE.detector("curve", online=True)       # kind "curve": SanityCallback while training, doctor
+    def loss_spike(curves): ...
+
+    @monitor                                          # kind "step": a Monitor class fed per-step values
+    class GradientMonitor(Monitor):
+        rules = (NONFINITE_GRAD, GRAD_EXPLOSION)
+
+Rule modules are discovered: every module under `hf_sanity.rules` is imported by :func:`load`. Importing them
+needs neither torch nor transformers, so `hf-sanity rules` and option validation stay fast.
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import sys
-from collections.abc import Callable, Iterable
+import traceback
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +49,33 @@ STAGES: dict[str, str] = {
     "internal": "hf-sanity itself",
 }
 
+# What a detector reads, and which driver feeds it.
+KINDS: dict[str, str] = {
+    "context": "a preflight Context (`hf_sanity.measure.context`): preflight, and the callback's first batch",
+    "step": "per-step values of a running Trainer: a Monitor class that SanityCallback feeds",
+    "curve": "logged loss and eval curves (`hf_sanity.measure.curves.Curves`): SanityCallback, doctor",
+    "runs": "several finished runs and their predictions (`hf_sanity.measure.runs.RunSet`): doctor",
+    "protocol": "a measurement of the debugging protocol (overfit run, LR sweep, precision run): overfit, diagnose",
+}
+
+
+@dataclass(frozen=True)
+class Detector:
+    """One way a rule is detected. ``fn`` takes what its kind reads and returns findings (for kind "step",
+    ``fn`` is a Monitor class). ``online``: SanityCallback runs it while training; ``final``: it judges a whole
+    run, so the callback runs it at train end only; ``reads``: the measurement type a protocol detector reads."""
+
+    rule: str
+    kind: str
+    fn: Callable[..., Any] = field(repr=False)
+    online: bool = False
+    final: bool = False
+    reads: type | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.fn.__module__}.{self.fn.__qualname__}"
+
 
 @dataclass
 class Rule:
@@ -48,15 +85,25 @@ class Rule:
     symptom: str
     detects: str
     fix: str
-    # A preflight check: ``check(context) -> Iterable[Finding]``. Rules detected elsewhere (monitors,
-    # curve analysis) leave it None and are detected by the module that defines them.
-    checker: Callable[[Any], Iterable[Finding]] | None = field(default=None, repr=False)
     module: str = ""
+    detectors: list[Detector] = field(default_factory=list, repr=False)
+
+    def detector(
+        self, kind: str, *, online: bool = False, final: bool = False, reads: type | None = None
+    ) -> Callable[[Callable], Callable]:
+        """Decorator: register ``fn`` as a detector of this rule, of ``kind`` (see :data:`KINDS`)."""
+        if kind not in KINDS:
+            raise ValueError(f"{self.slug}: detector kind must be one of {list(KINDS)}")
+
+        def register(fn: Callable) -> Callable:
+            self.detectors.append(Detector(self.slug, kind, fn, online=online, final=final, reads=reads))
+            return fn
+
+        return register
 
     def check(self, fn: Callable[[Any], Iterable[Finding]]) -> Callable[[Any], Iterable[Finding]]:
-        """Decorator: register ``fn`` as this rule's preflight check."""
-        self.checker = fn
-        return fn
+        """Decorator: register ``fn(context)`` as this rule's preflight check (kind "context")."""
+        return self.detector("context")(fn)
 
     def finding(
         self,
@@ -91,22 +138,7 @@ class Rule:
 
 
 _RULES: dict[str, Rule] = {}
-
-# Every module that defines rules. Importing them fills the catalog.
-RULE_MODULES = (
-    "hf_sanity.rules.internal",
-    "hf_sanity.rules.data",
-    "hf_sanity.rules.masks",
-    "hf_sanity.rules.lengths",
-    "hf_sanity.rules.template",
-    "hf_sanity.rules.model",
-    "hf_sanity.rules.adapter",
-    "hf_sanity.rules.trainer_setup",
-    "hf_sanity.rules.training",
-    "hf_sanity.rules.curves",
-    "hf_sanity.rules.runs",
-    "hf_sanity.rules.protocol",
-)
+_MONITORS: list[type] = []
 
 
 def define(
@@ -131,14 +163,34 @@ def define(
     return rule
 
 
+def monitor(cls: type) -> type:
+    """Class decorator: register a Monitor (``cls.rules``, ``update(step, values) -> findings``) as the step
+    detector of each of its rules. SanityCallback builds one of each registered monitor per run."""
+    for rule in cls.rules:
+        rule.detectors.append(Detector(rule.slug, "step", cls, online=True))
+    _MONITORS.append(cls)
+    return cls
+
+
 _loaded = False
+
+
+def rule_modules() -> list[str]:
+    """Every module of the `hf_sanity.rules` package (and its subpackages)."""
+    import hf_sanity.rules as package
+
+    return sorted(
+        info.name
+        for info in pkgutil.walk_packages(package.__path__, prefix=f"{package.__name__}.")
+        if not info.ispkg
+    )
 
 
 def load() -> dict[str, Rule]:
     """Import every rule module (once) and return the catalog."""
     global _loaded
     if not _loaded:
-        for name in RULE_MODULES:
+        for name in rule_modules():
             importlib.import_module(name)
         _loaded = True
     return _RULES
@@ -155,3 +207,96 @@ def get(slug: str) -> Rule:
     if slug not in rules:
         raise UserInputError(f"unknown rule {slug!r}; `hf-sanity rules` lists the {len(rules)} rules")
     return rules[slug]
+
+
+def detectors(
+    kind: str,
+    *,
+    stages: Iterable[str] | None = None,
+    online: bool | None = None,
+    enabled: Callable[[str], bool] | None = None,
+) -> list[Detector]:
+    """The detectors of ``kind``, in catalog order, filtered by their rule's stage, by ``online`` and by
+    ``enabled(slug)`` (a selection)."""
+    wanted = set(stages) if stages is not None else None
+    return [
+        d
+        for rule in all_rules()
+        if (wanted is None or rule.stage in wanted) and (enabled is None or enabled(rule.slug))
+        for d in rule.detectors
+        if d.kind == kind and (online is None or d.online == online)
+    ]
+
+
+def monitors(enabled: Callable[[str], bool] | None = None) -> list[type]:
+    """The registered Monitor classes with at least one enabled rule."""
+    load()
+    return [cls for cls in _MONITORS if enabled is None or any(enabled(r.slug) for r in cls.rules)]
+
+
+# -- running detectors -----------------------------------------------------------------------------
+INTERNAL_ERROR = define(
+    "internal-error",
+    severity="warning",
+    stage="internal",
+    symptom="A check of hf-sanity raised an exception. Your run was not affected; the check was skipped.",
+    detects="Every check runs inside a guard; an exception becomes this finding instead of reaching your code.",
+    fix="Report it at the hf-sanity issue tracker with the evidence below; silence it with --ignore <slug>.",
+)
+
+
+def internal_error(check: str, exc: BaseException, step: int | None = None) -> Finding:
+    """A broken check, as a finding: the run goes on."""
+    tail = traceback.format_exception(type(exc), exc, exc.__traceback__)[-3:]
+    return INTERNAL_ERROR.finding(
+        f"check {check!r} failed with {type(exc).__name__}: {exc}",
+        evidence={"check": check, "exception": type(exc).__name__, "traceback": "".join(tail).strip()},
+        step=step,
+    )
+
+
+@contextmanager
+def guard(
+    check: str, found: list[Finding], *, step: int | None = None, user_errors: bool = False
+) -> Iterator[None]:
+    """The one guard every check runs in: an exception inside becomes an ``internal-error`` finding appended
+    to ``found`` and the caller goes on. Bad user input (:class:`UserInputError`) is not a broken check: it
+    propagates, to become the one-line error of exit code 2, unless ``user_errors`` (inside a training run,
+    nothing may escape into the user's loop)."""
+    try:
+        yield
+    except Exception as exc:
+        if isinstance(exc, UserInputError) and not user_errors:
+            raise
+        found.append(internal_error(check, exc, step))
+
+
+def run(detector: Detector, subject: Any, *, step: int | None = None) -> list[Finding]:
+    """One detector on what it reads, guarded."""
+    errors: list[Finding] = []
+    with guard(detector.rule, errors, step=step):
+        return list(detector.fn(subject) or ())
+    return errors
+
+
+def run_all(
+    kind: str,
+    subject: Any,
+    selection,
+    *,
+    stages: Iterable[str] | None = None,
+    online: bool | None = None,
+    step: int | None = None,
+) -> list[Finding]:
+    """Every enabled detector of ``kind`` on ``subject``, each guarded; findings as ``selection`` configures
+    them (silenced rules dropped, severities overridden). Protocol detectors run only on the measurement
+    type they read."""
+    out: list[Finding] = []
+    for detector in detectors(kind, stages=stages, online=online, enabled=selection.enabled):
+        if detector.reads is not None and not isinstance(subject, detector.reads):
+            continue
+        for finding in run(detector, subject, step=step):
+            kept = selection.apply(finding)
+            if kept is not None:
+                out.append(kept)
+    return out

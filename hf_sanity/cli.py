@@ -152,13 +152,26 @@ def preflight_command(
     ignore: IgnoreOpt = None,
 ) -> None:
     """Inspect model, tokenizer, data and adapter before a single training step."""
-    _quiet_libraries()
-    from hf_sanity.preflight import preflight
-    from hf_sanity.preflight.sources import load_config, load_dataset_ref, load_model, load_tokenizer
-    from hf_sanity.rules.adapter import adapter_config, adapter_state
+    from hf_sanity.drivers.preflight import check_options
+    from hf_sanity.selection import resolve
 
+    # Bad options fail in a blink, before transformers is imported or anything is loaded.
+    resolve(select, ignore)
+    check_options(loss_on=loss_on, max_len=max_len, sample=sample)
+    if format is not None:
+        from hf_sanity.measure.formats import FORMATS
+
+        if format not in FORMATS:
+            raise UserInputError(f"unknown --format {format!r}; use one of {', '.join(FORMATS)}")
+    if num_proc is not None and num_proc < 1:
+        raise UserInputError(f"--num-proc must be at least 1, got {num_proc}")
     if eval_dataset and eval_split:
         raise UserInputError("pass --eval-dataset or --eval-split, not both")
+    _quiet_libraries()
+    from hf_sanity.drivers.preflight import preflight
+    from hf_sanity.measure.adapters import adapter_config, adapter_state
+    from hf_sanity.measure.sources import load_config, load_dataset_ref, load_model, load_tokenizer
+
     config = load_config(model, trust_remote_code=trust_remote_code)  # fails early on a broken model folder
     if adapter:  # an unreadable adapter fails now, not after the dataset is tokenized
         if not Path(adapter).is_dir():
@@ -228,8 +241,11 @@ def doctor_command(
     ignore: IgnoreOpt = None,
 ) -> None:
     """Post-mortem of finished runs: loss and eval curves, runs compared, eval predictions."""
+    from hf_sanity.selection import resolve
+
+    resolve(select, ignore)  # an unknown slug fails before anything is read
     _quiet_libraries()
-    from hf_sanity.doctor import doctor
+    from hf_sanity.drivers.doctor import doctor
 
     report = doctor(
         runs, predictions=predictions, select=select, ignore=ignore, plot=plot, with_plot=html is not None
@@ -237,6 +253,26 @@ def doctor_command(
     if plot is not None:
         console.print(f"[dim]plot written to {plot}[/dim]")
     _finish(report, json, html)
+
+
+def _protocol_options(n: int, steps: int, lr: float | None, max_len: int | None, loss_on: str, format):
+    """The shared options of overfit and diagnose, checked before anything is imported or loaded."""
+    from hf_sanity.protocol.options import ProtocolOptions
+
+    return ProtocolOptions(n=n, steps=steps, lr=lr, max_len=max_len, loss_on=loss_on, format=format)
+
+
+def _pipeline(options, *, model, dataset, tokenizer, split, adapter_config, lora_r, lora_alpha, lora_target,
+              trust_remote_code):  # fmt: skip
+    """The pipeline overfit and diagnose train on, loaded from the command line's paths."""
+    _quiet_libraries()
+    from hf_sanity.protocol.build import from_paths
+
+    return from_paths(
+        model, dataset, options=options, tokenizer=tokenizer, split=split, adapter_config=adapter_config,
+        lora_r=lora_r, lora_alpha=lora_alpha, lora_target=lora_target, trust_remote_code=trust_remote_code,
+        command=sys.argv,
+    )  # fmt: skip
 
 
 @app.command("overfit")
@@ -261,11 +297,14 @@ def overfit_command(
     html: HtmlOpt = None,
 ) -> None:
     """Overfit a handful of examples of your pipeline: if the loss does not reach near zero, name the broken link."""
-    _quiet_libraries()
+    options = _protocol_options(n, steps, lr, max_len, loss_on, format)
+    pipeline = _pipeline(
+        options, model=model, dataset=dataset, tokenizer=tokenizer, split=split, adapter_config=adapter_config,
+        lora_r=lora_r, lora_alpha=lora_alpha, lora_target=lora_target, trust_remote_code=trust_remote_code,
+    )  # fmt: skip
     from hf_sanity.protocol import overfit
 
-    pipeline = _pipeline(locals())
-    report = overfit(pipeline=pipeline, steps=steps, plot=plot, with_plot=html is not None)
+    report = overfit(pipeline=pipeline, options=options, plot=plot, with_plot=html is not None)
     if plot is not None:
         console.print(f"[dim]plot written to {plot}[/dim]")
     _finish(report, json, html)
@@ -297,34 +336,15 @@ def diagnose_command(
 ) -> None:
     """Run the debugging protocol in order (overfit, step-0 loss, shapes and masks, LR range, precision) and stop at
     the first broken layer, with its fix, a single-batch reproduction and the verification checklist."""
-    _quiet_libraries()
+    options = _protocol_options(n, steps, lr, max_len, loss_on, format)
+    pipeline = _pipeline(
+        options, model=model, dataset=dataset, tokenizer=tokenizer, split=split, adapter_config=adapter_config,
+        lora_r=lora_r, lora_alpha=lora_alpha, lora_target=lora_target, trust_remote_code=trust_remote_code,
+    )  # fmt: skip
     from hf_sanity.protocol import diagnose
 
-    pipeline = _pipeline(locals())
-    report = diagnose(pipeline=pipeline, steps=steps, repro=repro, with_plot=html is not None)
+    report = diagnose(pipeline=pipeline, options=options, repro=repro, with_plot=html is not None)
     _finish(report, json, html)
-
-
-def _pipeline(options: dict):
-    """The pipeline overfit and diagnose train on, built from the shared setup options."""
-    from hf_sanity.protocol.setup import from_paths
-
-    keys = (
-        "tokenizer",
-        "split",
-        "n",
-        "steps",
-        "lr",
-        "max_len",
-        "loss_on",
-        "format",
-        "adapter_config",
-        "lora_r",
-        "lora_alpha",
-        "lora_target",
-        "trust_remote_code",
-    )
-    return from_paths(options["model"], options["dataset"], command=sys.argv, **{k: options[k] for k in keys})
 
 
 def main() -> None:

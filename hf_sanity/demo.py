@@ -1,17 +1,97 @@
 """`hf-sanity demo`: what the tool does, on the embedded tiny model, offline, in under a minute.
 
 It runs the checks on a correct fine-tuning setup and on a broken one (prompt tokens in the loss, EOS
-masked by a pad == EOS collator, answers truncated by max_len) and prints both reports.
+masked by a pad == EOS collator, answers truncated by max_len) and prints both reports; then SanityCallback
+on a training run whose loss goes NaN, and `diagnose` on a realistic broken setup: the optimizer is created
+for the full model, then the LoRA adapter is attached (peft freezes the base weights the optimizer holds and
+adds new LoRA weights it does not hold, so training runs, logs a loss, and nothing learns).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import tempfile
+import warnings
 
 from rich.console import Console
 from rich.rule import Rule
 
-from hf_sanity.tokenview import IGNORE_INDEX
+from hf_sanity.constants import IGNORE_INDEX
+
+DEMO_EXAMPLES = 16
+
+
+@contextlib.contextmanager
+def tiny_threads():
+    """One intra-op thread while the tiny model runs: its ops are too small to split, threads only add overhead."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def broken_setup() -> dict:
+    """The keyword arguments of ``diagnose`` for a broken setup: ``{"trainer": Trainer}`` whose optimizer was built
+    before the LoRA adapter was attached (it holds the frozen base weights, none of the trainable LoRA ones)."""
+    import datasets
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    from hf_sanity.measure.encode import EncodeOptions, Encoder
+    from hf_sanity.testing import demo_conversations, tiny_setup
+
+    model, tokenizer = tiny_setup("chatml", "distinct")
+    encoder = Encoder(tokenizer, EncodeOptions(fmt="messages"))
+    rows = [encoder.encode(row) for row in demo_conversations(DEMO_EXAMPLES)]
+    train = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the bug: built before the adapter exists
+    with warnings.catch_warnings():  # peft reads a deprecated transformers attribute
+        warnings.simplefilter("ignore", FutureWarning)
+        model = get_peft_model(
+            model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        )
+    args = TrainingArguments(
+        output_dir=os.path.join(tempfile.gettempdir(), "hf-sanity-demo"),
+        per_device_train_batch_size=8,
+        max_steps=10,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        seed=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
+        optimizers=(optimizer, None),
+    )
+    return {"trainer": trainer}
+
+
+def demo_diagnose(console: Console | None = None):
+    """Run `diagnose` on :func:`broken_setup`, print the report and return it (a few seconds on 2 CPU cores)."""
+    from hf_sanity.protocol import diagnose
+
+    console = console or Console()
+    console.print(Rule("diagnose on a broken training setup"))
+    console.print(
+        "a Trainer whose AdamW was created for the full model before the LoRA adapter was attached\n",
+        style="dim",
+    )
+    with tiny_threads():
+        setup = broken_setup()
+        report = diagnose(**setup, repro=tempfile.mkdtemp(prefix="hf-sanity-repro-"), with_plot=False)
+    console.print(report)
+    return report
 
 
 def broken_pipeline_rows(tokenizer, conversations) -> list[dict]:
@@ -36,7 +116,7 @@ def watched_broken_run(console: Console):
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
     from hf_sanity.callback import SanityCallback
-    from hf_sanity.preflight.encode import EncodeOptions, Encoder
+    from hf_sanity.measure.encode import EncodeOptions, Encoder
     from hf_sanity.testing import demo_conversations, tiny_setup
 
     class DistillStyleTrainer(Trainer):
@@ -86,7 +166,7 @@ def watched_broken_run(console: Console):
 def run_demo(console: Console | None = None) -> int:
     import datasets
 
-    from hf_sanity.preflight import preflight
+    from hf_sanity.drivers.preflight import preflight
     from hf_sanity.testing import build_tokenizer, demo_conversations, tiny_model_dir
     from hf_sanity.testing.factory import tiny_setup
 
@@ -121,8 +201,6 @@ def run_demo(console: Console | None = None) -> int:
     console.print(broken)
 
     watched = watched_broken_run(console)
-
-    from hf_sanity.protocol import demo_diagnose
 
     diagnosis = demo_diagnose(console)
     named = diagnosis.stats.get("broken_layer")

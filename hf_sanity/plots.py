@@ -11,8 +11,8 @@ from pathlib import Path
 
 from hf_sanity.errors import UserInputError
 from hf_sanity.findings import Finding
+from hf_sanity.measure.curves import Curves
 from hf_sanity.report import write_atomic
-from hf_sanity.rules.curves import Curves
 
 SEVERITY_COLOR = {"error": "#d62728", "warning": "#ff7f0e", "info": "#1f77b4"}
 

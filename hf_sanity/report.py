@@ -16,12 +16,13 @@ from rich.padding import Padding
 from rich.text import Text
 
 from hf_sanity.findings import SEVERITY_RANK, Finding, jsonable
+from hf_sanity.numbers import fmt
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
 
 
 def version() -> str:
-    from hf_sanity import __version__
+    from hf_sanity.version import __version__
 
     return __version__
 
@@ -111,7 +112,7 @@ def _short(value: Any) -> str:
     """One evidence value for the terminal: sentences in full (up to 200 characters), long lists and dicts
     cut at 100 (the JSON report has them whole)."""
     if isinstance(value, float):
-        return f"{value:.4g}"
+        return fmt(value, 4)
     text = json.dumps(jsonable(value), ensure_ascii=False)
     limit = 200 if isinstance(value, str) else 100
     return text if len(text) <= limit else text[: limit - 3] + "..."

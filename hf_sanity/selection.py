@@ -70,6 +70,11 @@ class Selection:
             finding.severity = override
         return finding
 
+    def restricted(self, slugs: set[str] | frozenset[str]) -> Selection:
+        """This selection narrowed to ``slugs`` (ignores and severity overrides kept)."""
+        select = frozenset(slugs) if self.select is None else self.select & frozenset(slugs)
+        return Selection(select=select, ignore=self.ignore, severity=self.severity)
+
     @classmethod
     def build(
         cls,

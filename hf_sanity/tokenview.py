@@ -14,7 +14,8 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-IGNORE_INDEX = -100
+from hf_sanity.constants import IGNORE_INDEX
+
 LOSS_STYLE = "bold black on green"
 NO_LOSS_STYLE = "grey50"
 FOCUS_STYLE = "bold white on red"

@@ -95,7 +95,7 @@ def main(argv=None):
 
         rows = datasets.Dataset.from_list(demo_conversations(64))
     else:
-        from hf_sanity.preflight.sources import load_dataset_ref
+        from hf_sanity.measure.sources import load_dataset_ref
 
         rows = load_dataset_ref(args.dataset)
 

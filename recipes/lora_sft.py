@@ -66,7 +66,7 @@ def load(args):
 
         data = datasets.Dataset.from_list(demo_conversations(64))
     else:
-        from hf_sanity.preflight.sources import load_dataset_ref
+        from hf_sanity.measure.sources import load_dataset_ref
 
         data = load_dataset_ref(args.dataset)
     split = data.train_test_split(test_size=0.1, seed=0)

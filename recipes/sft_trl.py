@@ -61,7 +61,7 @@ def main(argv=None):
 
         data = datasets.Dataset.from_list(as_prompt_completion(demo_conversations(64), conversational=True))
     else:
-        from hf_sanity.preflight.sources import load_dataset_ref
+        from hf_sanity.measure.sources import load_dataset_ref
 
         data = load_dataset_ref(args.dataset)
 

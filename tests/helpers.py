@@ -8,7 +8,7 @@ import sys
 
 import datasets
 
-from hf_sanity.preflight import preflight
+from hf_sanity.drivers.preflight import preflight
 
 
 def run(tokenizer, rows, *, select=None, **kwargs):

@@ -13,8 +13,8 @@ def test_top_level_preflight_is_the_function():
     data = datasets.Dataset.from_list(synthetic_conversations(8))
     report = hf_sanity.preflight(tokenizer=tok, dataset=data, max_len=16, use_config=False)
     assert isinstance(report, hf_sanity.Report) and "truncated-completion" in report.rules()
-    importlib.import_module("hf_sanity.preflight.sources")  # the package stays importable beside the function
-    importlib.import_module("hf_sanity.preflight.trainer_batches")
+    importlib.import_module("hf_sanity.measure.sources")  # the package stays importable beside the function
+    importlib.import_module("hf_sanity.measure.batches")
     assert callable(hf_sanity.preflight)
 
 
@@ -32,7 +32,7 @@ def test_lazy_exports():
 
 
 def test_nothing_is_written_into_a_saved_dataset_folder(tmp_path):
-    from hf_sanity.preflight.sources import load_dataset_ref
+    from hf_sanity.measure.sources import load_dataset_ref
     from hf_sanity.testing import demo_conversations
 
     folder = tmp_path / "data"

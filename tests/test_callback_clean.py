@@ -106,7 +106,8 @@ def test_a_run_with_the_callback_is_bit_for_bit_the_run_without(tmp_path):
 
 
 def test_a_check_that_breaks_is_an_internal_error_and_training_goes_on(tmp_path, monkeypatch):
-    from hf_sanity.monitors import GradientMonitor, first_batch
+    from hf_sanity.rules.training.gradients import GradientMonitor
+    from hf_sanity.training import first_batch
 
     def broken(*args, **kwargs):
         raise RuntimeError("planted failure")
@@ -117,7 +118,11 @@ def test_a_check_that_breaks_is_an_internal_error_and_training_goes_on(tmp_path,
     cb = watch()
     losses_cb, weights_cb, _, trainer = fine_tune(tmp_path / "with", [cb])
     internal = cb.report.by_rule("internal-error")
-    assert sorted(f.evidence["check"] for f in internal) == ["first-batch", "grad-explosion"]  # once each
+    # once each, named by the rules the broken check leaves unwatched
+    assert sorted(f.evidence["check"] for f in internal) == [
+        "first-batch",
+        "nonfinite-grad, grad-explosion, stale-gradients",
+    ]
     assert all("planted failure" in f.message for f in internal)
     assert trainer.state.global_step == 12 and len(losses_cb) == 12
     assert all(torch.equal(weights[name], weights_cb[name]) for name in weights)

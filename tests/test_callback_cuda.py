@@ -10,7 +10,7 @@ import torch
 from dist import tinytrain as tt
 
 from hf_sanity.callback import SanityCallback
-from hf_sanity.monitors import EarlyFlags, Recorder
+from hf_sanity.training.recorder import EarlyFlags, Recorder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

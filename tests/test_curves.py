@@ -10,8 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from hf_sanity.drivers.curves import analyze
+from hf_sanity.measure.curves import Curves
 from hf_sanity.rules import curves as C
-from hf_sanity.rules.curves import Curves, analyze
 
 
 # -- series ----------------------------------------------------------------------------------------
@@ -386,9 +387,9 @@ def test_a_broken_detector_becomes_an_internal_error(monkeypatch):
     def boom(curves):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(
-        C, "DETECTORS", ((C.LOSS_SPIKE, boom, True), *[d for d in C.DETECTORS if d[0] is not C.LOSS_SPIKE])
-    )
+    from hf_sanity.catalog import Detector
+
+    monkeypatch.setattr(C.LOSS_SPIKE, "detectors", [Detector("loss-spike", "curve", boom, online=True)])
     found = analyze(make(seed=0), final=True)
     assert [f.rule for f in found] == ["internal-error"] and "loss-spike" in found[0].message
 

@@ -12,10 +12,11 @@ import pytest
 
 from helpers import assert_one_line_error, cli
 from hf_sanity import catalog
-from hf_sanity.doctor import doctor, find_state
+from hf_sanity.drivers.doctor import doctor
 from hf_sanity.errors import UserInputError
+from hf_sanity.measure.curves import Curves
+from hf_sanity.measure.runs import find_state
 from hf_sanity.rules import runs as R
-from hf_sanity.rules.curves import Curves
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -9,21 +9,19 @@ import random
 import pytest
 import torch
 
-from hf_sanity.monitors import (
-    EarlyFlags,
-    GradientMonitor,
-    LossMonitor,
-    MemoryMonitor,
-    PredictionsMonitor,
-    RankMonitor,
-    Recorder,
-    TrainModeMonitor,
-    UpdateMonitor,
-    first_batch,
-    memory,
-    nonfinite,
-    updates,
-)
+from hf_sanity.rules.training import loss as nonfinite
+from hf_sanity.rules.training import shapes as first_batch
+from hf_sanity.rules.training import updates
+from hf_sanity.rules.training.gradients import GradientMonitor
+from hf_sanity.rules.training.loss import LossMonitor
+from hf_sanity.rules.training.memory import MemoryMonitor
+from hf_sanity.rules.training.mode import TrainModeMonitor
+from hf_sanity.rules.training.predictions import PredictionsMonitor
+from hf_sanity.rules.training.ranks import RankMonitor
+from hf_sanity.rules.training.updates import UpdateMonitor
+from hf_sanity.training import memory, replay
+from hf_sanity.training.recorder import EarlyFlags, Recorder
+from hf_sanity.untouched import untouched
 
 NAN = math.nan
 
@@ -333,9 +331,9 @@ def test_replay_names_the_first_nonfinite_module_and_changes_nothing():
     model.train()
     model[3].eval()  # a module the user keeps in eval mode must stay so
     rng = torch.get_rng_state()
-    with nonfinite.quiet_forward(model):
+    with untouched(model):
         assert not model.training
-        first, final_ok = nonfinite.first_nonfinite_module(model, lambda: model(torch.ones(2, 4)))
+        first, final_ok = replay.first_nonfinite_module(model, lambda: model(torch.ones(2, 4)))
         torch.rand(3)  # even RNG drawn inside is given back
     assert (first, final_ok) == ("2", False)
     assert model.training and model[1].training and not model[3].training
@@ -343,7 +341,7 @@ def test_replay_names_the_first_nonfinite_module_and_changes_nothing():
 
 
 def test_nonfinite_fix_follows_the_cause():
-    from hf_sanity.monitors.nonfinite import CAUSES, FIX_BY_CAUSE
+    from hf_sanity.rules.training.loss import CAUSES, FIX_BY_CAUSE
 
     assert set(FIX_BY_CAUSE) == set(CAUSES) - {"unknown"}
     assert "log_softmax" in FIX_BY_CAUSE["unsafe-math"] and "bf16" in FIX_BY_CAUSE["precision-overflow"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import datasets
 
-from hf_sanity.preflight import preflight
+from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing import build_tokenizer, demo_conversations
 
 SCRIPT = Path(__file__).parent / "dist" / "preflight_shards.py"

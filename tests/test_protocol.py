@@ -16,11 +16,12 @@ import torch
 from rich.console import Console
 from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
+from hf_sanity.demo import broken_setup, demo_diagnose
 from hf_sanity.errors import UserInputError
-from hf_sanity.preflight.encode import EncodeOptions, Encoder
-from hf_sanity.protocol import broken_setup, demo_diagnose, diagnose, overfit
-from hf_sanity.protocol.layers import half_support, run_precision
-from hf_sanity.protocol.setup import from_objects
+from hf_sanity.measure.encode import EncodeOptions, Encoder
+from hf_sanity.protocol import diagnose, overfit
+from hf_sanity.protocol.build import from_objects
+from hf_sanity.protocol.steps import half_support, run_precision
 from hf_sanity.testing import demo_conversations, tiny_setup
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -136,7 +136,7 @@ def test_no_trainable_params(setup, conversations):
 def test_preflight_on_a_saved_dataset_folder(setup, conversations, tmp_path):
     model, tok = setup
     datasets.Dataset.from_list(conversations).save_to_disk(str(tmp_path / "ds"))
-    from hf_sanity.preflight.sources import load_dataset_ref
+    from hf_sanity.measure.sources import load_dataset_ref
 
     data = load_dataset_ref(str(tmp_path / "ds"))
     assert run(tok, data, model=model, select=MODEL_RULES).findings == []

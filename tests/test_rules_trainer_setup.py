@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
-from hf_sanity.preflight import preflight
+from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing import as_prompt_completion, demo_conversations, tiny_setup
 
 SETUP_RULES = ["packing-contamination", "grad-accum-loss-scaling", "checkpointing-blocks-grads"]

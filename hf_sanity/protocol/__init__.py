@@ -7,8 +7,7 @@
 Both work on copies: the user's trainer, model and RNG states are left exactly as they were.
 """
 
-from hf_sanity.protocol.demo import broken_setup, demo_diagnose
 from hf_sanity.protocol.diagnose import diagnose
 from hf_sanity.protocol.overfit import overfit
 
-__all__ = ["broken_setup", "demo_diagnose", "diagnose", "overfit"]
+__all__ = ["diagnose", "overfit"]

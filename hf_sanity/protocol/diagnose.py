@@ -16,22 +16,20 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hf_sanity import catalog
+from hf_sanity.catalog import internal_error
 from hf_sanity.errors import UserInputError
+from hf_sanity.protocol.build import build
+from hf_sanity.protocol.options import ProtocolOptions
 from hf_sanity.protocol.overfit import path_checklist, run_overfit
-from hf_sanity.protocol.setup import Pipeline, build
-from hf_sanity.rules.internal import internal_error
-from hf_sanity.rules.protocol import check_overfit
+from hf_sanity.protocol.pipeline import Pipeline
+from hf_sanity.selection import Selection
 
-LAYERS: tuple[tuple[int, str], ...] = (
-    (1, "overfit one batch"),
-    (2, "loss at initialization vs chance"),
-    (3, "shapes and masks"),
-    (4, "learning rate (LR range test)"),
-    (5, "numerical precision"),
-)
+PROTOCOL = Selection()  # overfit and diagnose run every protocol rule
 
 
 def _item(layer: int, text: str, status: str, detail: str) -> dict[str, Any]:
@@ -50,11 +48,11 @@ def layer_overfit(pipeline: Pipeline, report, options: dict) -> tuple[list, list
     report.stats["overfit"] = stats
     if want_png(None, options["with_plot"]):
         report.plots["1. overfit: loss on the examples"] = overfit_png(run)
-    return check_overfit(run), path_checklist(stats, layer=1)
+    return catalog.run_all("protocol", run, PROTOCOL), path_checklist(stats, layer=1)
 
 
 def layer_init_loss(pipeline: Pipeline, report, options: dict) -> tuple[list, list]:
-    from hf_sanity.protocol.layers import run_init_loss
+    from hf_sanity.protocol.steps import run_init_loss
 
     model = pipeline.working_copy()
     findings, stats = run_init_loss(pipeline, model)
@@ -68,7 +66,7 @@ def layer_init_loss(pipeline: Pipeline, report, options: dict) -> tuple[list, li
 
 
 def layer_shapes_masks(pipeline: Pipeline, report, options: dict) -> tuple[list, list]:
-    from hf_sanity.protocol.layers import run_masks, shape_rows
+    from hf_sanity.protocol.steps import run_masks, shape_rows
 
     model = pipeline.working_copy()
     rows, summary = shape_rows(model, pipeline.batches[0])
@@ -101,13 +99,12 @@ def layer_shapes_masks(pipeline: Pipeline, report, options: dict) -> tuple[list,
 
 
 def layer_lr(pipeline: Pipeline, report, options: dict) -> tuple[list, list]:
-    from hf_sanity.protocol.layers import run_lr_range
     from hf_sanity.protocol.render import lr_png, want_png
-    from hf_sanity.rules.protocol import check_lr_range
+    from hf_sanity.protocol.steps import run_lr_range
 
     sweep, stats = run_lr_range(pipeline)
     report.stats["lr_range"] = stats
-    findings = check_lr_range(sweep)
+    findings = catalog.run_all("protocol", sweep, PROTOCOL)
     if want_png(None, options["with_plot"]) and sweep.lrs:
         report.plots["4. LR range test"] = lr_png(sweep)
     if stats["suggested_lr"] is None:
@@ -121,12 +118,11 @@ def layer_lr(pipeline: Pipeline, report, options: dict) -> tuple[list, list]:
 
 
 def layer_precision(pipeline: Pipeline, report, options: dict) -> tuple[list, list]:
-    from hf_sanity.protocol.layers import run_precision
-    from hf_sanity.rules.protocol import check_precision
+    from hf_sanity.protocol.steps import run_precision
 
     run, stats = run_precision(pipeline)
     report.stats["precision"] = stats
-    findings = check_precision(run)
+    findings = catalog.run_all("protocol", run, PROTOCOL)
     items = []
     for name, row in stats["half"].items():
         detail = f"{row['loss']:.5g} vs float32 {stats['fp32']:.5g} (tolerance {row['tolerance']:.3g})"
@@ -136,13 +132,24 @@ def layer_precision(pipeline: Pipeline, report, options: dict) -> tuple[list, li
     return findings, items
 
 
-LAYER_RUNNERS: dict[int, Callable] = {
-    1: layer_overfit,
-    2: layer_init_loss,
-    3: layer_shapes_masks,
-    4: layer_lr,
-    5: layer_precision,
-}
+@dataclass(frozen=True)
+class Layer:
+    """One step of the protocol: its number and title, what runs it, and the report stats it measures (kept
+    with the reproduction when the layer is broken)."""
+
+    number: int
+    title: str
+    run: Callable[[Pipeline, Any, dict], tuple[list, list]]
+    measured: Callable[[dict], Any]
+
+
+LAYERS: tuple[Layer, ...] = (
+    Layer(1, "overfit one batch", layer_overfit, lambda s: s.get("overfit", {}).get("gradient_path")),
+    Layer(2, "loss at initialization vs chance", layer_init_loss, lambda s: s.get("init_loss")),
+    Layer(3, "shapes and masks", layer_shapes_masks, lambda s: s.get("masks")),
+    Layer(4, "learning rate (LR range test)", layer_lr, lambda s: s.get("lr_range")),
+    Layer(5, "numerical precision", layer_precision, lambda s: s.get("precision")),
+)
 
 
 def check_repro_target(repro: str | Path | None, protected: list[Path]) -> None:
@@ -165,78 +172,67 @@ def diagnose(
     tokenizer=None,
     dataset=None,
     *,
-    n: int = 8,
-    steps: int = 300,
-    lr: float | None = None,
-    max_len: int | None = None,
-    loss_on: str = "completion",
-    format: str | None = None,
+    options: ProtocolOptions | None = None,
     lora=None,
     optimizer=None,
     repro: str | Path | None = None,
     write_repro: bool = True,
     with_plot: bool = True,
     pipeline: Pipeline | None = None,
+    **option_values,
 ):
     """Run the five layers in order on the user's setup and stop at the first broken one.
 
-    Takes the same setup as :func:`hf_sanity.protocol.overfit` (``trainer=`` or ``model=``/``tokenizer=``/
-    ``dataset=``). When a layer is broken, its batch is saved as a reproduction into ``repro`` (default: a fresh
-    folder under ``./hf-sanity-repro/``) unless ``write_repro=False``. ``with_plot``: attach the loss curve and the
-    LR sweep as PNGs to ``report.plots`` (when matplotlib is installed). Nothing of the user's is modified.
+    Takes the same setup and options as :func:`hf_sanity.protocol.overfit` (``trainer=`` or ``model=``/
+    ``tokenizer=``/``dataset=``). When a layer is broken, its batch is saved as a reproduction into ``repro``
+    (default: a fresh folder under ``./hf-sanity-repro/``) unless ``write_repro=False``. ``with_plot``: attach
+    the loss curve and the LR sweep as PNGs to ``report.plots`` (when matplotlib is installed). Nothing of the
+    user's is modified.
     """
     from hf_sanity.protocol.render import ProtocolReport
-    from hf_sanity.rng import preserved_rng
+    from hf_sanity.untouched import preserved_rng
 
     started = time.perf_counter()
+    opts = ProtocolOptions.of(options, **option_values)
     report = ProtocolReport(title="hf-sanity diagnose")
-    options = {"steps": steps, "with_plot": with_plot}
+    run_options = {"steps": opts.steps, "with_plot": with_plot}
     checklist: list[dict[str, Any]] = []
-    broken: tuple[int, str, Any] | None = None
+    broken: tuple[Layer, Any] | None = None
     with preserved_rng():
         pipeline = build(
-            pipeline,
-            trainer=trainer,
-            model=model,
-            tokenizer=tokenizer,
-            dataset=dataset,
-            n=n,
-            steps=steps,
-            lr=lr,
-            max_len=max_len,
-            loss_on=loss_on,
-            format=format,
-            lora=lora,
-            optimizer=optimizer,
-        )
+            pipeline, trainer=trainer, model=model, tokenizer=tokenizer, dataset=dataset, options=opts,
+            lora=lora, optimizer=optimizer,
+        )  # fmt: skip
         check_repro_target(repro, pipeline.protected)
         report.stats["setup"] = {}  # first in the report, filled once the layers have run
-        for number, title in LAYERS:
+        for layer in LAYERS:
             if broken is not None:
                 checklist.append(
                     _item(
-                        number,
-                        title,
+                        layer.number,
+                        layer.title,
                         "skipped",
-                        f"not run: layer {broken[0]} ({broken[1]}) is broken and this layer builds on it",
+                        f"not run: layer {broken[0].number} ({broken[0].title}) is broken and this layer builds on it",
                     )
                 )
                 continue
             try:
-                findings, items = LAYER_RUNNERS[number](pipeline, report, options)
+                findings, items = layer.run(pipeline, report, run_options)
             except UserInputError:
                 raise
             except Exception as exc:  # a check that breaks is a finding, and the next layer still runs
-                report.add(internal_error(f"diagnose layer {number} ({title})", exc))
+                report.add(internal_error(f"diagnose layer {layer.number} ({layer.title})", exc))
                 checklist.append(
-                    _item(number, title, "skipped", f"the check raised {type(exc).__name__}: {exc}")
+                    _item(
+                        layer.number, layer.title, "skipped", f"the check raised {type(exc).__name__}: {exc}"
+                    )
                 )
                 continue
             report.extend(findings)
             checklist.extend(items)
             errors = [f for f in findings if f.severity == "error"]
             if errors:
-                broken = (number, title, errors[0])
+                broken = (layer, errors[0])
     report.stats["setup"] = pipeline.describe()
     report.stats["checklist"] = checklist
     if broken is None:
@@ -252,29 +248,26 @@ def diagnose(
                 f"no layer is broken: all {len(checklist)} checks of the five layers pass"
             )
     else:
-        number, title, finding = broken
+        layer, finding = broken
         cause = finding.evidence.get("cause") or finding.rule
-        report.stats["broken_layer"] = f"{number}. {title}"
+        report.stats["broken_layer"] = f"{layer.number}. {layer.title}"
         report.stats["cause"] = cause
-        report.stats["verdict"] = f"broken at layer {number} ({title}): {finding.message}"
+        report.stats["verdict"] = f"broken at layer {layer.number} ({layer.title}): {finding.message}"
         if write_repro:
             from hf_sanity.protocol.repro import repro_folder, save_repro
 
-            measured = {
-                1: report.stats.get("overfit", {}).get("gradient_path"),
-                2: report.stats.get("init_loss"),
-                3: report.stats.get("masks"),
-                4: report.stats.get("lr_range"),
-                5: report.stats.get("precision"),
-            }[number]
             folder = repro_folder(repro, pipeline.protected)
             report.stats["repro"] = save_repro(
                 pipeline,
                 folder,
-                layer=f"layer {number} ({title})",
+                layer=f"layer {layer.number} ({layer.title})",
                 message=finding.message,
                 cause=cause,
-                measured={"rule": finding.rule, "evidence": finding.evidence, "layer_stats": measured},
+                measured={
+                    "rule": finding.rule,
+                    "evidence": finding.evidence,
+                    "layer_stats": layer.measured(report.stats),
+                },
             )
     report.stats["seconds"] = round(time.perf_counter() - started, 2)
     return report

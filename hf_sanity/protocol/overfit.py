@@ -13,23 +13,20 @@ import math
 import time
 from typing import Any
 
-from hf_sanity.protocol.setup import (
-    Bound,
-    Pipeline,
-    build,
-    label_positions,
-    model_device,
-    supervised_count,
-    to_device,
-)
+from hf_sanity import catalog
+from hf_sanity.measure.tensors import model_device, to_device
+from hf_sanity.numbers import fmt
+from hf_sanity.protocol.build import build
+from hf_sanity.protocol.options import ProtocolOptions
+from hf_sanity.protocol.pipeline import Learner, Pipeline, label_positions, supervised_count
 from hf_sanity.rules.protocol import (
     GradientPath,
     OverfitRun,
-    check_overfit,
     gradient_path_cause,
     near_zero_threshold,
     overfit_cause,
 )
+from hf_sanity.selection import Selection
 
 CONFIRM_STEPS = 20  # steps run to show the curve when the gradient path is already known to be broken
 MAX_NAMES = 10
@@ -44,13 +41,13 @@ def micro_weights(batches: list[dict]) -> list[float]:
     return [c / total for c in counts]
 
 
-def forward_loss(bound: Bound, batches: list[dict], weights: list[float]):
+def forward_loss(learner: Learner, batches: list[dict], weights: list[float]):
     """(combined loss, the first micro-batch's loss as returned): the returned one is what grad_fn is read from."""
-    device = model_device(bound.model)
+    device = model_device(learner.model)
     first = None
     total = None
     for batch, weight in zip(batches, weights):
-        loss = bound.loss(to_device(batch, device))
+        loss = learner.loss(to_device(batch, device))
         if not hasattr(loss, "requires_grad"):
             raise TypeError(f"the loss is a {type(loss).__name__}, not a tensor")
         if loss.numel() != 1:
@@ -88,12 +85,12 @@ def _signature(p) -> tuple[float, float]:
     )
 
 
-def probe(pipeline: Pipeline, bound: Bound, weights: list[float]) -> tuple[GradientPath, float]:
+def probe(pipeline: Pipeline, learner: Learner, weights: list[float]) -> tuple[GradientPath, float]:
     """The gradient path, measured on the first training step (which it performs). Returns the path and the
     step-0 loss."""
     import torch
 
-    model, optimizer = bound.model, bound.optimizer
+    model, optimizer = learner.model, learner.optimizer
     path = GradientPath(optimizer=type(optimizer).__name__)
     named = list(model.named_parameters())
     path.total_elements = sum(p.numel() for _, p in named)
@@ -119,7 +116,7 @@ def probe(pipeline: Pipeline, bound: Bound, weights: list[float]) -> tuple[Gradi
         p.grad = None
     loss_value = float("nan")
     try:
-        loss, first = forward_loss(bound, pipeline.batches, weights)
+        loss, first = forward_loss(learner, pipeline.batches, weights)
         loss_value = float(loss.detach().float())
     except Exception as exc:
         path.loss_error = _first_line(exc)
@@ -159,16 +156,21 @@ def probe(pipeline: Pipeline, bound: Bound, weights: list[float]) -> tuple[Gradi
 
 
 def train(
-    pipeline: Pipeline, bound: Bound, weights: list[float], losses: list[float], steps: int, threshold: float
+    pipeline: Pipeline,
+    learner: Learner,
+    weights: list[float],
+    losses: list[float],
+    steps: int,
+    threshold: float,
 ) -> None:
     """Continue training after the probe's step; ``losses[i]`` is the loss after i updates. Stops once the loss
     is near zero or non-finite."""
-    held = optimizer_params(bound.optimizer)
+    held = optimizer_params(learner.optimizer)
     for step in range(1, steps + 1):
-        bound.optimizer.zero_grad(set_to_none=True)
-        for p in bound.model.parameters():
+        learner.optimizer.zero_grad(set_to_none=True)
+        for p in learner.model.parameters():
             p.grad = None
-        loss, _ = forward_loss(bound, pipeline.batches, weights)
+        loss, _ = forward_loss(learner, pipeline.batches, weights)
         value = float(loss.detach().float())
         losses.append(value)
         if not math.isfinite(value) or value <= threshold or step == steps:
@@ -176,37 +178,37 @@ def train(
         if loss.requires_grad:
             loss.backward()
         _clip(held, pipeline.max_grad_norm)
-        bound.optimizer.step()
+        learner.optimizer.step()
 
 
 def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[str, Any]]:
     """Train a working copy on the examples; the measurements and their stats. The user's model is untouched."""
     import torch
 
-    from hf_sanity.rng import preserved_rng
+    from hf_sanity.untouched import preserved_rng
 
     started = time.perf_counter()
     with preserved_rng():
         torch.manual_seed(0)
         model = pipeline.working_copy()
-        bound = pipeline.bind(model, pipeline.lr)
+        learner = pipeline.bind(model, pipeline.lr)
         weights = micro_weights(pipeline.batches)
-        held = {id(p) for p in optimizer_params(bound.optimizer)}
+        held = {id(p) for p in optimizer_params(learner.optimizer)}
         trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in held]
         initial = {n: _signature(p) for n, p in trained}
-        path, loss0 = probe(pipeline, bound, weights)
+        path, loss0 = probe(pipeline, learner, weights)
         threshold = near_zero_threshold(loss0, pipeline.vocab_size)
         losses = [loss0]
         broken = gradient_path_cause(path)
         budget = min(steps, CONFIRM_STEPS) if broken is not None else steps
         if path.loss_error is None and math.isfinite(loss0) and loss0 > threshold:
             try:
-                train(pipeline, bound, weights, losses, budget, threshold)
+                train(pipeline, learner, weights, losses, budget, threshold)
             except Exception as exc:  # a later step broke (after the probe's passed): report it as measured
                 path.loss_error = f"step {len(losses)}: {_first_line(exc)}"
         if path.updated:
             path.never_updated = [n for n, p in trained if _signature(p) == initial[n]]
-        del model, bound
+        del model, learner
     run = OverfitRun(
         path=path,
         losses=losses,
@@ -326,7 +328,7 @@ def path_checklist(stats: dict[str, Any], layer: int = 1) -> list[dict[str, Any]
             )
     reached = stats["reached_at_step"]
     loss_detail = (
-        f"{_num(stats['loss_start'])} -> {_num(stats['loss_final'])} in {stats['steps_run']} steps "
+        f"{fmt(stats['loss_start'], 4)} -> {fmt(stats['loss_final'], 4)} in {stats['steps_run']} steps "
         f"(near zero: {stats['near_zero']})"
     )
     item(
@@ -337,60 +339,44 @@ def path_checklist(stats: dict[str, Any], layer: int = 1) -> list[dict[str, Any]
     return items
 
 
-def _num(value) -> str:
-    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
-
-
 def overfit(
     trainer=None,
     model=None,
     tokenizer=None,
     dataset=None,
     *,
-    n: int = 8,
-    steps: int = 300,
-    lr: float | None = None,
-    max_len: int | None = None,
-    loss_on: str = "completion",
-    format: str | None = None,
+    options: ProtocolOptions | None = None,
     lora=None,
     optimizer=None,
     plot=None,
     with_plot: bool = True,
     pipeline: Pipeline | None = None,
+    **option_values,
 ):
     """Overfit ``n`` (2-10) examples of the real pipeline on a copy of the model; a report that says whether the
     loss reaches near zero and, if not, which part of the gradient path is broken.
 
     Pass ``trainer=`` (its batches, loss and optimizer class are used) or ``model=``, ``tokenizer=`` and
     ``dataset=`` (rows tokenized as TRL does; ``lora=`` a peft LoraConfig or dict to attach an adapter,
-    ``optimizer=`` to use yours). ``plot=`` writes the loss curve as a PNG; ``with_plot`` attaches it to ``report.plots`` (for the HTML page)
-    when matplotlib is installed. Nothing of the user's is modified:
-    the model is deep-copied and the RNG states are restored.
+    ``optimizer=`` to use yours). The options (``n``, ``steps``, ``lr``, ``max_len``, ``loss_on``, ``format``)
+    are those of :class:`~hf_sanity.protocol.options.ProtocolOptions`, given as ``options=`` or by name.
+    ``plot=`` writes the loss curve as a PNG; ``with_plot`` attaches it to ``report.plots`` (for the HTML page)
+    when matplotlib is installed. Nothing of the user's is modified: the model is deep-copied and the RNG
+    states are restored.
     """
     from hf_sanity.protocol.render import ProtocolReport, overfit_png, want_png
-    from hf_sanity.rng import preserved_rng
+    from hf_sanity.untouched import preserved_rng
 
     started = time.perf_counter()
+    opts = ProtocolOptions.of(options, **option_values)
     with preserved_rng():
         pipeline = build(
-            pipeline,
-            trainer=trainer,
-            model=model,
-            tokenizer=tokenizer,
-            dataset=dataset,
-            n=n,
-            steps=steps,
-            lr=lr,
-            max_len=max_len,
-            loss_on=loss_on,
-            format=format,
-            lora=lora,
-            optimizer=optimizer,
-        )
-        run, stats = run_overfit(pipeline, steps)
+            pipeline, trainer=trainer, model=model, tokenizer=tokenizer, dataset=dataset, options=opts,
+            lora=lora, optimizer=optimizer,
+        )  # fmt: skip
+        run, stats = run_overfit(pipeline, opts.steps)
     report = ProtocolReport(title="hf-sanity overfit")
-    report.extend(check_overfit(run))
+    report.extend(catalog.run_all("protocol", run, Selection()))
     report.stats.update(setup=pipeline.describe(), overfit=stats, checklist=path_checklist(stats))
     report.stats["seconds"] = round(time.perf_counter() - started, 2)
     if want_png(plot, with_plot):

@@ -15,6 +15,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
+from hf_sanity.numbers import fmt
 from hf_sanity.report import Report, render_finding, write_atomic
 
 BLOCKS = "▁▂▃▄▅▆▇█"
@@ -45,12 +46,6 @@ def sparkline(values: Sequence[Any], width: int = 60) -> str:
         else "×"
         for v in points
     )
-
-
-def _num(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
 
 
 @dataclass
@@ -95,15 +90,15 @@ class ProtocolReport(Report):
             rest = {**{k: v for k, v in stats["setup"].items() if v is not None}, **rest}
         if rest:
             yield Text()
-            yield Text("stats: " + ", ".join(f"{k}={_num(v)}" for k, v in rest.items()), style="dim")
+            yield Text("stats: " + ", ".join(f"{k}={fmt(v, 4)}" for k, v in rest.items()), style="dim")
 
 
 def overfit_text(stats: dict[str, Any]) -> Text:
     text = Text("overfit  ", style="bold")
     text.append(f"loss on {stats['examples']} examples, lr={stats['lr']:g}: ")
-    text.append(_num(stats["loss_start"]))
+    text.append(fmt(stats["loss_start"], 4))
     text.append(f" {sparkline(stats['losses'])} ", style="cyan")
-    text.append(_num(stats["loss_final"]))
+    text.append(fmt(stats["loss_final"], 4))
     reached = stats.get("reached_at_step")
     if reached is not None and stats.get("passed"):
         text.append(f"  near zero (≤ {stats['near_zero']}) at step {reached}", style="green")
@@ -175,14 +170,14 @@ def precision_table(stats: dict[str, Any]) -> Table:
     )
     for column in ("dtype", "loss", "difference", "tolerance", "verdict"):
         table.add_column(column)
-    table.add_row("float32", _num(stats["fp32"]), "", "", "reference")
+    table.add_row("float32", fmt(stats["fp32"], 4), "", "", "reference")
     for dtype, row in stats["half"].items():
         symbol, style = STATUS[row["status"]]
         table.add_row(
             dtype,
-            _num(row["loss"]),
-            _num(row["difference"]),
-            _num(row["tolerance"]),
+            fmt(row["loss"], 4),
+            fmt(row["difference"], 4),
+            fmt(row["tolerance"], 4),
             Text(f"{symbol} {row['status']}", style=style),
         )
     for dtype, why in stats.get("skipped", {}).items():

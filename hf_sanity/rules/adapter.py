@@ -2,49 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from hf_sanity.catalog import define
-from hf_sanity.errors import UserInputError
-
-
-def adapter_state(folder: str | Path) -> dict:
-    """The adapter's saved tensors (safetensors, or a .bin read with weights_only=True)."""
-    folder = Path(folder)
-    safetensors_file = folder / "adapter_model.safetensors"
-    if safetensors_file.is_file():
-        from safetensors.torch import load_file
-
-        return load_file(str(safetensors_file))
-    bin_file = folder / "adapter_model.bin"
-    if bin_file.is_file():
-        import torch
-
-        return torch.load(bin_file, map_location="cpu", weights_only=True)
-    raise UserInputError(f"adapter folder {str(folder)!r} has no adapter_model.safetensors; pass the folder written "
-                         "by peft's save_pretrained")  # fmt: skip
-
-
-def adapter_config(folder: str | Path) -> dict:
-    path = Path(folder) / "adapter_config.json"
-    if not path.is_file():
-        raise UserInputError(f"adapter folder {str(folder)!r} has no adapter_config.json")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserInputError(f"{path} is not valid JSON: {exc}") from None
-
-
-def _module_path(key: str) -> str:
-    """``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` -> ``model.layers.0.self_attn.q_proj``."""
-    name = key.split(".lora_")[0]
-    return name.removeprefix("base_model.model.")
-
-
-def _lora_keys(state: dict, which: str) -> dict[str, object]:
-    return {k: v for k, v in state.items() if f".lora_{which}." in k}
-
+from hf_sanity.measure.adapters import adapter_config, adapter_state, attached_adapter, lora_keys, module_path
+from hf_sanity.measure.tensors import forward_kwargs, model_device, to_device
 
 ADAPTER_UNTRAINED = define(
     "adapter-untrained",
@@ -62,7 +24,7 @@ ADAPTER_UNTRAINED = define(
 def check_adapter_untrained(ctx):
     if not ctx.adapter_path:
         return
-    b = _lora_keys(adapter_state(ctx.adapter_path), "B")
+    b = lora_keys(adapter_state(ctx.adapter_path), "B")
     if b and all(float(t.abs().max()) == 0.0 for t in b.values()):
         yield ADAPTER_UNTRAINED.finding(
             f"all {len(b)} LoRA B matrices of the adapter are zero",
@@ -89,22 +51,22 @@ def check_adapter_base(ctx):
     state = adapter_state(ctx.adapter_path)
     modules = dict(ctx.model.named_modules())
     wrong = []
-    for key, tensor in _lora_keys(state, "A").items():
-        module = modules.get(_module_path(key))
+    for key, tensor in lora_keys(state, "A").items():
+        module = modules.get(module_path(key))
         if module is not None and getattr(module, "in_features", None) not in (None, tensor.shape[1]):
             wrong.append(
                 {
-                    "module": _module_path(key),
+                    "module": module_path(key),
                     "adapter_in": int(tensor.shape[1]),
                     "model_in": module.in_features,
                 }
             )
-    for key, tensor in _lora_keys(state, "B").items():
-        module = modules.get(_module_path(key))
+    for key, tensor in lora_keys(state, "B").items():
+        module = modules.get(module_path(key))
         if module is not None and getattr(module, "out_features", None) not in (None, tensor.shape[0]):
             wrong.append(
                 {
-                    "module": _module_path(key),
+                    "module": module_path(key),
                     "adapter_out": int(tensor.shape[0]),
                     "model_out": module.out_features,
                 }
@@ -151,7 +113,7 @@ def _saved_adapter_applies(ctx):
 
     state = adapter_state(ctx.adapter_path)
     modules = {name for name, _ in ctx.model.named_modules()}
-    targets = {_module_path(k) for k in _lora_keys(state, "A")}
+    targets = {module_path(k) for k in lora_keys(state, "A")}
     matched = targets & modules
     if targets and not matched:
         yield ADAPTER_NOT_LOADED.finding(
@@ -159,18 +121,13 @@ def _saved_adapter_applies(ctx):
             evidence={"adapter_modules": sorted(targets)[:5], "model_modules": sorted(modules)[:5]},
         )
         return
-    trained = any(float(t.abs().max()) > 0 for t in _lora_keys(state, "B").values())
+    trained = any(float(t.abs().max()) > 0 for t in lora_keys(state, "B").values())
     batch = _probe_batch(ctx)
     if not trained or batch is None:
         return  # an untrained adapter equals the base by construction: adapter-untrained says so
-    from peft import PeftModel
-
     base_logits = _logits(ctx.model, batch)
-    peft_model = PeftModel.from_pretrained(ctx.model, str(ctx.adapter_path))
-    try:
+    with attached_adapter(ctx.model, ctx.adapter_path) as peft_model:
         adapted = _logits(peft_model, batch)
-    finally:
-        ctx.__dict__["model"] = peft_model.unload()  # the base model again, for any later rule
     if torch.equal(base_logits, adapted):
         yield ADAPTER_NOT_LOADED.finding(
             "with the adapter attached the model's outputs equal the base model's exactly",
@@ -202,16 +159,11 @@ def _probe_batch(ctx):
 
 
 def _logits(model, batch):
-    import torch
 
-    from hf_sanity.rng import untouched
+    from hf_sanity.untouched import untouched
 
-    device = next(model.parameters()).device
-    with untouched(model), torch.no_grad():
-        inputs = {
-            "input_ids": batch["input_ids"].to(device),
-            "attention_mask": batch["attention_mask"].to(device),
-        }
+    with untouched(model):
+        inputs = forward_kwargs(model, to_device(batch, model_device(model)))
         return model(**inputs).logits.float().cpu()
 
 

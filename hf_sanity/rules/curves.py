@@ -1,7 +1,8 @@
 """Curve rules: shapes of the loss and eval curves, shared by `SanityCallback` (online) and `doctor`
 (on logged histories). Detectors are pure functions over series of numbers.
 
-Every detector takes a :class:`Curves` and returns a list of findings; :func:`analyze` runs them all
+Every detector takes a :class:`~hf_sanity.measure.curves.Curves` and returns a list of findings; it is
+registered on its rule as a "curve" detector, and `hf_sanity.drivers.curves.analyze` runs them
 (``final=False`` while training is still running: only the detectors that can judge a partial curve).
 Thresholds are named constants below and quoted in each rule's ``detects`` text. They are relative
 (fractions of the loss level) or measured against the curve's own noise, never absolute loss values, so
@@ -10,6 +11,8 @@ they hold for a loss of 0.3 as for a loss of 9:
 * the *level* of a stretch of curve is its median, so one bad batch does not move it;
 * the *noise* of a curve is the robust standard deviation of its step-to-step differences
   (1.4826 x MAD / sqrt(2)), which ignores the trend and a few outliers.
+
+(The series and these statistics live in `hf_sanity.measure.curves`.)
 
 The curve-level forms of four rules declared in `hf_sanity.rules.training` are detected here too:
 `nonfinite-loss` (a NaN/Inf loss, or a loss of exactly 0.0 right after losses >= 0.01: with
@@ -27,15 +30,31 @@ monitor. Every detector is O(n) (vectorised), so analysing 100k per-step losses 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-from hf_sanity.catalog import Rule, define
+from hf_sanity.catalog import define
 from hf_sanity.findings import Finding
-from hf_sanity.rules.training import LOSS_FLAT, LR_ZERO, NEGATIVE_LOSS, NONFINITE_LOSS
+from hf_sanity.measure.curves import (
+    TRAIN_LEVEL_POINTS,
+    Curves,
+    eval_points,
+    finite_points,
+    head_points,
+    hidden_nan_zeros,
+    ln_vocab,
+    lr_at,
+    median_rows,
+    noise_rows,
+    rolling_median_min,
+    trailing,
+    train_level_at,
+    train_levels,
+    train_points,
+)
+from hf_sanity.numbers import median, rounded
+from hf_sanity.rules.training.loss import NEGATIVE_LOSS, NONFINITE_LOSS
+from hf_sanity.rules.training.updates import LOSS_FLAT, LR_ZERO
 
 # -- thresholds ------------------------------------------------------------------------------------
 SPIKE_HISTORY = 10  # trailing points that define the running level before a step
@@ -72,10 +91,7 @@ FLAT_MIN_POINTS = 10
 FLAT_REL = 0.02  # the medians of the first points and of each third lie within 2% of each other
 FLAT_CHANCE = 0.05  # "flat at chance": the level is within 5% of ln(V)
 
-ZERO_AFTER_POSITIVE = 0.01  # a loss of exactly 0.0 right after a loss >= 0.01 is a hidden NaN
 LR_ZERO_ABS = 1e-12  # a learning rate at or below this is 0
-
-TRAIN_LEVEL_POINTS = 5  # the train level at an eval step: median of the 5 train points nearest to it
 
 
 LOSS_SPIKE = define(
@@ -170,208 +186,7 @@ MEMORIZING = define(
 )
 
 
-# -- the series ------------------------------------------------------------------------------------
-NOT_METRICS = ("_runtime", "_per_second", "_time", "_samples")
-
-
-@dataclass
-class Curves:
-    """The logged series of one run.
-
-    ``lr`` is aligned with ``train_steps`` (empty when no learning rate was logged); ``eval_loss`` and
-    every list of ``eval_metrics`` are aligned with ``eval_steps``. A metric not logged at one evaluation
-    while it was at others is NaN there; NaN in ``train_loss``/``eval_loss`` is a logged NaN.
-    """
-
-    train_steps: list[int] = field(default_factory=list)
-    train_loss: list[float] = field(default_factory=list)
-    eval_steps: list[int] = field(default_factory=list)
-    eval_loss: list[float] = field(default_factory=list)
-    lr: list[float] = field(default_factory=list)
-    eval_metrics: dict[str, list[float]] = field(default_factory=dict)
-    vocab_size: int | None = None
-
-    @classmethod
-    def from_log_history(cls, log_history: list[dict], vocab_size: int | None = None) -> Curves:
-        """Read a Trainer ``state.log_history``: train entries carry ``loss`` (and ``learning_rate``), eval
-        entries ``eval_loss`` and ``eval_*`` metrics. The end-of-training summary (``train_loss``) is
-        skipped; so are timing entries (``eval_runtime``, ``*_per_second``)."""
-        curves = cls(vocab_size=vocab_size)
-        lrs: list[float | None] = []
-        evals: list[dict[str, float]] = []
-        for entry in log_history or ():
-            if not isinstance(entry, dict):
-                continue
-            step = _number(entry.get("step"))
-            if "loss" in entry:
-                loss = _number(entry["loss"])
-                if loss is not None:
-                    curves.train_steps.append(int(step) if step is not None else len(curves.train_steps) + 1)
-                    curves.train_loss.append(loss)
-                    lrs.append(_number(entry.get("learning_rate")))
-            metrics = {
-                key: value
-                for key, value in ((k, _number(v)) for k, v in entry.items() if k.startswith("eval_"))
-                if value is not None and not key.endswith(NOT_METRICS)
-            }
-            if metrics:
-                curves.eval_steps.append(int(step) if step is not None else len(curves.eval_steps) + 1)
-                evals.append(metrics)
-        if any(lr is not None for lr in lrs):
-            curves.lr = [math.nan if lr is None else lr for lr in lrs]
-        if any("eval_loss" in metrics for metrics in evals) and not all("eval_loss" in m for m in evals):
-            # Evaluations of another kind (no loss logged): keep eval_loss NaN-free, so NaN there is real.
-            keep = [i for i, metrics in enumerate(evals) if "eval_loss" in metrics]
-            curves.eval_steps = [curves.eval_steps[i] for i in keep]
-            evals = [evals[i] for i in keep]
-        keys = sorted({key for metrics in evals for key in metrics})
-        for key in keys:
-            values = [metrics.get(key, math.nan) for metrics in evals]
-            if key == "eval_loss":
-                curves.eval_loss = values
-            else:
-                curves.eval_metrics[key] = values
-        return curves
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)  # "NaN", "Infinity" as some writers spell them
-        except ValueError:
-            return None
-    return None
-
-
-# -- robust statistics -----------------------------------------------------------------------------
-def _finite(steps: Sequence[int], values: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    s = np.asarray(steps[: len(values)], dtype=np.int64)
-    v = np.asarray(values[: len(s)], dtype=np.float64)
-    keep = np.isfinite(v)
-    return s[keep], v[keep]
-
-
-def _train(curves: Curves) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(steps, losses, lr) of the finite train points; a 0.0 that hides a NaN is dropped too."""
-    n = min(len(curves.train_steps), len(curves.train_loss))
-    steps = np.asarray(curves.train_steps[:n], dtype=np.int64)
-    loss = np.asarray(curves.train_loss[:n], dtype=np.float64)
-    lr = np.asarray(curves.lr[:n], dtype=np.float64) if len(curves.lr) >= n else np.full(n, np.nan)
-    keep = np.isfinite(loss)
-    keep[_hidden_nan_zeros(loss)] = False
-    return steps[keep], loss[keep], lr[keep]
-
-
-def _hidden_nan_zeros(loss: np.ndarray) -> list[int]:
-    """Indices of losses of exactly 0.0 that follow a finite loss >= ZERO_AFTER_POSITIVE (directly or through
-    other such zeros): what Trainer logs when every step of a logging window was NaN. A float32
-    cross-entropy only reaches exactly 0 after passing through values far below 0.01."""
-    out: list[int] = []
-    armed = False  # the last finite loss was >= ZERO_AFTER_POSITIVE, or a suspicious zero
-    for i, value in enumerate(loss):
-        if not math.isfinite(value):
-            continue
-        if value == 0.0 and armed:
-            out.append(i)
-            continue
-        armed = value >= ZERO_AFTER_POSITIVE
-    return out
-
-
-def _median(values: np.ndarray) -> float:
-    return float(np.median(values)) if len(values) else math.nan
-
-
-def _noise(values: np.ndarray) -> float:
-    """Robust standard deviation of the per-step noise: MAD of the step-to-step differences / sqrt(2)."""
-    if len(values) < 3:
-        return 0.0
-    diffs = np.diff(values)
-    return float(1.4826 * np.median(np.abs(diffs - np.median(diffs))) / math.sqrt(2))
-
-
-def _head(n: int) -> int:
-    """How many first points define the starting level."""
-    return max(3, n // 20)
-
-
-def _rolling_median_min(values: np.ndarray, window: int) -> float:
-    """The lowest median of `window` consecutive points (windows a quarter window apart: O(n))."""
-    if len(values) <= window:
-        return _median(values)
-    stride = max(1, window // 4)
-    starts = list(range(0, len(values) - window + 1, stride))
-    if starts[-1] != len(values) - window:
-        starts.append(len(values) - window)
-    return min(_median(values[i : i + window]) for i in starts)
-
-
-def _trailing(values: np.ndarray, window: int, reduce, start: int, chunk: int = 20_000) -> np.ndarray:
-    """``reduce`` (a row-wise function of a 2-D array) over the up-to-`window` points before each index
-    from `start` on; vectorised in chunks so memory stays bounded on long per-step curves."""
-    out = np.full(len(values), np.nan)
-    for lo in range(start, len(values), chunk):
-        hi = min(len(values), lo + chunk)
-        full = np.arange(lo, hi) >= window
-        if full.any():
-            first = lo + int(np.argmax(full))
-            rows = np.lib.stride_tricks.sliding_window_view(values[first - window : hi - 1], window)
-            out[first:hi] = reduce(rows)
-        for i in range(lo, min(hi, window)):  # the first points: shorter histories
-            out[i] = reduce(values[None, :i])[0]
-    return out
-
-
-def _median_rows(rows: np.ndarray) -> np.ndarray:
-    return np.median(rows, axis=1)
-
-
-def _noise_rows(rows: np.ndarray) -> np.ndarray:
-    """`_noise` of each row."""
-    if rows.shape[1] < 3:
-        return np.zeros(rows.shape[0])
-    diffs = np.diff(rows, axis=1)
-    centred = np.abs(diffs - np.median(diffs, axis=1, keepdims=True))
-    return 1.4826 * np.median(centred, axis=1) / math.sqrt(2)
-
-
-def _train_levels(steps: np.ndarray, loss: np.ndarray, at: Sequence[int]) -> np.ndarray:
-    """The train level at each eval step of `at`: median of the train points nearest to it (both sides);
-    NaN when no train point was logged within TRAIN_LEVEL_POINTS logging intervals of it."""
-    out = np.full(len(at), np.nan)
-    if not len(loss):
-        return out
-    interval = max(float(np.median(np.diff(steps))) if len(steps) > 1 else 1.0, 1.0)
-    for j, step in enumerate(at):
-        distance = np.abs(steps - step)
-        if distance.min() > TRAIN_LEVEL_POINTS * interval:
-            continue
-        if len(loss) > TRAIN_LEVEL_POINTS:
-            nearest = np.argpartition(distance, TRAIN_LEVEL_POINTS - 1)[:TRAIN_LEVEL_POINTS]
-        else:
-            nearest = np.arange(len(loss))
-        out[j] = _median(loss[nearest])
-    return out
-
-
-def _train_level_at(steps: np.ndarray, loss: np.ndarray, step: int) -> float:
-    return float(_train_levels(steps, loss, [step])[0])
-
-
-def _lr_at(lr: np.ndarray, index: int) -> float | None:
-    if index < len(lr) and math.isfinite(lr[index]):
-        return float(lr[index])
-    return None
-
-
-def _chance(curves: Curves) -> float | None:
-    return math.log(curves.vocab_size) if curves.vocab_size and curves.vocab_size > 1 else None
-
-
+# -- shapes -------------------------------------------------------------------------------------
 def _is_flat(loss: np.ndarray) -> bool:
     """The loss does not move from the first points: the medians of the first points and of each third
     lie within FLAT_REL of each other, and the step-to-step swings are small (below OSC_AMPLITUDE of the
@@ -381,26 +196,20 @@ def _is_flat(loss: np.ndarray) -> bool:
         return False
     third = n // 3
     levels = [
-        _median(loss[: _head(n)]),
-        _median(loss[:third]),
-        _median(loss[third : 2 * third]),
-        _median(loss[2 * third :]),
+        median(loss[: head_points(n)]),
+        median(loss[:third]),
+        median(loss[third : 2 * third]),
+        median(loss[2 * third :]),
     ]
     top = max(abs(v) for v in levels)
     swing = float(np.median(np.abs(np.diff(loss))))
     return top > 0 and (max(levels) - min(levels)) <= FLAT_REL * top and swing < OSC_AMPLITUDE * top
 
 
-def _round(value: float | None, digits: int = 4) -> float | None:
-    if value is None or not math.isfinite(value):
-        return value
-    return float(f"{value:.{digits}g}")
-
-
 # -- detectors -------------------------------------------------------------------------------------
 def _spike_finding(steps, loss, lr, i: int, end: int, base: float, noise: float) -> Finding:
     recovered = end + 1 < len(loss)
-    lr_here = _lr_at(lr, i)
+    lr_here = lr_at(lr, i)
     sigmas = (loss[i] - base) / noise if noise > 0 else math.inf
     return LOSS_SPIKE.finding(
         f"train loss jumped to {loss[i]:.4g} at step {int(steps[i])}, {loss[i] / base:.2f}x its running "
@@ -409,10 +218,10 @@ def _spike_finding(steps, loss, lr, i: int, end: int, base: float, noise: float)
         + ("" if recovered else "; it never came back down"),
         evidence={
             "step": int(steps[i]),
-            "loss": _round(float(loss[i])),
-            "running_median": _round(base),
-            "ratio": _round(float(loss[i] / base), 3),
-            "noise_sigmas": _round(float(sigmas), 3),
+            "loss": rounded(float(loss[i])),
+            "running_median": rounded(base),
+            "ratio": rounded(float(loss[i] / base), 3),
+            "noise_sigmas": rounded(float(sigmas), 3),
             "learning_rate": lr_here,
             "previous_step": int(steps[i - 1]),
             "elevated_until_step": int(steps[end]),
@@ -422,15 +231,16 @@ def _spike_finding(steps, loss, lr, i: int, end: int, base: float, noise: float)
     )
 
 
+@LOSS_SPIKE.detector("curve", online=True)
 def loss_spike(curves: Curves) -> list[Finding]:
     """Sudden jumps of the train loss above its running median, once the loss had decreased."""
-    steps, loss, lr = _train(curves)
+    steps, loss, lr = train_points(curves)
     n = len(loss)
     if n <= SPIKE_MIN_HISTORY:
         return []
-    start = _median(loss[:SPIKE_MIN_HISTORY])  # fixed, so the online verdict does not change as n grows
-    base = _trailing(loss, SPIKE_HISTORY, _median_rows, SPIKE_MIN_HISTORY)
-    noise = _trailing(loss, SPIKE_NOISE_HISTORY, _noise_rows, SPIKE_MIN_HISTORY)
+    start = median(loss[:SPIKE_MIN_HISTORY])  # fixed, so the online verdict does not change as n grows
+    base = trailing(loss, SPIKE_HISTORY, median_rows, SPIKE_MIN_HISTORY)
+    noise = trailing(loss, SPIKE_NOISE_HISTORY, noise_rows, SPIKE_MIN_HISTORY)
     with np.errstate(invalid="ignore"):
         candidate = (
             (base > 0)
@@ -466,21 +276,22 @@ def _oscillation(loss: np.ndarray) -> dict[str, float] | None:
         return None
     diffs = np.diff(loss)
     amplitude = float(np.median(np.abs(diffs)))
-    level = _median(loss)
+    level = median(loss)
     if level <= 0:
         return None
     signs = np.sign(diffs[diffs != 0])
     flips = float(np.mean(signs[1:] != signs[:-1])) if len(signs) > 1 else 0.0
-    start = _median(loss[: _head(n)])
-    end = _median(loss[-(n // 3) :])
+    start = median(loss[: head_points(n)])
+    end = median(loss[-(n // 3) :])
     if amplitude >= OSC_AMPLITUDE * level and flips >= OSC_SIGN_CHANGES and start - end < amplitude:
         return {"amplitude": amplitude, "level": level, "flips": flips, "start": start, "end": end}
     return None
 
 
+@LOSS_OSCILLATION.detector("curve", online=True, final=True)
 def loss_oscillation(curves: Curves) -> list[Finding]:
     """Large step-to-step swings with no downward trend under them."""
-    _, loss, lr = _train(curves)
+    _, loss, lr = train_points(curves)
     stats = _oscillation(loss)
     if stats is None:
         return []
@@ -491,27 +302,24 @@ def loss_oscillation(curves: Curves) -> list[Finding]:
             f"(median swing {amplitude:.3g}) and does not trend down: it went from {stats['start']:.4g} to "
             f"{stats['end']:.4g}",
             evidence={
-                "median_swing": _round(amplitude),
-                "swing_fraction_of_level": _round(amplitude / level, 3),
-                "direction_flips": _round(stats["flips"], 3),
-                "start_level": _round(stats["start"]),
-                "end_level": _round(stats["end"]),
-                "level": _round(level),
-                "learning_rate_max": _round(float(np.nanmax(lr))) if np.isfinite(lr).any() else None,
+                "median_swing": rounded(amplitude),
+                "swing_fraction_of_level": rounded(amplitude / level, 3),
+                "direction_flips": rounded(stats["flips"], 3),
+                "start_level": rounded(stats["start"]),
+                "end_level": rounded(stats["end"]),
+                "level": rounded(level),
+                "learning_rate_max": rounded(float(np.nanmax(lr))) if np.isfinite(lr).any() else None,
                 "points": len(loss),
             },
         )
     ]
 
 
-def _evals(curves: Curves) -> tuple[np.ndarray, np.ndarray]:
-    return _finite(curves.eval_steps, curves.eval_loss)
-
-
+@OVERFITTING.detector("curve", online=True)
 def overfitting(curves: Curves) -> list[Finding]:
     """Eval loss went down (or started at its best) then rose while the train loss kept falling."""
-    esteps, evals = _evals(curves)
-    tsteps, tloss, _ = _train(curves)
+    esteps, evals = eval_points(curves)
+    tsteps, tloss, _ = train_points(curves)
     if len(evals) < EVAL_MIN or not len(tloss):
         return []
     best = int(np.argmin(evals))
@@ -519,8 +327,8 @@ def overfitting(curves: Curves) -> list[Finding]:
     if after < OVERFIT_AFTER or evals[best] <= 0:
         return []
     rise = (evals[-1] - evals[best]) / evals[best]
-    train_best = _train_level_at(tsteps, tloss, int(esteps[best]))
-    train_last = _train_level_at(tsteps, tloss, int(esteps[-1]))
+    train_best = train_level_at(tsteps, tloss, int(esteps[best]))
+    train_last = train_level_at(tsteps, tloss, int(esteps[-1]))
     if rise < OVERFIT_RISE or not train_last <= (1 - TRAIN_FELL) * train_best:
         return []
     return [
@@ -530,36 +338,37 @@ def overfitting(curves: Curves) -> list[Finding]:
             f"{train_last:.4g}",
             evidence={
                 "best_step": int(esteps[best]),
-                "best_eval_loss": _round(float(evals[best])),
+                "best_eval_loss": rounded(float(evals[best])),
                 "last_step": int(esteps[-1]),
-                "last_eval_loss": _round(float(evals[-1])),
-                "rise": _round(float(rise), 3),
-                "train_at_best": _round(train_best),
-                "train_at_last": _round(train_last),
-                "first_eval_loss": _round(float(evals[0])),
+                "last_eval_loss": rounded(float(evals[-1])),
+                "rise": rounded(float(rise), 3),
+                "train_at_best": rounded(train_best),
+                "train_at_last": rounded(train_last),
+                "first_eval_loss": rounded(float(evals[0])),
             },
             step=int(esteps[best]),
         )
     ]
 
 
+@UNDERFITTING.detector("curve", online=True, final=True)
 def underfitting(curves: Curves) -> list[Finding]:
     """Both losses stay close to where they started (or near chance) until the end."""
-    tsteps, tloss, _ = _train(curves)
+    tsteps, tloss, _ = train_points(curves)
     n = len(tloss)
     if n < UNDERFIT_MIN_POINTS or _is_flat(tloss) or _oscillation(tloss) is not None:
         return []
-    window = _head(n)
-    start = _median(tloss[:window])
-    best = _rolling_median_min(tloss, window)
-    end = _median(tloss[-window:])
+    window = head_points(n)
+    start = median(tloss[:window])
+    best = rolling_median_min(tloss, window)
+    end = median(tloss[-window:])
     if start <= 0:
         return []
-    _, evals = _evals(curves)
+    _, evals = eval_points(curves)
     has_eval = len(evals) >= 2
     train_drop = (start - best) / start
     eval_drop = (evals[0] - evals.min()) / evals[0] if has_eval and evals[0] > 0 else None
-    chance = _chance(curves)
+    chance = ln_vocab(curves)
     reasons = []
     if train_drop < UNDERFIT_DROP and (not has_eval or (eval_drop is not None and eval_drop < UNDERFIT_DROP)):
         reasons.append("barely-moved")
@@ -581,14 +390,14 @@ def underfitting(curves: Curves) -> list[Finding]:
         UNDERFITTING.finding(
             message,
             evidence={
-                "train_start": _round(start),
-                "train_best": _round(best),
-                "train_end": _round(end),
-                "train_drop": _round(train_drop, 3),
-                "eval_first": _round(float(evals[0])) if has_eval else None,
-                "eval_best": _round(float(evals.min())) if has_eval else None,
-                "eval_drop": _round(eval_drop, 3),
-                "chance_ln_vocab": _round(chance),
+                "train_start": rounded(start),
+                "train_best": rounded(best),
+                "train_end": rounded(end),
+                "train_drop": rounded(train_drop, 3),
+                "eval_first": rounded(float(evals[0])) if has_eval else None,
+                "eval_best": rounded(float(evals.min())) if has_eval else None,
+                "eval_drop": rounded(eval_drop, 3),
+                "chance_ln_vocab": rounded(chance),
                 "reasons": reasons,
             },
             step=int(tsteps[-1]),
@@ -596,13 +405,14 @@ def underfitting(curves: Curves) -> list[Finding]:
     ]
 
 
+@VAL_BELOW_TRAIN.detector("curve", online=True)
 def val_below_train(curves: Curves) -> list[Finding]:
     """The eval loss sits clearly below the train loss at the last evaluations."""
-    esteps, evals = _evals(curves)
-    tsteps, tloss, _ = _train(curves)
+    esteps, evals = eval_points(curves)
+    tsteps, tloss, _ = train_points(curves)
     if len(evals) < max(EVAL_MIN, VBT_CONSECUTIVE) or not len(tloss):
         return []
-    levels = _train_levels(tsteps, tloss, esteps)
+    levels = train_levels(tsteps, tloss, esteps)
     below = evals <= (1 - VBT_GAP) * levels
     if not below[-VBT_CONSECUTIVE:].all():
         return []
@@ -618,9 +428,9 @@ def val_below_train(curves: Curves) -> list[Finding]:
                 "from_step": int(esteps[first]),
                 "evaluations_below": len(gaps),
                 "evaluations": len(evals),
-                "median_gap": _round(float(np.median(gaps)), 3),
-                "last_eval_loss": _round(float(evals[-1])),
-                "last_train_level": _round(float(levels[-1])),
+                "median_gap": rounded(float(np.median(gaps)), 3),
+                "last_eval_loss": rounded(float(evals[-1])),
+                "last_train_level": rounded(float(levels[-1])),
             },
             step=int(esteps[first]),
         )
@@ -628,11 +438,11 @@ def val_below_train(curves: Curves) -> list[Finding]:
 
 
 def _train_moved(curves: Curves, first_step: int, last_step: int) -> tuple[bool, float | None]:
-    tsteps, tloss, _ = _train(curves)
+    tsteps, tloss, _ = train_points(curves)
     if not len(tloss):
         return True, None  # nothing says training stood still
-    a = _train_level_at(tsteps, tloss, first_step)
-    b = _train_level_at(tsteps, tloss, last_step)
+    a = train_level_at(tsteps, tloss, first_step)
+    b = train_level_at(tsteps, tloss, last_step)
     moved = abs(a - b) / max(abs(a), 1e-12)
     return moved >= CONSTANT_TRAIN_MOVED, moved
 
@@ -643,6 +453,7 @@ def _constant(values: np.ndarray) -> bool:
     )
 
 
+@EVAL_CONSTANT.detector("curve", online=True)
 def eval_constant(curves: Curves) -> list[Finding]:
     """An eval metric with the same value at every evaluation while training moved."""
     series = {"eval_loss": curves.eval_loss, **curves.eval_metrics}
@@ -650,7 +461,7 @@ def eval_constant(curves: Curves) -> list[Finding]:
     first_step = last_step = None
     evaluations = 0
     for name, values in series.items():
-        steps, vals = _finite(curves.eval_steps, values)
+        steps, vals = finite_points(curves.eval_steps, values)
         if _constant(vals):
             constant[name] = float(vals[0])
             first_step = int(steps[0]) if first_step is None else min(first_step, int(steps[0]))
@@ -671,22 +482,23 @@ def eval_constant(curves: Curves) -> list[Finding]:
                 "evaluations": evaluations,
                 "first_step": first_step,
                 "last_step": last_step,
-                "train_moved": _round(amount, 3),
+                "train_moved": rounded(amount, 3),
             },
             step=last_step,
         )
     ]
 
 
+@MEMORIZING.detector("curve", online=True)
 def memorizing(curves: Curves) -> list[Finding]:
     """Train loss collapses while the eval loss stays flat."""
-    esteps, evals = _evals(curves)
-    tsteps, tloss, _ = _train(curves)
+    esteps, evals = eval_points(curves)
+    tsteps, tloss, _ = train_points(curves)
     if len(evals) < EVAL_MIN or not len(tloss) or _constant(evals) or evals.min() <= 0:
         return []
     spread = float((evals.max() - evals.min()) / evals.min())
-    first = _train_level_at(tsteps, tloss, int(esteps[0]))
-    last = _train_level_at(tsteps, tloss, int(esteps[-1]))
+    first = train_level_at(tsteps, tloss, int(esteps[0]))
+    last = train_level_at(tsteps, tloss, int(esteps[-1]))
     if spread >= MEMO_EVAL_FLAT or not (first > 0 and last <= MEMO_TRAIN_DROP * first):
         return []
     return [
@@ -697,17 +509,18 @@ def memorizing(curves: Curves) -> list[Finding]:
             evidence={
                 "first_eval_step": int(esteps[0]),
                 "last_eval_step": int(esteps[-1]),
-                "train_at_first_eval": _round(first),
-                "train_at_last_eval": _round(last),
-                "eval_min": _round(float(evals.min())),
-                "eval_max": _round(float(evals.max())),
-                "eval_spread": _round(spread, 3),
+                "train_at_first_eval": rounded(first),
+                "train_at_last_eval": rounded(last),
+                "eval_min": rounded(float(evals.min())),
+                "eval_max": rounded(float(evals.max())),
+                "eval_spread": rounded(spread, 3),
             },
             step=int(esteps[-1]),
         )
     ]
 
 
+@NEGATIVE_LOSS.detector("curve")  # online, the negative-loss monitor sees every step
 def negative_loss(curves: Curves) -> list[Finding]:
     """Any logged train or eval loss below 0."""
     out = []
@@ -715,7 +528,7 @@ def negative_loss(curves: Curves) -> list[Finding]:
         ("train", curves.train_steps, curves.train_loss),
         ("eval", curves.eval_steps, curves.eval_loss),
     ):
-        s, v = _finite(steps, values)
+        s, v = finite_points(steps, values)
         bad = np.flatnonzero(v < 0)
         if len(bad):
             i = int(bad[0])
@@ -726,10 +539,10 @@ def negative_loss(curves: Curves) -> list[Finding]:
                     evidence={
                         "kind": kind,
                         "first_step": int(s[i]),
-                        "loss": _round(float(v[i])),
+                        "loss": rounded(float(v[i])),
                         "negative": len(bad),
                         "logged": len(v),
-                        "min": _round(float(v.min())),
+                        "min": rounded(float(v.min())),
                     },
                     step=int(s[i]),
                 )
@@ -737,6 +550,7 @@ def negative_loss(curves: Curves) -> list[Finding]:
     return out
 
 
+@NONFINITE_LOSS.detector("curve")  # online, the nonfinite-loss monitor names the exact step
 def nonfinite_loss(curves: Curves) -> list[Finding]:
     """NaN/Inf losses, and losses of exactly 0.0 that hide NaN steps."""
     out = []
@@ -768,7 +582,7 @@ def nonfinite_loss(curves: Curves) -> list[Finding]:
                 )
             )
         if kind == "train":
-            zeros = _hidden_nan_zeros(v)
+            zeros = hidden_nan_zeros(v)
             if zeros:
                 i = zeros[0]
                 before = v[:i][np.isfinite(v[:i])]
@@ -781,7 +595,7 @@ def nonfinite_loss(curves: Curves) -> list[Finding]:
                             "kind": "train",
                             "first_step": int(s[i]),
                             "value": 0.0,
-                            "previous_loss": _round(float(before[-1])),
+                            "previous_loss": rounded(float(before[-1])),
                             "zero_losses": len(zeros),
                             "logged": n,
                             "hidden_by": "logging_nan_inf_filter",
@@ -795,6 +609,7 @@ def nonfinite_loss(curves: Curves) -> list[Finding]:
     return out
 
 
+@LR_ZERO.detector("curve")  # online, the lr-zero monitor reads the optimizer
 def lr_zero(curves: Curves) -> list[Finding]:
     """The learning rate is 0 at logged steps before the end: the schedule decayed (or was set to) 0."""
     n = min(len(curves.lr), len(curves.train_steps))
@@ -829,7 +644,7 @@ def lr_zero(curves: Curves) -> list[Finding]:
                 "zero_steps": int(zero.sum()),
                 "logged": n,
                 "last_step": int(steps[-1]),
-                "peak_lr": _round(peak),
+                "peak_lr": rounded(peak),
                 "zero_until_end": trailing,
             },
             step=int(steps[i]),
@@ -837,13 +652,14 @@ def lr_zero(curves: Curves) -> list[Finding]:
     ]
 
 
+@LOSS_FLAT.detector("curve", final=True)  # online, the loss-flat monitor measures the cause
 def loss_flat(curves: Curves) -> list[Finding]:
     """The train loss does not move from the start (compared with chance, ln(V), where V is known)."""
-    steps, loss, _ = _train(curves)
+    steps, loss, _ = train_points(curves)
     if not _is_flat(loss):
         return []
-    level = _median(loss)
-    chance = _chance(curves)
+    level = median(loss)
+    chance = ln_vocab(curves)
     at_chance = chance is not None and abs(level - chance) <= FLAT_CHANCE * chance
     n = len(loss)
     spread = float((np.max(loss) - np.min(loss)) / abs(level)) if level else math.inf
@@ -862,12 +678,12 @@ def loss_flat(curves: Curves) -> list[Finding]:
         LOSS_FLAT.finding(
             message,
             evidence={
-                "level": _round(level),
-                "first": _round(float(loss[0])),
-                "last": _round(float(loss[-1])),
-                "relative_spread": _round(spread, 3),
+                "level": rounded(level),
+                "first": rounded(float(loss[0])),
+                "last": rounded(float(loss[-1])),
+                "relative_spread": rounded(spread, 3),
                 "points": n,
-                "chance_ln_vocab": _round(chance),
+                "chance_ln_vocab": rounded(chance),
                 "at_chance": at_chance,
                 "cause": cause,
             },
@@ -878,38 +694,3 @@ def loss_flat(curves: Curves) -> list[Finding]:
             step=int(steps[0]),
         )
     ]
-
-
-# -- running them ----------------------------------------------------------------------------------
-Detector = Callable[[Curves], list[Finding]]
-
-# (rule, detector, meaningful on a partial curve)
-DETECTORS: tuple[tuple[Rule, Detector, bool], ...] = (
-    (NONFINITE_LOSS, nonfinite_loss, True),
-    (NEGATIVE_LOSS, negative_loss, True),
-    (LR_ZERO, lr_zero, True),
-    (LOSS_SPIKE, loss_spike, True),
-    (OVERFITTING, overfitting, True),
-    (VAL_BELOW_TRAIN, val_below_train, True),
-    (EVAL_CONSTANT, eval_constant, True),
-    (MEMORIZING, memorizing, True),
-    (LOSS_FLAT, loss_flat, False),  # online, the loss-flat monitor measures the cause instead
-    (LOSS_OSCILLATION, loss_oscillation, False),
-    (UNDERFITTING, underfitting, False),
-)
-
-
-def analyze(curves: Curves, *, final: bool) -> list[Finding]:
-    """Every curve detector on ``curves``. ``final=False`` while training still runs: only the detectors
-    that can judge a partial curve. A detector that raises becomes an ``internal-error`` finding."""
-    from hf_sanity.rules.internal import internal_error
-
-    findings: list[Finding] = []
-    for rule, detector, online in DETECTORS:
-        if not final and not online:
-            continue
-        try:
-            findings.extend(detector(curves))
-        except Exception as exc:
-            findings.append(internal_error(rule.slug, exc))
-    return findings

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 
 from hf_sanity.catalog import define
-from hf_sanity.preflight.encode import NO_TEMPLATE
+from hf_sanity.measure.families import NO_TEMPLATE
 
 BAD_INPUT_VALUES = define(
     "bad-input-values",

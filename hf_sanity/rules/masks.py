@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from hf_sanity.catalog import define
-from hf_sanity.preflight.encode import NO_TEMPLATE
-from hf_sanity.tokenview import IGNORE_INDEX
+from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure.families import NO_TEMPLATE
 
 MISSING_CHAT_TEMPLATE = define(
     "missing-chat-template",

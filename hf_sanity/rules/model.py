@@ -7,6 +7,8 @@ import math
 import numpy as np
 
 from hf_sanity.catalog import define
+from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure.losses import token_loss
 
 INIT_LOSS_OFF_CHANCE = define(
     "init-loss-off-chance",
@@ -30,19 +32,6 @@ NO_TRAINABLE_PARAMS = define(
 )
 
 
-def _vocab_rows(ctx) -> int | None:
-    """The model's embedding rows: from the model object when given (it may have been resized), else from
-    the config, loading the model only when there is neither."""
-    if ctx._model is None and ctx.model_config is not None:
-        config = ctx.model_config
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return getattr(text, "vocab_size", None)
-    if not ctx.has_model:
-        return None
-    embeddings = ctx.model.get_input_embeddings()
-    return int(embeddings.num_embeddings) if embeddings is not None else None
-
-
 VOCAB_SIZE_MISMATCH = define(
     "vocab-size-mismatch",
     severity="error",
@@ -56,7 +45,7 @@ VOCAB_SIZE_MISMATCH = define(
 
 @VOCAB_SIZE_MISMATCH.check
 def check_vocab_size(ctx):
-    rows = _vocab_rows(ctx)
+    rows = ctx.embedding_rows
     if not rows:
         return
     max_ids = ctx.col("max_id")
@@ -124,7 +113,7 @@ def untrained_rows(embeddings, ids: list[int]) -> dict[str, list[int]]:
         collapsed = []
         if len(ids) >= 2:
             close = torch.cdist(rows, rows) < 1e-3 * max(median_norm, 1e-12)
-            close &= ~torch.eye(len(ids), dtype=torch.bool)
+            close &= ~torch.eye(len(ids), dtype=torch.bool, device=close.device)
             collapsed = [
                 i for k, i in enumerate(ids) if bool(close[k].any()) and i not in near_zero + near_mean
             ]
@@ -217,7 +206,7 @@ def check_new_tokens_frozen(ctx):
         if trains_embeddings(config):
             return
         why = "the adapter config trains no embeddings"
-    elif ctx._model is not None:
+    elif ctx.model_given:
         embeddings = ctx.model.get_input_embeddings()
         if embeddings is None or embeddings.weight.requires_grad:
             return
@@ -241,7 +230,7 @@ def check_init_loss(ctx):
     measured = ctx.init_loss
     if measured is None or measured["tokens"] == 0:
         return
-    vocab = _vocab_rows(ctx) or len(ctx.tokenizer)
+    vocab = ctx.embedding_rows or len(ctx.tokenizer)
     chance = math.log(vocab)
     loss, entropy = measured["loss"], measured["entropy"]
     evidence = {
@@ -299,8 +288,6 @@ def _conversation(row) -> list[dict] | None:
 def check_init_loss_above_base(ctx):
     if not ctx.has_model or ctx.fmt not in ("messages", "prompt-completion") or ctx.dataset is None:
         return
-    from hf_sanity.preflight.context import token_loss
-
     tok = ctx.tokenizer
     templated, plain = [], []
     for i in ctx.sample_indices[:ABOVE_BASE_SAMPLE]:
@@ -312,11 +299,11 @@ def check_init_loss_above_base(ctx):
         span = spans[-1]
         stop = span.stop - 1 if row["input_ids"][span.stop - 1] in ctx.markers.stop_ids else span.stop
         ids = row["input_ids"][:stop]
-        templated.append((ids, [-100] * span.start + ids[span.start : stop]))
+        templated.append((ids, [IGNORE_INDEX] * span.start + ids[span.start : stop]))
         context = "\n\n".join(m["content"] for m in messages[:-1]) + "\n\n"
         prefix = tok(context)["input_ids"]
         answer = tok(messages[-1]["content"], add_special_tokens=False)["input_ids"]
-        plain.append((prefix + answer, [-100] * len(prefix) + answer))
+        plain.append((prefix + answer, [IGNORE_INDEX] * len(prefix) + answer))
     if len(templated) < 2:
         return
     in_template = token_loss(ctx.model, ctx.batches(templated))["loss"]
@@ -334,7 +321,9 @@ def check_init_loss_above_base(ctx):
 
 @NO_TRAINABLE_PARAMS.check
 def check_no_trainable_params(ctx):
-    if ctx._model is None:  # a model loaded from a path is trainable; only a given model object can be frozen
+    if (
+        not ctx.model_given
+    ):  # a model loaded from a path is trainable; only a given model object can be frozen
         return
     model = ctx.model
     total = sum(p.numel() for p in model.parameters())

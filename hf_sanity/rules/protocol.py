@@ -102,10 +102,6 @@ class GradientPath:
     updated: int | None = None  # optimizer tensors changed by one step
     never_updated: list[str] | None = None  # optimizer tensors still at their initial value after training
 
-    @property
-    def measured_backward(self) -> bool:
-        return self.loss_error is None and self.loss_grad_fn is not None
-
 
 @dataclass
 class Cause:
@@ -302,6 +298,7 @@ CAUSE_EVIDENCE = {
 CONVERGENCE_EVIDENCE = ("supervised_tokens", "trainable", "in_optimizer", "grads", "updated", "never_updated")
 
 
+@OVERFIT_FAILED.detector("protocol", reads=OverfitRun)
 def check_overfit(run: OverfitRun) -> list[Finding]:
     cause = overfit_cause(run)
     if cause is None:
@@ -383,6 +380,7 @@ def divergence_index(losses: Sequence[float]) -> int | None:
     return None
 
 
+@LR_RANGE.detector("protocol", reads=LRSweep)
 def check_lr_range(sweep: LRSweep) -> list[Finding]:
     if not sweep.lrs:
         return []
@@ -453,6 +451,7 @@ def precision_tolerance(dtype: str, fp32_loss: float) -> float:
     return PRECISION_ATOL + PRECISION_ROUNDOFFS * UNIT_ROUNDOFF[dtype] * abs(fp32_loss)
 
 
+@PRECISION_MISMATCH.detector("protocol", reads=PrecisionRun)
 def check_precision(run: PrecisionRun) -> list[Finding]:
     out = []
     if not math.isfinite(run.fp32):

@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from hf_sanity.catalog import define
 from hf_sanity.findings import Finding
-from hf_sanity.rules.curves import Curves
+from hf_sanity.measure.curves import Curves
+from hf_sanity.measure.runs import RunDescription, RunSet, canonical
+from hf_sanity.numbers import median, noise
 
 SEED_MIN_COMMON = 10  # common logged steps needed to compare two curves
 SEED_REL = 0.01  # curves differ when the median |difference| at common steps is >= 1% of the level ...
@@ -76,75 +77,8 @@ EVAL_SCORES_CLUSTER = define(
 )
 
 
-# -- what a run says about itself ------------------------------------------------------------------
-# A run's readable description is split in two. HYPERPARAMETERS are the knobs people turn between runs
-# of one setup; everything else that is readable (the model's identity from config.json, the other fields
-# of training_args.json / args.json) is the SETUP. BOOKKEEPING fields (where a run writes, how it is
-# named or reported) are neither. Runs "differ only in hyperparameters" when no setup field readable in
-# both differs: a field one run does not record is unknown and does not separate them, so bare
-# trainer_state.json files passed together are taken as one setup (the evidence lists what was compared).
-HYPERPARAMETERS = frozenset(
-    {
-        "learning_rate", "lr", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
-        "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim", "optim_args",
-        "num_train_epochs", "epochs", "max_steps", "per_device_train_batch_size", "train_batch_size",
-        "batch_size", "gradient_accumulation_steps", "seed", "data_seed", "full_determinism",
-        "label_smoothing_factor", "neftune_noise_alpha", "lora_r", "r", "lora_alpha", "lora_dropout",
-        "dropout", "bf16", "fp16", "tf32", "gradient_checkpointing", "logging_steps", "eval_steps",
-        "save_steps", "eval_strategy", "save_strategy", "logging_strategy", "peak_learning_rate",
-    }
-)  # fmt: skip
-BOOKKEEPING_PREFIXES = (
-    "output_dir", "logging_dir", "run_name", "report_to", "hub_", "push_to_hub", "overwrite_output_dir",
-    "resume_from_checkpoint", "disable_tqdm", "local_rank", "dataloader_", "logging_first_step",
-    "save_total_limit", "_", "per_device_eval_batch_size", "eval_batch_size", "ddp_", "fsdp",
-)  # fmt: skip
-# Fields of config.json that identify the model; the rest (dtype, transformers_version, ...) does not.
-MODEL_IDENTITY = (
-    "_name_or_path", "model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers",
-    "num_attention_heads", "intermediate_size",
-)  # fmt: skip
-# Fields of trainer_state.json that are hyperparameters.
-STATE_HYPERPARAMETERS = ("train_batch_size", "max_steps", "num_train_epochs", "logging_steps", "eval_steps")
-
-
-@dataclass
-class RunDescription:
-    label: str
-    setup: dict[str, Any]
-    hyperparameters: dict[str, Any]
-    curves: Curves
-
-
-def _canonical(value: Any) -> Any:
-    return json.dumps(value, sort_keys=True, default=str)
-
-
-def describe(run: Any) -> RunDescription:
-    """Split what a run records (``run.state``, ``run.model_config``, ``run.args``, ``run.curves``) into
-    setup and hyperparameters."""
-    setup: dict[str, Any] = {}
-    hyper: dict[str, Any] = {}
-    for key in MODEL_IDENTITY:
-        if key in run.model_config:
-            setup[f"model.{key}"] = run.model_config[key]
-    for key, value in run.args.items():
-        if key in HYPERPARAMETERS:
-            hyper[key] = value
-        elif not key.startswith(BOOKKEEPING_PREFIXES):
-            setup[key] = value
-    for key in STATE_HYPERPARAMETERS:
-        value = run.state.get(key)
-        if value is not None:
-            hyper.setdefault(key, value)
-    lrs = [lr for lr in run.curves.lr if math.isfinite(lr)]
-    if lrs:
-        hyper["peak_learning_rate"] = float(f"{max(lrs):.6g}")
-    return RunDescription(run.label, setup, hyper, run.curves)
-
-
 def _compatible(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(_canonical(a[k]) == _canonical(b[k]) for k in a.keys() & b.keys())
+    return all(canonical(a[k]) == canonical(b[k]) for k in a.keys() & b.keys())
 
 
 def _group(items: list[RunDescription], fields) -> list[list[int]]:
@@ -167,7 +101,7 @@ def _differing(items: list[RunDescription]) -> dict[str, list[Any]]:
     out = {}
     for key in keys:
         values = [item.hyperparameters.get(key) for item in items]
-        if len({_canonical(v) for v in values}) > 1:
+        if len({canonical(v) for v in values}) > 1:
             out[key] = values
     return out
 
@@ -208,8 +142,6 @@ def hyperparameter_churn(runs: list[RunDescription], failures: list[frozenset[st
 
 def _curve_gap(a: Curves, b: Curves) -> dict[str, float] | None:
     """How far two train curves are apart at their common steps, against their own noise."""
-    from hf_sanity.rules.curves import _median, _noise
-
     pa = {s: v for s, v in zip(a.train_steps, a.train_loss) if math.isfinite(v)}
     pb = {s: v for s, v in zip(b.train_steps, b.train_loss) if math.isfinite(v)}
     common = sorted(pa.keys() & pb.keys())
@@ -217,11 +149,11 @@ def _curve_gap(a: Curves, b: Curves) -> dict[str, float] | None:
         return None
     va = np.array([pa[s] for s in common])
     vb = np.array([pb[s] for s in common])
-    gap = _median(np.abs(va - vb))
-    level = _median(np.concatenate([va, vb]))
-    noise = (_noise(va) + _noise(vb)) / 2
-    differs = level > 0 and gap >= SEED_REL * level and gap >= SEED_NOISE * noise
-    return {"gap": gap, "level": level, "noise": noise, "common_steps": len(common), "differs": differs}
+    gap = median(np.abs(va - vb))
+    level = median(np.concatenate([va, vb]))
+    spread = (noise(va) + noise(vb)) / 2
+    differs = level > 0 and gap >= SEED_REL * level and gap >= SEED_NOISE * spread
+    return {"gap": gap, "level": level, "noise": spread, "common_steps": len(common), "differs": differs}
 
 
 def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
@@ -231,7 +163,7 @@ def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
     findings = []
     groups: dict[str, list[int]] = {}
     for i, run in enumerate(runs):  # one configuration: the very same readable description
-        groups.setdefault(_canonical([run.setup, run.hyperparameters]), []).append(i)
+        groups.setdefault(canonical([run.setup, run.hyperparameters]), []).append(i)
     for members in groups.values():
         if len(members) < 2:
             continue
@@ -284,11 +216,6 @@ def _key(value: Any) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return json.dumps(value, sort_keys=True)
-
-
-def check_predictions(rows: list[dict[str, Any]]) -> list[Finding]:
-    """metric-suspicious and eval-scores-cluster on prediction rows."""
-    return metric_suspicious(rows) + eval_scores_cluster(rows)
 
 
 def metric_suspicious(rows: list[dict[str, Any]]) -> list[Finding]:
@@ -369,3 +296,24 @@ def eval_scores_cluster(rows: list[dict[str, Any]]) -> list[Finding]:
             },
         )
     ]
+
+
+# -- registered detectors: what doctor runs on the set of runs ---------------------------------------
+@HYPERPARAMETER_CHURN.detector("runs")
+def detect_hyperparameter_churn(runs: RunSet) -> list[Finding]:
+    return hyperparameter_churn(runs.descriptions, runs.failures)
+
+
+@SEED_UNFIXED.detector("runs")
+def detect_seed_unfixed(runs: RunSet) -> list[Finding]:
+    return seed_unfixed(runs.descriptions)
+
+
+@METRIC_SUSPICIOUS.detector("runs")
+def detect_metric_suspicious(runs: RunSet) -> list[Finding]:
+    return metric_suspicious(runs.predictions) if runs.predictions is not None else []
+
+
+@EVAL_SCORES_CLUSTER.detector("runs")
+def detect_eval_scores_cluster(runs: RunSet) -> list[Finding]:
+    return eval_scores_cluster(runs.predictions) if runs.predictions is not None else []

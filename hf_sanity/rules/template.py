@@ -7,6 +7,7 @@ from collections import Counter
 import numpy as np
 
 from hf_sanity.catalog import define
+from hf_sanity.measure.families import FAMILY_OF
 
 TEMPLATE_MISMATCH = define(
     "template-mismatch",
@@ -51,12 +52,10 @@ def _text_families(ctx) -> dict[int, list[str]]:
     if ctx.fmt == "text":
         column = ctx.values("text_families")
         return {i: fams for i, fams in enumerate(column) if ctx.valid[i]}
-    from hf_sanity.preflight.encode import _FAMILY_OF
-
     out = {}
     for i in ctx.sample_indices:
         text = ctx.tokenizer.decode(ctx.row(i)["input_ids"])
-        out[i] = sorted({family for marker, family in _FAMILY_OF.items() if marker in text})
+        out[i] = sorted({family for marker, family in FAMILY_OF.items() if marker in text})
     return out
 
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 import inspect
 
 from hf_sanity.catalog import define
-from hf_sanity.rng import untouched
+from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure.tensors import model_device, to_device
+from hf_sanity.untouched import untouched
 
 
 def _device_batch(model, batch):
-    import torch
-
-    device = next(model.parameters()).device
-    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    return to_device(batch, model_device(model))
 
 
 PACKING_CONTAMINATION = define(
@@ -53,8 +52,6 @@ def example_bounds(batch) -> list[list[int]] | None:
 
 @PACKING_CONTAMINATION.check
 def check_packing(ctx):
-    import torch
-
     batch, trainer = ctx.first_batch, ctx.trainer
     if batch is None or trainer is None:
         return
@@ -77,7 +74,7 @@ def check_packing(ctx):
         return
     model = trainer.model
     inputs = _device_batch(model, {k: v for k, v in batch.items() if k != "labels"})
-    with untouched(model, train=False), torch.no_grad():
+    with untouched(model):
         packed_logits = model(**inputs).logits[row, start:stop].float()
         alone_logits = model(input_ids=inputs["input_ids"][row : row + 1, start:stop]).logits[0].float()
     diff = float((packed_logits - alone_logits).abs().max())
@@ -129,13 +126,23 @@ def check_grad_accum(ctx):
     )
     model = trainer.model
     inputs = _device_batch(model, batch)
-    items = int((batch["labels"][:, 1:] != -100).sum())
+    items = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
     if not takes_items:
         ignores = True
     else:
-        with untouched(model, train=False), torch.no_grad():
-            one = float(trainer.compute_loss(model, dict(inputs), num_items_in_batch=torch.tensor(items)))
-            two = float(trainer.compute_loss(model, dict(inputs), num_items_in_batch=torch.tensor(2 * items)))
+        with untouched(model):
+            one = float(
+                trainer.compute_loss(
+                    model, dict(inputs), num_items_in_batch=torch.tensor(items, device=model_device(model))
+                )
+            )
+            two = float(
+                trainer.compute_loss(
+                    model,
+                    dict(inputs),
+                    num_items_in_batch=torch.tensor(2 * items, device=model_device(model)),
+                )
+            )
         ignores = abs(one - two) <= 1e-6 * max(abs(one), 1e-12)
     if ignores:
         yield GRAD_ACCUM_LOSS_SCALING.finding(
@@ -173,7 +180,7 @@ def check_checkpointing(ctx):
     if not trainable:
         return
     inputs = _device_batch(model, batch)
-    with untouched(model, train=True):
+    with untouched(model, train=True, grad=True):
         loss = model(**inputs).loss
         if loss is not None and loss.requires_grad:
             loss.backward()

@@ -193,7 +193,7 @@ def build_model(
 
 def _key(**parts) -> str:
     """Everything the folder depends on, the trained vocabulary included (the corpus can change)."""
-    from hf_sanity import __version__
+    from hf_sanity.version import __version__
 
     vocab = hashlib.sha256(_bpe_json().encode()).hexdigest()
     blob = json.dumps(

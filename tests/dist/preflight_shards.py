@@ -5,7 +5,7 @@ import sys
 
 import datasets
 
-from hf_sanity.preflight import preflight
+from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing import build_tokenizer, demo_conversations
 
 

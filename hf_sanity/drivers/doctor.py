@@ -1,0 +1,115 @@
+"""`doctor()`: a post-mortem of finished runs, read from what Trainer left on disk.
+
+Per run (see `hf_sanity.measure.runs` for what a RUN is and what is read): the curve detectors on its
+``log_history``, with the vocabulary size from a ``config.json`` beside it. Across runs: the "runs"
+detectors, which compare what each run says about its setup and hyperparameters. With ``predictions=``:
+the prediction rules on a JSONL of ``{"prediction", "label"}`` / ``{"score"}`` rows. Nothing is unpickled
+and nothing is written into the run folders.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from hf_sanity import catalog
+from hf_sanity.drivers.curves import analyze
+from hf_sanity.errors import UserInputError
+from hf_sanity.findings import Finding
+from hf_sanity.measure.runs import RUN_HELP, Run, RunSet, describe, global_step, read_predictions, read_run
+from hf_sanity.report import Report
+from hf_sanity.selection import Selection, resolve
+
+
+# -- the analysis ----------------------------------------------------------------------------------
+def _with_run(finding: Finding, run: Run, several: bool) -> Finding:
+    finding.evidence = {"run": run.label, **finding.evidence}
+    if several:
+        finding.message = f"{run.label}: {finding.message}"
+    return finding
+
+
+def _failures(findings: Iterable[Finding], selection: Selection) -> frozenset[str]:
+    """The slugs of a run's error and warning findings, as the user configured severities (ignored rules
+    do not count)."""
+    out = set()
+    for finding in findings:
+        if finding.rule in selection.ignore or finding.rule == "internal-error":
+            continue
+        severity = selection.severity.get(finding.rule, finding.severity)
+        if severity in ("error", "warning"):
+            out.add(finding.rule)
+    return frozenset(out)
+
+
+def doctor(
+    runs: list[str | Path],
+    *,
+    predictions: str | Path | None = None,
+    select: str | Iterable[str] | None = None,
+    ignore: str | Iterable[str] | None = None,
+    plot: Path | None = None,
+    with_plot: bool = False,
+    use_config: bool = True,
+) -> Report:
+    """A post-mortem of finished runs: what the curves of each say, what they say together, and (with
+    ``predictions``) what the eval predictions say. ``plot`` writes a PNG of the curves with every
+    finding marked at its step; ``with_plot`` attaches the PNG to ``report.plots`` (for the HTML page)."""
+    if not runs:
+        raise UserInputError(f"doctor needs at least one run; {RUN_HELP}")
+    selection = resolve(select, ignore, use_config=use_config)
+    started = time.perf_counter()
+    loaded = [read_run(path) for path in runs]
+    rows = read_predictions(predictions) if predictions is not None else None
+    if plot is not None or with_plot:
+        from hf_sanity.plots import require_matplotlib
+
+        require_matplotlib()  # fail on bad input before the analysis, not after
+
+    several = len(loaded) > 1
+    per_run: list[list[Finding]] = []
+    for run in loaded:
+        per_run.append([_with_run(f, run, several) for f in analyze(run.curves, final=True)])
+
+    run_set = RunSet(
+        descriptions=[describe(run) for run in loaded],
+        failures=[_failures(findings, selection) for findings in per_run],
+        predictions=rows,
+    )
+    kept_together = catalog.run_all("runs", run_set, selection)
+
+    report = Report(title="hf-sanity doctor")
+    kept_per_run: list[list[Finding]] = []
+    for findings in per_run:
+        kept = [k for k in (selection.apply(f) for f in findings) if k is not None]
+        kept_per_run.append(kept)
+        report.extend(kept)
+    report.extend(kept_together)
+
+    report.stats["runs"] = [
+        {
+            "run": run.label,
+            "state": str(run.state_path),
+            "global_step": global_step(run.state),
+            "train_points": len(run.curves.train_loss),
+            "evaluations": len(run.curves.eval_steps),
+            "vocab_size": run.curves.vocab_size,
+            "side_files": run.files,
+        }
+        for run in loaded
+    ]
+    if rows is not None:
+        report.stats["predictions"] = len(rows)
+    if plot is not None or with_plot:
+        from hf_sanity.plots import plot_runs
+
+        report.plots["loss curves"] = plot_runs(
+            [(run.label, run.curves, kept) for run, kept in zip(loaded, kept_per_run)],
+            plot,
+            notes=kept_together,
+        )
+        if plot is not None:
+            report.stats["plot"] = str(plot)
+    report.stats["seconds"] = round(time.perf_counter() - started, 2)
+    return report

@@ -1,0 +1,112 @@
+"""`preflight()`: load -> one shared context -> every selected context detector -> one report."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from hf_sanity import catalog
+from hf_sanity.errors import UserInputError
+from hf_sanity.measure.context import Context
+from hf_sanity.measure.encode import EncodeOptions
+from hf_sanity.measure.formats import detect_format
+from hf_sanity.report import Report
+from hf_sanity.selection import Selection, resolve
+
+PREFLIGHT_STAGES = ("data", "tokens", "template", "model", "trainer")
+
+
+def run_checks(
+    ctx, selection: Selection, stages: Iterable[str] = PREFLIGHT_STAGES, report: Report | None = None
+) -> Report:
+    """Every enabled context detector of ``stages`` on ``ctx``, each in the catalog's guard."""
+    report = report or Report(title="hf-sanity preflight")
+    report.extend(catalog.run_all("context", ctx, selection, stages=stages))
+    return report
+
+
+def preflight(
+    model=None,
+    tokenizer=None,
+    dataset=None,
+    *,
+    trainer=None,
+    eval_dataset=None,
+    max_len: int | None = None,
+    loss_on: str = "completion",
+    format: str | None = None,
+    adapter: str | None = None,
+    inference_tokenizer=None,
+    sample: int = 256,
+    num_proc: int | None = None,
+    model_config=None,
+    select: str | Iterable[str] | None = None,
+    ignore: str | Iterable[str] | None = None,
+    use_config: bool = True,
+) -> Report:
+    """Inspect a fine-tuning setup before any training step and return a :class:`Report`.
+
+    Pass ``model``/``tokenizer``/``dataset`` (objects; the CLI loads them from paths), or ``trainer=`` to
+    inspect the exact batches of ``trainer.get_train_dataloader()`` after the trainer's own collator.
+    ``model`` may be a callable returning the model, so it is loaded only if a model rule needs it.
+    """
+    selection = resolve(select, ignore, use_config=use_config)
+    started = time.perf_counter()
+    if trainer is not None:
+        from hf_sanity.measure.batches import trainer_context
+
+        ctx = trainer_context(trainer, tokenizer=tokenizer, max_len=max_len, sample=sample)
+    else:
+        if tokenizer is None or dataset is None:
+            raise UserInputError("preflight needs a tokenizer and a dataset (or trainer=...)")
+        check_options(loss_on=loss_on, max_len=max_len, sample=sample)
+        fmt = detect_format(dataset.column_names, format)
+        # `model` may be a function that loads the model, so that only a model rule pays for loading it.
+        is_loader = callable(model) and not hasattr(model, "forward")
+        ctx = Context(
+            tokenizer=tokenizer,
+            dataset=dataset,
+            fmt=fmt,
+            options=EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len),
+            model=None if is_loader else model,
+            model_loader=model if is_loader else None,
+            eval_dataset=eval_dataset,
+            inference_tokenizer=inference_tokenizer,
+            adapter_path=adapter,
+            sample=sample,
+            num_proc=num_proc,
+            model_config=model_config,
+            shard=True,
+        )
+    from hf_sanity.measure import distributed
+
+    # Every rank encodes its shard here (collectives under torchrun), before rank 0 alone runs the rules.
+    ctx.encoded  # noqa: B018
+    if ctx.eval_dataset is not None:
+        ctx.eval_encoded  # noqa: B018
+    rank, size = distributed.world() if ctx.shard else (0, 1)
+    if rank != 0:
+        return distributed.broadcast(None)
+    report = run_checks(ctx, selection)
+    report.stats.update(
+        format=ctx.fmt,
+        examples=len(ctx),
+        tokens=int(ctx.col("n_tokens").sum()),
+        supervised_tokens=int(ctx.col("n_supervised_kept").sum()),
+        max_len=ctx.options.max_len,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    if size > 1:
+        report.stats["processes"] = size
+        return distributed.broadcast(report)
+    return report
+
+
+def check_options(*, loss_on: str = "completion", max_len: int | None = None, sample: int = 256) -> None:
+    """Preflight's numbers and choices, checked before anything is loaded."""
+    if loss_on not in ("completion", "all"):
+        raise UserInputError(f"--loss-on must be 'completion' or 'all', got {loss_on!r}")
+    if max_len is not None and max_len <= 0:
+        raise UserInputError(f"--max-len must be positive, got {max_len}")
+    if sample < 1:
+        raise UserInputError(f"--sample must be at least 1, got {sample}")

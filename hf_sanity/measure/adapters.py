@@ -1,0 +1,63 @@
+"""A saved PEFT/LoRA adapter: its tensors and config read safely, and attached to a model for a scoped look."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from hf_sanity.errors import UserInputError
+
+
+def adapter_state(folder: str | Path) -> dict:
+    """The adapter's saved tensors (safetensors, or a .bin read with weights_only=True)."""
+    folder = Path(folder)
+    safetensors_file = folder / "adapter_model.safetensors"
+    if safetensors_file.is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(safetensors_file))
+    bin_file = folder / "adapter_model.bin"
+    if bin_file.is_file():
+        import torch
+
+        return torch.load(bin_file, map_location="cpu", weights_only=True)
+    raise UserInputError(f"adapter folder {str(folder)!r} has no adapter_model.safetensors; pass the folder written "
+                         "by peft's save_pretrained")  # fmt: skip
+
+
+def adapter_config(folder: str | Path) -> dict:
+    path = Path(folder) / "adapter_config.json"
+    if not path.is_file():
+        raise UserInputError(f"adapter folder {str(folder)!r} has no adapter_config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserInputError(f"{path} is not valid JSON: {exc}") from None
+
+
+def module_path(key: str) -> str:
+    """``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`` -> ``model.layers.0.self_attn.q_proj``."""
+    name = key.split(".lora_")[0]
+    return name.removeprefix("base_model.model.")
+
+
+def lora_keys(state: dict, which: str) -> dict[str, object]:
+    return {k: v for k, v in state.items() if f".lora_{which}." in k}
+
+
+@contextlib.contextmanager
+def attached_adapter(model, folder: str | Path):
+    """``model`` with the saved adapter attached, for the duration of the block; on exit the adapter's layers
+    are removed again and ``model`` is the same object it was (no later reader sees the adapter)."""
+    from peft import PeftModel
+
+    peft_model = PeftModel.from_pretrained(model, str(folder))
+    try:
+        yield peft_model
+    finally:
+        restored = peft_model.unload()
+        if restored is not model:  # peft unloads in place; anything else would leave the adapter behind
+            raise RuntimeError(
+                "peft's unload() returned another model object than the one the adapter was on"
+            )

@@ -1,0 +1,126 @@
+"""Inspect the exact tensors a Trainer feeds its model: batches after the user's own collator.
+
+Each batch row becomes one example (padding stripped by ``attention_mask``; packed rows split where
+``position_ids`` restart), and the usual context is built over them, so every token rule applies to what
+the model really sees.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from hf_sanity.errors import UserInputError
+from hf_sanity.measure.context import Context
+from hf_sanity.measure.encode import EncodeOptions
+from hf_sanity.untouched import preserved_rng
+
+
+def batch_rows(batch: Mapping[str, Any]) -> list[dict[str, list[int]]]:
+    """Rows of one collated batch as ``{"input_ids", "labels"}`` lists, without padding."""
+    input_ids = batch["input_ids"]
+    labels = batch.get("labels")
+    mask = batch.get("attention_mask")
+    positions = batch.get("position_ids")
+    rows = []
+    for r in range(input_ids.shape[0]):
+        ids = input_ids[r].tolist()
+        labs = labels[r].tolist() if labels is not None else None
+        keep = mask[r].bool().tolist() if mask is not None else [True] * len(ids)
+        pos = positions[r].tolist() if positions is not None else None
+        # Packed rows (padding-free): a new sequence starts wherever position_ids restart at 0.
+        starts = [i for i, p in enumerate(pos) if p == 0] if pos is not None else [0]
+        if not starts or starts[0] != 0:
+            starts = [0, *starts]
+        bounds = [*starts, len(ids)]
+        for lo, hi in itertools.pairwise(bounds):
+            kept = [i for i in range(lo, hi) if keep[i]]
+            if not kept:
+                continue
+            row = {"input_ids": [ids[i] for i in kept]}
+            if labs is not None:
+                row["labels"] = [labs[i] for i in kept]
+            rows.append(row)
+    return rows
+
+
+def batches_context(
+    tokenizer,
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    model=None,
+    max_len=None,
+    sample=256,
+    trainer=None,
+    first_batch=None,
+    init_loss=None,
+) -> Context:
+    """A context over already-collated batches (what the model sees), up to ``sample`` examples."""
+    import datasets
+
+    rows: list[dict[str, list[int]]] = []
+    for batch in batches:
+        rows.extend(batch_rows(batch))
+        if len(rows) >= sample:
+            break
+    rows = rows[:sample]
+    if rows and any("labels" not in r for r in rows):
+        rows = [{"input_ids": r["input_ids"]} for r in rows]
+    data = datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({"input_ids": []})
+    return Context(
+        tokenizer=tokenizer,
+        dataset=data,
+        fmt="tokens",
+        options=EncodeOptions(fmt="tokens", max_len=max_len),
+        model=model,
+        trainer=trainer,
+        sample=sample,
+        first_batch=first_batch,
+        init_loss=init_loss,
+    )
+
+
+def trainer_max_len(trainer) -> int | None:
+    args = trainer.args
+    return getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
+
+
+def trainer_context(trainer, *, tokenizer=None, max_len: int | None = None, sample: int = 256) -> Context:
+    """The context of ``preflight(trainer=...)``: the first batches of ``trainer.get_train_dataloader()``.
+
+    Drawing batches must not change the run: RNG states are restored, and the dataloader is a fresh one.
+    """
+    tokenizer = (
+        tokenizer
+        or getattr(trainer, "processing_class", None)
+        or getattr(getattr(trainer, "data_collator", None), "tokenizer", None)
+    )
+    if tokenizer is None:
+        raise UserInputError(
+            "preflight(trainer=...) needs a tokenizer: pass processing_class= to the Trainer or tokenizer= to preflight"
+        )
+    with preserved_rng():
+        loader = iter(trainer.get_train_dataloader())
+        first = next(loader, None)
+        first = (
+            dict(first) if first is not None else None
+        )  # as the model receives it, non-tensor keys included
+
+        def batches():
+            if first is None:
+                return
+            for batch in itertools.chain([first], loader):
+                yield {k: v for k, v in batch.items() if hasattr(v, "shape")}
+
+        ctx = batches_context(
+            tokenizer,
+            batches(),
+            model=trainer.model,
+            max_len=max_len or trainer_max_len(trainer),
+            sample=sample,
+            trainer=trainer,
+            first_batch=first,
+        )
+        ctx.encoded  # noqa: B018 - materialise while the RNG is preserved
+    return ctx

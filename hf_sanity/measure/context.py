@@ -1,0 +1,262 @@
+"""The shared, cached context every preflight rule reads.
+
+Load once -> tokenize and measure once (``encoded``) -> each rule reads columns and yields findings.
+Model work (a forward pass over a bounded sample) is done once, lazily, only if a rule asks for it.
+
+Rules only read it: after construction the context refuses attribute writes, and what it measures lazily
+(cached properties) is the same whichever rule asks first, so no rule can change what a later one sees.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hf_sanity.measure.encode import EncodeOptions, Encoder
+from hf_sanity.measure.families import own_families
+from hf_sanity.measure.losses import token_loss
+from hf_sanity.measure.markers import Span, TemplateMarkers, derive_markers
+from hf_sanity.measure.tensors import pad_batches, pad_id
+from hf_sanity.tokenview import TokenView
+
+CALIBRATION_ROWS = 64
+
+
+class Context:
+    def __init__(
+        self,
+        *,
+        tokenizer,
+        dataset=None,
+        fmt: str = "messages",
+        options: EncodeOptions | None = None,
+        model=None,
+        model_loader: Callable[[], Any] | None = None,
+        eval_dataset=None,
+        inference_tokenizer=None,
+        adapter_path: str | None = None,
+        trainer=None,
+        sample: int = 256,
+        num_proc: int | None = None,
+        encoded=None,
+        model_config=None,
+        shard: bool = False,
+        first_batch=None,
+        init_loss: dict[str, float] | None = None,
+    ):
+        store = super().__setattr__
+        store("tokenizer", tokenizer)
+        store("dataset", dataset)
+        store("fmt", fmt)
+        store("options", options or EncodeOptions(fmt=fmt))
+        store("_model", model)
+        store("_model_loader", model_loader)
+        store("eval_dataset", eval_dataset)
+        store("inference_tokenizer", inference_tokenizer)
+        store("adapter_path", adapter_path)
+        store("trainer", trainer)
+        store("sample", sample)
+        store("num_proc", num_proc)
+        store("_config", model_config)
+        # With a trainer: its first collated batch, exactly as the model receives it.
+        store("first_batch", first_batch)
+        store("_given_init_loss", init_loss)
+        store("reencode_rows", False)
+        store("_scratch_dir", None)
+        # Under torchrun, scan only this process's shard and judge on rank 0 (see measure.distributed).
+        store("shard", shard)
+        store("_columns", {})
+        if encoded is not None:
+            self.__dict__["encoded"] = encoded
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(f"the preflight context is read-only (a rule tried to set {name!r})")
+
+    # -- tokens ------------------------------------------------------------------------------------
+    @cached_property
+    def markers(self) -> TemplateMarkers:
+        return derive_markers(self.tokenizer)
+
+    @cached_property
+    def own_families(self) -> frozenset[str]:
+        return own_families(self.tokenizer)
+
+    @cached_property
+    def encoder(self) -> Encoder:
+        encoder = Encoder(self.tokenizer, self.options, self.markers)
+        if self.dataset is not None and self.fmt in ("messages", "prompt-completion"):
+            encoder.calibrate(self.dataset.select(range(min(CALIBRATION_ROWS, len(self.dataset)))).to_list())
+        return encoder
+
+    @cached_property
+    def encoded(self):
+        """The dataset as training tokens plus one column per measurement (see ``encode.MEASURES``)."""
+        return self._encode(self.dataset)
+
+    @cached_property
+    def eval_encoded(self):
+        return None if self.eval_dataset is None else self._encode(self.eval_dataset)
+
+    def _encode(self, dataset):
+        from hf_sanity.measure import distributed
+
+        rank, size = distributed.world() if self.shard else (0, 1)
+        if size == 1:
+            return self._map(dataset)
+        # Each process encodes a contiguous shard; rank 0 gets every measurement (not the tokens).
+        shard = self._map(dataset.shard(num_shards=size, index=rank, contiguous=True))
+        light = shard.remove_columns(["input_ids", "labels"])
+        merged = distributed.gather_columns(light.to_dict())
+        super().__setattr__("reencode_rows", True)
+        if merged is None:
+            return None
+        import datasets
+
+        return datasets.Dataset.from_dict(merged)
+
+    def _map(self, dataset):
+        import datasets
+
+        quiet = len(dataset) < 5000 and not datasets.utils.are_progress_bars_disabled()
+        if quiet:  # a progress bar for a second of work is noise
+            datasets.disable_progress_bars()
+        try:
+            return dataset.map(
+                self.encoder,
+                batched=True,
+                batch_size=256,
+                num_proc=self.num_proc if self.num_proc and self.num_proc > 1 else None,
+                remove_columns=dataset.column_names,
+                desc="hf-sanity: tokenizing",
+                load_from_cache_file=False,
+                new_fingerprint=uuid.uuid4().hex,  # hashing the encoder (and its tokenizer) costs more than it saves
+                # datasets would write its cache file next to the data (a save_to_disk folder is the user's):
+                # ours goes to a scratch folder that lives as long as this context.
+                cache_file_name=str(self._scratch() / f"{uuid.uuid4().hex}.arrow"),
+            )
+        finally:
+            if quiet:
+                datasets.enable_progress_bars()
+
+    def _scratch(self) -> Path:
+        if self._scratch_dir is None:
+            super().__setattr__("_scratch_dir", tempfile.TemporaryDirectory(prefix="hf-sanity-preflight-"))
+        return Path(self._scratch_dir.name)
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+    def col(self, name: str) -> np.ndarray:
+        """One scalar measurement for every example, as an array (read once from Arrow, cached)."""
+        if name not in self._columns:
+            self._columns[name] = self.encoded.data.column(name).to_numpy(zero_copy_only=False)
+        return self._columns[name]
+
+    def values(self, name: str) -> list:
+        """One list-valued measurement for every example (e.g. ``special_ids``), as Python lists."""
+        return self.encoded.data.column(name).to_pylist()
+
+    @cached_property
+    def valid(self) -> np.ndarray:
+        """Rows that encoded (no ``error``)."""
+        return self.col("error") == ""
+
+    def row(self, index: int) -> dict[str, Any]:
+        if self.reencode_rows:  # distributed: rank 0 holds measurements only; encode the one row shown
+            return self.encoder.encode(self.dataset[int(index)])
+        return self.encoded[int(index)]
+
+    def spans(self, index: int) -> list[Span]:
+        flat = self.row(index)["spans"]
+        return [Span(*flat[i : i + 3]) for i in range(0, len(flat), 3)]
+
+    def view(self, index: int, *, focus: int | None = None, title: str | None = None) -> TokenView:
+        """The token view of one encoded example (positions from max_len on are marked cut)."""
+        row = self.row(index)
+        return TokenView.from_ids(
+            self.tokenizer,
+            row["input_ids"],
+            row["labels"],
+            focus=focus,
+            title=title or f"example {int(index)}",
+            cut=self.options.max_len,
+        )
+
+    def first(self, mask: np.ndarray, limit: int = 10) -> list[int]:
+        return [int(i) for i in np.flatnonzero(mask)[:limit]]
+
+    # -- model -------------------------------------------------------------------------------------
+    @property
+    def has_model(self) -> bool:
+        return self._model is not None or self._model_loader is not None
+
+    @property
+    def model_given(self) -> bool:
+        """The user handed in a model object (a loaded model may have been resized, frozen, wrapped); a model
+        given by path or loader is loaded as saved."""
+        return self._model is not None
+
+    @cached_property
+    def model_config(self):
+        """The model's config, without loading weights when it was given as a path."""
+        if self._config is not None:
+            return self._config
+        if self._model is not None:
+            return getattr(self._model, "config", None)
+        return self.model.config if self.has_model else None
+
+    @cached_property
+    def model(self):
+        if self._model is not None:
+            return self._model
+        return self._model_loader() if self._model_loader is not None else None
+
+    @cached_property
+    def embedding_rows(self) -> int | None:
+        """The model's input-embedding rows: from the model object when given (it may have been resized), else
+        from the config, loading the model only when there is neither."""
+        if not self.model_given and self.model_config is not None:
+            config = self.model_config
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            return getattr(text, "vocab_size", None)
+        if not self.has_model:
+            return None
+        embeddings = self.model.get_input_embeddings()
+        return int(embeddings.num_embeddings) if embeddings is not None else None
+
+    @cached_property
+    def sample_indices(self) -> list[int]:
+        """A bounded, evenly spread sample of valid rows for model-side checks."""
+        valid = np.flatnonzero(self.valid & (self.col("n_supervised_kept") > 0))
+        if len(valid) <= self.sample:
+            return [int(i) for i in valid]
+        picks = np.linspace(0, len(valid) - 1, self.sample).round().astype(int)
+        return [int(valid[i]) for i in picks]
+
+    def sample_batches(self, batch_size: int = 8) -> list[dict[str, Any]]:
+        """The sampled examples, truncated to max_len, padded, as tensor batches."""
+        max_len = self.options.max_len
+        rows = [self.row(i) for i in self.sample_indices]
+        return self.batches([(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows], batch_size)
+
+    def batches(
+        self, seqs: Sequence[tuple[list[int], list[int]]], batch_size: int = 8
+    ) -> list[dict[str, Any]]:
+        """(input_ids, labels) pairs as right-padded tensor batches."""
+        return pad_batches(seqs, pad_id(self.tokenizer), batch_size)
+
+    @cached_property
+    def init_loss(self) -> dict[str, float] | None:
+        """Mean step-0 loss over the supervised tokens of the sample (one no-grad pass, model state kept), or
+        the step-0 numbers the context was built with (the callback measures them on the first batch)."""
+        if self._given_init_loss is not None:
+            return dict(self._given_init_loss)
+        if not self.has_model or not self.sample_indices:
+            return None
+        return token_loss(self.model, self.sample_batches())

@@ -1,0 +1,434 @@
+"""Turn dataset rows into training tokens, the way TRL's SFTTrainer does, and measure them in the same pass.
+
+One pass per row produces the token ids, the labels, where each completion lies, and every count the rules
+read (supervised tokens, prompt tokens in the loss, completion tokens cut by ``max_len``, ...). Rules then
+work on these columns with arithmetic; nothing tokenizes the dataset again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure.families import FAMILY_OF, NO_TEMPLATE
+from hf_sanity.measure.formats import conversation_problem, text_problem
+from hf_sanity.measure.markers import Span, TemplateMarkers, boundary_ids, derive_markers, find_sequence
+
+
+def stable_hash(text: str) -> int:
+    """A 63-bit hash stable across processes (unlike `hash`), for duplicate and leakage detection."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1
+
+
+def normalize(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+@dataclass
+class EncodeOptions:
+    fmt: str
+    loss_on: str = "completion"  # or "all"
+    max_len: int | None = None
+    min_leak_chars: int = 20
+
+
+# Every column the encoder writes, with its empty value (for rows that cannot be encoded).
+MEASURES: dict[str, Any] = {
+    "input_ids": [],
+    "labels": [],
+    "spans": [],  # flat [start, stop, end, ...] per completion
+    "error": "",
+    "n_tokens": 0,
+    "n_supervised": 0,
+    "n_supervised_kept": 0,
+    "n_turns": 0,
+    "n_completion": 0,
+    "n_completion_unsupervised": 0,
+    "n_completion_cut": 0,
+    "n_prompt_supervised": -1,  # -1: turns could not be located
+    "n_eot_missing": 0,
+    "n_eot_unsupervised": 0,
+    "n_leading_bos": 0,
+    "n_label_eq_next": 0,
+    "n_label_eq_same": 0,
+    "n_gp_mismatch": 0,
+    "content_markers": [],
+    "text_families": [],
+    "hash": 0,
+    "leak": False,
+    "max_id": -1,
+    "special_ids": [],  # special/added token ids the example uses
+}
+
+
+class Encoder:
+    """``datasets.map(Encoder(...), batched=True)``: rows in, tokens and measurements out.
+
+    Picklable, so ``num_proc`` works.
+    """
+
+    def __init__(self, tokenizer, options: EncodeOptions, markers: TemplateMarkers | None = None):
+        self.tokenizer = tokenizer
+        self.options = options
+        self.markers = markers or derive_markers(tokenizer)
+        specials = {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+        specials |= {str(t) for t in tokenizer.all_special_tokens}
+        strays = sorted(specials | set(FAMILY_OF), key=len, reverse=True)
+        self._stray_re = re.compile("|".join(re.escape(s) for s in strays if s.strip())) if strays else None
+        self._family_re = re.compile("|".join(re.escape(m) for m in FAMILY_OF))
+        self._boundaries = boundary_ids(tokenizer)
+
+    # -- public ------------------------------------------------------------------------------------
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        size = len(next(iter(batch.values())))
+        rows = [{key: values[i] for key, values in batch.items()} for i in range(size)]
+        if self.options.fmt in ("messages", "prompt-completion"):
+            encoded = self.encode_conversations(rows)
+        else:
+            encoded = [self.encode(row) for row in rows]
+        return {key: [e[key] for e in encoded] for key in MEASURES}
+
+    def encode(self, row: dict[str, Any]) -> dict[str, Any]:
+        fmt = self.options.fmt
+        try:
+            if fmt in ("messages", "prompt-completion"):
+                return self.encode_conversations([row])[0]
+            if fmt == "text":
+                return self.encode_text(row.get("text"))
+            return self.encode_tokens(row.get("input_ids"), row.get("labels"), row.get("attention_mask"))
+        except Exception as exc:  # the template or tokenizer rejected this row: a data problem
+            return self.failed(f"{type(exc).__name__}: {exc}")
+
+    # -- conversations -----------------------------------------------------------------------------
+    # Where each completion starts comes from the chat template: the conversation up to that turn, rendered
+    # with the generation prompt (the inference prompt), must be a prefix of the training text ("exact").
+    # Rendering every prefix of every row costs more than the tokenization itself, so `calibrate` runs the
+    # exact method on the first rows and, where the template's own markers (derived from it once) find the
+    # very same spans, the full pass locates turns by those markers ("markers"). A row whose markers do not
+    # match its assistant turns is still encoded exactly.
+    exact: bool = True
+
+    def calibrate(self, rows: list[dict[str, Any]]) -> None:
+        """Choose the marker method when it agrees with the exact one on every one of ``rows``."""
+        self.exact = True
+        if not self.markers.locatable:
+            return
+        agree = 0
+        for row in rows:
+            conversation = self._conversation(row)
+            if not isinstance(conversation, tuple):
+                continue
+            messages, first = conversation
+            try:
+                full = self.tokenizer.apply_chat_template(messages, tokenize=False)
+                enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+                exact, gp = self._exact_spans(messages, first, full, enc["input_ids"], enc["offset_mapping"])
+            except Exception:
+                continue
+            if gp or self._marker_spans(messages, first, enc["input_ids"]) != exact:
+                return
+            agree += 1
+        self.exact = agree == 0
+
+    def _conversation(self, row: dict[str, Any]):
+        """(messages, index of the first supervised message), a failure dict, or None for plain-text
+        prompt/completion rows."""
+        if self.options.fmt == "messages":
+            messages, first = row.get("messages"), 0
+        else:
+            prompt, completion = row.get("prompt"), row.get("completion")
+            if not isinstance(prompt, list) and not isinstance(completion, list):
+                return None
+            if not isinstance(prompt, list) or not isinstance(completion, list) or not completion:
+                return self.failed("prompt and completion must both be message lists (conversational format)")
+            messages, first = list(prompt) + list(completion), len(prompt)
+        if not self.markers.has_template:
+            return self.failed(NO_TEMPLATE)
+        problem = conversation_problem(messages)
+        if problem:
+            return self.failed(problem)
+        return [{"role": m["role"], "content": m["content"]} for m in messages], first
+
+    def encode_conversations(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Render each conversation with the chat template, tokenize the batch in one call, measure each."""
+        out: list[dict[str, Any] | None] = [None] * len(rows)
+        pending: list[tuple[int, list[dict], int, str]] = []
+        for k, row in enumerate(rows):
+            try:
+                conversation = self._conversation(row)
+                if conversation is None:
+                    out[k] = self.encode_prompt_completion(row.get("prompt"), row.get("completion"))
+                elif isinstance(conversation, dict):
+                    out[k] = conversation
+                else:
+                    messages, first = conversation
+                    pending.append(
+                        (k, messages, first, self.tokenizer.apply_chat_template(messages, tokenize=False))
+                    )
+            except Exception as exc:  # the template rejected this row: a data problem
+                out[k] = self.failed(f"{type(exc).__name__}: {exc}")
+        if pending:
+            enc = self.tokenizer(
+                [text for *_, text in pending], add_special_tokens=False, return_offsets_mapping=self.exact
+            )
+            for n, (k, messages, first, full) in enumerate(pending):
+                offsets = enc["offset_mapping"][n] if self.exact else None
+                try:
+                    out[k] = self._measure_conversation(messages, first, full, enc["input_ids"][n], offsets)
+                except Exception as exc:
+                    out[k] = self.failed(f"{type(exc).__name__}: {exc}")
+        return out
+
+    def _measure_conversation(self, messages, first, full, ids, offsets) -> dict[str, Any]:
+        gp_mismatch = 0
+        spans = None if offsets is not None else self._marker_spans(messages, first, ids)
+        if spans is None:  # exact method (chosen by calibration, or markers did not fit this row)
+            if offsets is None:
+                offsets = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)[
+                    "offset_mapping"
+                ]
+            spans, gp_mismatch = self._exact_spans(messages, first, full, ids, offsets)
+        labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
+        prompt_text = " ".join(m["content"] for m in messages if m["role"] != "assistant")
+        answers = [m["content"] for j, m in enumerate(messages) if m["role"] == "assistant" and j >= first]
+        out = self.measure(ids, labels, spans, user_labels=False)
+        out.update(
+            gp=gp_mismatch,
+            content=self._strays(m["content"] for m in messages),
+            hash=stable_hash(normalize(" ".join(f"{m['role']}: {m['content']}" for m in messages))),
+            leak=self._leaks(prompt_text, answers),
+        )
+        return self._finish(out)
+
+    def _exact_spans(self, messages, first, full, ids, offsets) -> tuple[list[Span], int]:
+        tok = self.tokenizer
+        starts = [s for s, _ in offsets]
+        spans: list[Span] = []
+        gp_mismatch = 0
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant" or i < first:
+                continue
+            prompt = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            if full.startswith(prompt):
+                start_char = len(prompt)
+            else:  # the inference prompt is not what training saw: fall back to the shared prefix
+                gp_mismatch += 1
+                start_char = _common_prefix(full, prompt)
+            start = bisect_left(starts, start_char)
+            if (start < len(starts) and starts[start] != start_char) or (
+                start > 0 and offsets[start - 1][1] > start_char
+            ):
+                gp_mismatch += 1  # a token straddles the boundary: the prompt is not a token prefix
+            if self.markers.end_of_turn:  # _close stops at the first end-of-turn marker
+                end = len(ids)
+            else:
+                through = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+                end = bisect_left(starts, len(through) if full.startswith(through) else len(full))
+            spans.append(self._close(ids, start, end))
+        return spans, gp_mismatch
+
+    def _marker_spans(self, messages, first, ids) -> list[Span] | None:
+        """The supervised turns located by the template's markers, or None if they do not fit this row."""
+        located = self.markers.locate(ids)
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if len(located) != len(turns):
+            return None
+        return [span for span, i in zip(located, turns) if i >= first]
+
+    def encode_prompt_completion(self, prompt, completion) -> dict[str, Any]:
+        """Plain-text prompt/completion, as TRL does: the completion starts where prompt and
+        prompt+completion tokenizations diverge; EOS appended."""
+        problem = text_problem(prompt, "prompt") or text_problem(completion, "completion")
+        if problem:
+            return self.failed(problem)
+        tok = self.tokenizer
+        eos = tok.eos_token or ""
+        full_text = prompt + completion + ("" if completion.endswith(eos) else eos)  # TRL appends EOS
+        prompt_ids = tok(prompt)["input_ids"]
+        ids = tok(full_text)["input_ids"]
+        start = _common_prefix(prompt_ids, ids)
+        spans = [self._close(ids, start, len(ids))]
+        labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
+        out = self.measure(ids, labels, spans, user_labels=False)
+        out.update(
+            gp=int(start < len(prompt_ids)),
+            content=self._strays([prompt, completion]),
+            hash=stable_hash(normalize(prompt + " " + completion)),
+            leak=self._leaks(prompt, [completion]),
+        )
+        return self._finish(out)
+
+    def encode_text(self, text) -> dict[str, Any]:
+        problem = text_problem(text, "text")
+        if problem:
+            return self.failed(problem)
+        tok = self.tokenizer
+        eos = tok.eos_token or ""
+        ids = tok(text + ("" if text.endswith(eos) else eos))["input_ids"]  # TRL appends EOS
+        spans = self.markers.locate(ids) if self.markers.locatable else []
+        labels = self._labels(ids, None)  # language modelling: every token carries loss
+        out = self.measure(ids, labels, spans or [self._whole(ids)], user_labels=False, located=bool(spans))
+        out.update(
+            families=sorted({FAMILY_OF[m] for m in self._family_re.findall(text)}),
+            hash=stable_hash(normalize(text)),
+        )
+        return self._finish(out)
+
+    def encode_tokens(self, input_ids, labels=None, attention_mask=None) -> dict[str, Any]:
+        if not input_ids:
+            return self.failed("input_ids is empty")
+        ids = [int(i) for i in input_ids]
+        if attention_mask is not None:  # padding (left or right) is not part of the example
+            keep = [i for i, m in enumerate(attention_mask) if int(m)]
+            if len(keep) < len(ids):
+                ids = [ids[i] for i in keep]
+                labels = None if labels is None else [labels[i] for i in keep]
+        user_labels = labels is not None
+        labels = [int(x) for x in labels] if user_labels else list(ids)
+        if len(labels) != len(ids):
+            return self.failed(f"labels has {len(labels)} entries for {len(ids)} input_ids")
+        spans = self.markers.locate(ids) if self.markers.locatable else []
+        out = self.measure(
+            ids, labels, spans or [self._whole(ids)], user_labels=user_labels, located=bool(spans)
+        )
+        out["hash"] = stable_hash(" ".join(map(str, ids)))
+        return self._finish(out)
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def _close(self, ids: Sequence[int], start: int, limit: int) -> Span:
+        """The completion starting at ``start`` (rendered no further than ``limit``): up to and including its
+        end-of-turn marker; the template whitespace or trailing EOS after it is neutral (see ``Span``)."""
+        eot = self.markers.end_of_turn
+        found = find_sequence(ids, eot, start, limit) if eot else -1
+        if found >= 0:
+            stop = end = found + len(eot)
+            while end < limit and (
+                ids[end] in self.markers.whitespace_ids or ids[end] in self.markers.stop_ids
+            ):
+                end += 1
+            return Span(start, stop, end)
+        stop = limit
+        while stop > start and ids[stop - 1] in self.markers.whitespace_ids:
+            stop -= 1
+        return Span(start, stop, limit)
+
+    def _whole(self, ids: Sequence[int]) -> Span:
+        """A sequence without located turns is one completion (language modelling), after any BOS."""
+        start = 0
+        bos = self.tokenizer.bos_token_id
+        while start < len(ids) - 1 and bos is not None and ids[start] == bos:
+            start += 1
+        return Span(start, len(ids), len(ids))
+
+    def _labels(self, ids: Sequence[int], spans: list[Span] | None) -> list[int]:
+        if spans is None:
+            return list(ids)
+        labels = [IGNORE_INDEX] * len(ids)
+        for span in spans:
+            labels[span.start : span.stop] = ids[span.start : span.stop]
+        return labels
+
+    def _strays(self, texts) -> list[str]:
+        if self._stray_re is None:
+            return []
+        found: set[str] = set()
+        for text in texts:
+            found.update(self._stray_re.findall(text))
+        return sorted(found)
+
+    def _leaks(self, prompt: str, answers: list[str]) -> bool:
+        prompt = normalize(prompt)
+        return any(
+            len(a) >= self.options.min_leak_chars and a in prompt for a in (normalize(x) for x in answers)
+        )
+
+    def measure(
+        self, ids: list[int], labels: list[int], spans: list[Span], *, user_labels: bool, located: bool = True
+    ) -> dict[str, Any]:
+        """Every count the rules read, from slices (no per-token Python work where a slice will do)."""
+        n = len(ids)
+        kept = min(n, self.options.max_len or n)
+        ignore = IGNORE_INDEX
+        n_supervised = n - labels.count(ignore)
+        n_completion = n_completion_unsup = n_completion_cut = sup_in_turns = 0
+        eot_missing = eot_unsup = 0
+        stop_ids = self.markers.stop_ids
+        trained_any = False
+        untrained_width = 0
+        for span in spans:
+            width = span.stop - span.start
+            last = span.stop - 1
+            ends = width > 0 and ids[last] in stop_ids
+            content_stop = last if ends else span.stop
+            masked = labels[span.start : content_stop].count(ignore)
+            n_completion += width
+            n_completion_cut += max(0, span.stop - max(kept, span.start))
+            sup_in_turns += (span.end - span.start) - labels[span.start : span.end].count(ignore)
+            if not ends:
+                eot_missing += 1
+            # A turn with no loss at all is history the user chose not to train (multi-turn data trained on
+            # the last answer). Within a trained turn, every masked token is a bug; the end-of-turn token is
+            # eos-not-learned's business.
+            if masked == content_stop - span.start and not (ends and labels[last] != ignore):
+                untrained_width += content_stop - span.start
+                continue
+            trained_any = True
+            n_completion_unsup += masked
+            if ends and last < kept and labels[last] == ignore:
+                eot_unsup += 1
+        if not trained_any and n_supervised > 0:  # loss somewhere, but on no completion at all
+            n_completion_unsup += untrained_width
+        leading_bos = 0
+        bos = self.tokenizer.bos_token_id
+        while bos is not None and leading_bos < n and ids[leading_bos] == bos:
+            leading_bos += 1
+        eq_next = eq_same = 0
+        if user_labels:
+            eq_next = sum(1 for i in range(n - 1) if labels[i] != ignore and labels[i] == ids[i + 1])
+            eq_same = sum(1 for i in range(n) if labels[i] != ignore and labels[i] == ids[i])
+        return {
+            "input_ids": ids,
+            "labels": labels,
+            "spans": [x for s in spans for x in (s.start, s.stop, s.end)] if located else [],
+            "n_tokens": n,
+            "n_supervised": n_supervised,
+            "n_supervised_kept": kept - labels[:kept].count(ignore),
+            "n_turns": len(spans) if located else 0,
+            "n_completion": n_completion,
+            "n_completion_unsupervised": n_completion_unsup,
+            "n_completion_cut": n_completion_cut,
+            "n_prompt_supervised": n_supervised - sup_in_turns if located else -1,
+            "n_eot_missing": eot_missing,
+            "n_eot_unsupervised": eot_unsup,
+            "n_leading_bos": leading_bos,
+            "n_label_eq_next": eq_next,
+            "n_label_eq_same": eq_same,
+            "max_id": max(ids) if ids else -1,
+            "special_ids": sorted(self._boundaries.intersection(ids)),
+        }
+
+    def _finish(self, out: dict[str, Any]) -> dict[str, Any]:
+        row = dict(MEASURES)
+        row.update({k: v for k, v in out.items() if k in MEASURES})
+        row["n_gp_mismatch"] = out.get("gp", 0)
+        row["content_markers"] = out.get("content", [])
+        row["text_families"] = out.get("families", [])
+        return row
+
+    def failed(self, reason: str) -> dict[str, Any]:
+        row = dict(MEASURES)
+        row["error"] = reason
+        return row
+
+
+def _common_prefix(a: Sequence, b: Sequence) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,262 @@
+"""A finished run as Trainer left it on disk, read without unpickling anything, and what it says about itself.
+
+A RUN is a ``trainer_state.json``, a checkpoint folder that holds one, or a Trainer ``output_dir`` (its own
+``trainer_state.json``, written by ``trainer.save_state()``, or the one of its latest ``checkpoint-*``,
+whichever has more steps). Beside the state, ``config.json`` gives the model's identity and vocabulary and a
+``training_args.json`` / ``args.json`` the arguments. Nothing is written into the run folders.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hf_sanity.errors import UserInputError
+from hf_sanity.measure.curves import Curves
+
+STATE = "trainer_state.json"
+ARGS_FILES = ("training_args.json", "args.json")
+RUN_HELP = "pass a trainer_state.json, a checkpoint folder or a Trainer output_dir"
+
+
+@dataclass
+class Run:
+    """One finished run as read from disk."""
+
+    label: str
+    state_path: Path
+    state: dict[str, Any]
+    curves: Curves
+    model_config: dict[str, Any] = field(default_factory=dict)
+    args: dict[str, Any] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)  # the side files that were read
+
+
+# -- reading runs ----------------------------------------------------------------------------------
+def read_json(path: Path, what: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise UserInputError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserInputError(
+            f"cannot read {what} {path}: malformed JSON ({exc.msg} at line {exc.lineno}); "
+            "restore the file Trainer wrote or remove it"
+        ) from None
+
+
+def _checkpoint_number(path: Path) -> int:
+    try:
+        return int(path.name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def find_state(path: str | Path) -> Path:
+    """The trainer_state.json a RUN argument stands for."""
+    path = Path(path)
+    if not path.exists():
+        raise UserInputError(f"run {path} does not exist; {RUN_HELP}")
+    if path.is_file():
+        return path
+    candidates = []
+    if (path / STATE).is_file():
+        candidates.append(path / STATE)
+    checkpoints = sorted(
+        (p for p in path.glob("checkpoint-*") if (p / STATE).is_file()), key=_checkpoint_number
+    )
+    if checkpoints:
+        candidates.append(checkpoints[-1] / STATE)
+    if not candidates:
+        inside = sorted(
+            {p.parent.parent if p.parent.name.startswith("checkpoint-") else p.parent
+             for p in [*path.glob(f"*/{STATE}"), *path.glob(f"*/checkpoint-*/{STATE}")]}
+        )  # fmt: skip
+        if inside:
+            raise UserInputError(
+                f"{path} is not a run but holds {len(inside)} (e.g. {inside[0]}); pass them one by one, "
+                f"e.g. `hf-sanity doctor {path}/*`"
+            )
+        raise UserInputError(
+            f"no {STATE} in {path} nor in a checkpoint-* folder under it; {RUN_HELP} "
+            "(Trainer writes it with each checkpoint, and at the end with trainer.save_state())"
+        )
+    if len(candidates) == 1:
+        return candidates[0]
+    # The top-level file (save_state at the end) unless the latest checkpoint went further.
+    steps = [global_step(read_json(c, "trainer state")) for c in candidates]
+    return candidates[1] if steps[1] > steps[0] else candidates[0]
+
+
+def global_step(state: Any) -> int:
+    step = state.get("global_step") if isinstance(state, dict) else None
+    return step if isinstance(step, int) else -1
+
+
+def _side_files(state_path: Path) -> list[Path]:
+    """Folders whose side files describe the run: the state's folder, then (for a checkpoint) its parent."""
+    folder = state_path.parent
+    folders = [folder]
+    if folder.name.startswith("checkpoint-"):
+        folders.append(folder.parent)
+    return folders
+
+
+def _vocab_size(config: dict[str, Any]) -> int | None:
+    for source in (config, config.get("text_config") or {}):
+        value = source.get("vocab_size") if isinstance(source, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            return value
+    return None
+
+
+def read_run(path: str | Path) -> Run:
+    """Read one RUN: its trainer state and the config.json / training_args.json / args.json beside it."""
+    state_path = find_state(path)
+    state = read_json(state_path, "trainer state")
+    if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
+        raise UserInputError(f"{state_path} has no log_history list, so it is not a {STATE}; {RUN_HELP}")
+    model_config: dict[str, Any] = {}
+    args: dict[str, Any] = {}
+    files: list[str] = []
+    for folder in _side_files(state_path):
+        config_path = folder / "config.json"
+        if not model_config and config_path.is_file():
+            data = read_json(config_path, "model config")
+            if isinstance(data, dict):
+                model_config = data
+                files.append(str(config_path))
+        for name in ARGS_FILES:
+            args_path = folder / name
+            if not args and args_path.is_file():
+                data = read_json(args_path, "training arguments")
+                if isinstance(data, dict):
+                    args = data
+                    files.append(str(args_path))
+    curves = Curves.from_log_history(state["log_history"], vocab_size=_vocab_size(model_config))
+    if not curves.train_loss and not curves.eval_loss:
+        raise UserInputError(
+            f"{state_path} logs no loss (log_history has no 'loss' nor 'eval_loss' entry); "
+            "train with logging_steps set so that at least one step is logged"
+        )
+    return Run(str(path), state_path, state, curves, model_config, args, files)
+
+
+# -- predictions -----------------------------------------------------------------------------------
+def read_predictions(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a predictions JSONL: {"prediction": ..., "label": ...} and/or {"score": ...}."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserInputError(
+            f"predictions file {path} does not exist; pass a JSONL of "
+            '{"prediction": ..., "label": ...} and/or {"score": ...} rows'
+        )
+    rows = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserInputError(f"cannot read predictions file {path}: {exc}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserInputError(
+                f"cannot read predictions file {path}: line {number} is not JSON ({exc.msg}); "
+                'each line must be an object like {"prediction": "yes", "label": "no"} or {"score": 4}'
+            ) from None
+        if not isinstance(row, dict):
+            raise UserInputError(
+                f"predictions file {path}: line {number} is not a JSON object; "
+                'each line must be an object like {"prediction": "yes", "label": "no"} or {"score": 4}'
+            )
+        rows.append(row)
+    if not any(("prediction" in r and "label" in r) or "score" in r for r in rows):
+        raise UserInputError(
+            f"predictions file {path} has no row with both 'prediction' and 'label', nor with 'score'; "
+            "write one JSON object per line with those keys"
+        )
+    return rows
+
+
+# -- what a run says about itself ------------------------------------------------------------------
+# A run's readable description is split in two. HYPERPARAMETERS are the knobs people turn between runs
+# of one setup; everything else that is readable (the model's identity from config.json, the other fields
+# of training_args.json / args.json) is the SETUP. BOOKKEEPING fields (where a run writes, how it is
+# named or reported) are neither. Runs "differ only in hyperparameters" when no setup field readable in
+# both differs: a field one run does not record is unknown and does not separate them, so bare
+# trainer_state.json files passed together are taken as one setup (the evidence lists what was compared).
+HYPERPARAMETERS = frozenset(
+    {
+        "learning_rate", "lr", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
+        "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "optim", "optim_args",
+        "num_train_epochs", "epochs", "max_steps", "per_device_train_batch_size", "train_batch_size",
+        "batch_size", "gradient_accumulation_steps", "seed", "data_seed", "full_determinism",
+        "label_smoothing_factor", "neftune_noise_alpha", "lora_r", "r", "lora_alpha", "lora_dropout",
+        "dropout", "bf16", "fp16", "tf32", "gradient_checkpointing", "logging_steps", "eval_steps",
+        "save_steps", "eval_strategy", "save_strategy", "logging_strategy", "peak_learning_rate",
+    }
+)  # fmt: skip
+BOOKKEEPING_PREFIXES = (
+    "output_dir", "logging_dir", "run_name", "report_to", "hub_", "push_to_hub", "overwrite_output_dir",
+    "resume_from_checkpoint", "disable_tqdm", "local_rank", "dataloader_", "logging_first_step",
+    "save_total_limit", "_", "per_device_eval_batch_size", "eval_batch_size", "ddp_", "fsdp",
+)  # fmt: skip
+# Fields of config.json that identify the model; the rest (dtype, transformers_version, ...) does not.
+MODEL_IDENTITY = (
+    "_name_or_path", "model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers",
+    "num_attention_heads", "intermediate_size",
+)  # fmt: skip
+# Fields of trainer_state.json that are hyperparameters.
+STATE_HYPERPARAMETERS = ("train_batch_size", "max_steps", "num_train_epochs", "logging_steps", "eval_steps")
+
+
+@dataclass
+class RunDescription:
+    label: str
+    setup: dict[str, Any]
+    hyperparameters: dict[str, Any]
+    curves: Curves
+
+
+def canonical(value: Any) -> Any:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def describe(run: Any) -> RunDescription:
+    """Split what a run records (``run.state``, ``run.model_config``, ``run.args``, ``run.curves``) into
+    setup and hyperparameters."""
+    setup: dict[str, Any] = {}
+    hyper: dict[str, Any] = {}
+    for key in MODEL_IDENTITY:
+        if key in run.model_config:
+            setup[f"model.{key}"] = run.model_config[key]
+    for key, value in run.args.items():
+        if key in HYPERPARAMETERS:
+            hyper[key] = value
+        elif not key.startswith(BOOKKEEPING_PREFIXES):
+            setup[key] = value
+    for key in STATE_HYPERPARAMETERS:
+        value = run.state.get(key)
+        if value is not None:
+            hyper.setdefault(key, value)
+    lrs = [lr for lr in run.curves.lr if math.isfinite(lr)]
+    if lrs:
+        hyper["peak_learning_rate"] = float(f"{max(lrs):.6g}")
+    return RunDescription(run.label, setup, hyper, run.curves)
+
+
+@dataclass
+class RunSet:
+    """What the run rules read: each run's description, the failures its own curves showed (slugs of its
+    error and warning findings), and the eval predictions when given."""
+
+    descriptions: list[RunDescription]
+    failures: list[frozenset[str]]
+    predictions: list[dict[str, Any]] | None = None

@@ -1,0 +1,100 @@
+"""Tensors in and out of the user's model: one batch padder, device moves, and calls that pass the model only
+what its ``forward`` accepts (a custom ``nn.Module`` may take no ``use_cache`` or ``attention_mask``)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hf_sanity.constants import IGNORE_INDEX
+
+# Keys of a training batch that only the loss reads: never passed to the model's forward by hf-sanity.
+LOSS_ONLY = ("labels", "num_items_in_batch", "return_loss", "completion_mask", "assistant_masks")
+
+
+def pad_id(tokenizer) -> int:
+    """The id that fills padded positions: the tokenizer's pad token, else EOS, else 0 (the attention mask hides
+    them either way)."""
+    for candidate in (getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def pad_batches(
+    seqs: Sequence[tuple[Sequence[int], Sequence[int]]], pad: int, batch_size: int | None = None, device=None
+) -> list[dict[str, Any]]:
+    """(input_ids, labels) pairs as right-padded tensor batches: ``pad`` in input_ids, -100 in labels, 0 in
+    attention_mask. The one padder of hf-sanity; ``batch_size=None`` puts every pair in one batch."""
+    import torch
+
+    size = batch_size or max(len(seqs), 1)
+    out = []
+    for lo in range(0, len(seqs), size):
+        chunk = seqs[lo : lo + size]
+        width = max(len(ids) for ids, _ in chunk)
+        input_ids = torch.full((len(chunk), width), pad, dtype=torch.long, device=device)
+        labels = torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.long, device=device)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long, device=device)
+        for j, (ids, labs) in enumerate(chunk):
+            input_ids[j, : len(ids)] = torch.tensor(list(ids), dtype=torch.long, device=device)
+            labels[j, : len(labs)] = torch.tensor(list(labs), dtype=torch.long, device=device)
+            mask[j, : len(ids)] = 1
+        out.append({"input_ids": input_ids, "labels": labels, "attention_mask": mask})
+    return out
+
+
+def model_device(model):
+    """Where the model's (first) parameters live; the CPU for a model without parameters."""
+    import torch
+
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def to_device(batch: Mapping[str, Any], device) -> dict[str, Any]:
+    """The batch with every tensor moved to ``device`` (other values kept)."""
+    return {k: (v.to(device) if hasattr(v, "to") and hasattr(v, "shape") else v) for k, v in batch.items()}
+
+
+def forward_signature(model) -> tuple[set[str], bool] | None:
+    """(the keyword arguments the model's forward names, whether it also takes ``**kwargs``); None when the
+    signature cannot be read."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return None
+    named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return named, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def forward_kwargs(model, batch: Mapping[str, Any], *, labels: bool = False, **extra) -> dict[str, Any]:
+    """The forward kwargs for ``batch``: its tensors (without loss-only keys unless ``labels``) that the forward
+    accepts, plus ``extra`` options (e.g. ``use_cache=False``) only where the forward names them: a custom
+    ``nn.Module`` with ``forward(x, labels=None)`` is never handed a ``use_cache`` it does not know."""
+    import torch
+
+    drop = set(LOSS_ONLY) - ({"labels"} if labels else set())
+    kwargs = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in drop}
+    signature = forward_signature(model)
+    if signature is None:
+        return {**kwargs, **extra}
+    named, open_ended = signature
+    if not open_ended:
+        kwargs = {k: v for k, v in kwargs.items() if k in named}
+    kwargs.update({k: v for k, v in extra.items() if k in named})
+    return kwargs
+
+
+def logits_of(output):
+    """The logits of a forward's output: ``.logits``, or the first tensor of a tuple, or the tensor itself."""
+    import torch
+
+    logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, (tuple, list)) and output:
+        logits = output[0]
+    if logits is None and isinstance(output, torch.Tensor):
+        logits = output
+    return logits

@@ -1,0 +1,54 @@
+"""The few statistics and number formats every part of hf-sanity shares (one copy of each)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def finite(values: Iterable[float | None]) -> list[float]:
+    """The finite numbers among ``values``, as floats."""
+    return [float(v) for v in values if v is not None and math.isfinite(v)]
+
+
+def is_finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def median(values: Sequence[float] | np.ndarray) -> float:
+    """The median (NaN for no values): the level of a short series that one outlier does not move."""
+    return float(np.median(values)) if len(values) else math.nan
+
+
+def noise(values: np.ndarray) -> float:
+    """Robust standard deviation of a series' step-to-step noise: 1.4826 x the MAD of its differences /
+    sqrt(2). It ignores the trend and a few outliers."""
+    if len(values) < 3:
+        return 0.0
+    diffs = np.diff(values)
+    return float(1.4826 * np.median(np.abs(diffs - np.median(diffs))) / math.sqrt(2))
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    """A number for a message: ``digits`` significant digits, an exponent only for very small or very large
+    magnitudes. Anything else as ``str``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        return str(value)
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    value = float(value)
+    if not math.isfinite(value):
+        return str(value)
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+        return f"{value:.{digits - 1}e}"
+    return f"{value:.{digits}g}"
+
+
+def rounded(value: float | None, digits: int = 4) -> float | None:
+    """A number for the JSON evidence: ``digits`` significant digits (non-finite values and None unchanged)."""
+    if value is None or not math.isfinite(value):
+        return value
+    return float(f"{value:.{digits}g}")

@@ -1,0 +1,272 @@
+"""Whether the weights move, and why not: `loss-flat`, `lr-zero`, `lr-too-low`; and the gradient path
+checked once at train begin: `no-trainable-params`, `optimizer-missing-params`.
+
+Fed per step: ``lr`` (the largest learning rate of the optimizer's groups at that step), ``n_trainable``
+(parameters that require grad), ``n_with_grad`` (of those, how many received a gradient),
+``n_in_optimizer`` (of those with a gradient, how many the optimizer steps), ``loss`` and, on steps where it
+was measured, ``update_ratio`` (median |Δw|/|w| of a few sampled tensors) and ``updated`` (whether any sampled
+weight changed at all).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hf_sanity.catalog import define, monitor
+from hf_sanity.findings import Finding
+from hf_sanity.numbers import fmt, median
+from hf_sanity.rules.model import NO_TRAINABLE_PARAMS
+from hf_sanity.rules.training.base import Monitor, TrainingSetup
+
+LOSS_FLAT = define(
+    "loss-flat",
+    severity="error",
+    stage="training",
+    symptom="The loss does not move from step 0: nothing is being learned.",
+    detects="During training, `evidence.cause` is measured: no-grad (parameters that require grad receive none: "
+    "detached graph or missing backward), not-in-optimizer, lr-zero, frozen (nothing requires grad), "
+    "no-update (parameters unchanged by the optimizer step) or unknown. In `doctor`, a logged loss curve "
+    "that stays flat (compared with ln(V) where the vocabulary is known).",
+    fix="Fix the gradient path named by evidence.cause: keep the loss attached to the graph, build the "
+    "optimizer over the trainable parameters, set a non-zero LR, unfreeze/attach the adapter, call "
+    "optimizer.step().",
+)
+
+LR_ZERO = define(
+    "lr-zero",
+    severity="error",
+    stage="training",
+    symptom="Training runs but the model never changes (or stops changing early).",
+    detects="The learning rate is 0 at a training step (outside the first warmup step): warmup or decay "
+    "misconfigured, or the schedule decayed to 0 early.",
+    fix="Check learning_rate, warmup_steps/ratio and the scheduler's num_training_steps (max_steps vs epochs).",
+)
+
+LR_TOO_LOW = define(
+    "lr-too-low",
+    severity="warning",
+    stage="training",
+    symptom="Fine-tune produces base-model-quality output: weights barely move.",
+    detects="The update-to-weight ratio (|Δw|/|w| per step) stays orders of magnitude below ~1e-3 for many steps.",
+    fix="Raise the learning rate (LoRA typically 1e-4..3e-4, full fine-tune 1e-5..5e-5) or run the LR range test "
+    "(`hf-sanity diagnose`).",
+)
+
+OPTIMIZER_MISSING_PARAMS = define(
+    "optimizer-missing-params",
+    severity="error",
+    stage="training",
+    symptom="Part of the model (often the adapter or new embeddings) never trains.",
+    detects="Parameters that require grad but are in no optimizer param group.",
+    fix="Build the optimizer after the model is final (after get_peft_model/resize), over all trainable parameters.",
+)
+
+FLAT_STEPS = 5  # a cause measured on 5 consecutive steps makes the loss flat
+LOW_RATIO = (
+    1e-6  # |Δw|/|w| three orders of magnitude below the healthy ~1e-3 (DPO-style 5e-7 LRs stay above) ...
+)
+LOW_MEASURES = 8  # ... on 8 consecutive measurements after warmup
+LOSS_FELL = 0.02  # ... unless the loss fell 2% over those steps (then something does learn)
+CONSTANT_REL = 1e-7  # losses equal to 1e-7 relative are the same number
+
+
+def flat_causes(values: Mapping[str, Any]) -> dict[str, bool]:
+    """For each cause that was measured in ``values``: does it hold at this step (the weights cannot move)?"""
+    held: dict[str, bool] = {}
+    if "n_trainable" in values:
+        held["frozen"] = values["n_trainable"] == 0
+    if "n_with_grad" in values:
+        held["no-grad"] = values.get("n_trainable") != 0 and values["n_with_grad"] == 0
+    if "n_in_optimizer" in values:
+        held["not-in-optimizer"] = bool(values.get("n_with_grad")) and values["n_in_optimizer"] == 0
+    if values.get("lr") is not None:
+        held["lr-zero"] = values["lr"] == 0
+    if values.get("updated") is not None:
+        held["no-update"] = values["updated"] is False
+    return held
+
+
+CAUSES = ("frozen", "no-grad", "not-in-optimizer", "lr-zero", "no-update")  # most specific first
+CAUSE_TEXT = {
+    "frozen": "no parameter requires grad",
+    "no-grad": "no trainable parameter receives a gradient (the loss is detached from the graph, or backward "
+    "was not called)",
+    "not-in-optimizer": "the parameters that receive gradients are in no optimizer param group",
+    "lr-zero": "the learning rate is 0",
+    "no-update": "the optimizer step leaves every sampled weight unchanged",
+    "unknown": "the loss is the same number at every step",
+}
+
+
+@monitor
+class UpdateMonitor(Monitor):
+    rules = (LOSS_FLAT, LR_ZERO, LR_TOO_LOW)
+
+    def __init__(
+        self, *, warmup_steps: int = 0, flat_steps: int = FLAT_STEPS, low_measures: int = LOW_MEASURES
+    ):
+        super().__init__()
+        self.warmup_steps = warmup_steps
+        self.flat_steps = flat_steps
+        self.low_measures = low_measures
+        self._nonfinite_steps: set[int] = set()
+        self._runs: dict[str, list[int]] = {}  # cause -> consecutive steps where it held
+        self._losses: list[tuple[int, float]] = []
+        self._low: list[tuple[int, float, float]] = []  # (step, ratio, lr) of consecutive low measurements
+
+    @classmethod
+    def from_setup(cls, setup: TrainingSetup) -> UpdateMonitor:
+        return cls(warmup_steps=setup.warmup_steps)
+
+    def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
+        out: list[Finding] = []
+        lr = values.get("lr")
+        if lr is not None and lr == 0 and not (step == 1 and self.warmup_steps > 0):
+            out += self.fire(
+                LR_ZERO,
+                f"the learning rate is 0 at step {step}"
+                + (" (after warmup)" if self.warmup_steps else " (no warmup is configured)"),
+                step=step,
+                evidence={"lr": lr, "warmup_steps": self.warmup_steps},
+            )
+        out += self._flat(step, values)
+        out += self._too_low(step, values)
+        return out
+
+    def _flat(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
+        loss = values.get("loss")
+        if loss is not None and math.isfinite(loss):
+            self._losses.append((step, float(loss)))
+        if values.get("loss_finite") is False:
+            self._nonfinite_steps.add(step)
+        if step in self._nonfinite_steps:
+            return []  # a NaN/Inf step is nonfinite-loss's; whether the weights moved then says nothing more
+        for cause, holds in flat_causes(values).items():
+            run = self._runs.setdefault(cause, [])
+            if not holds:
+                run.clear()
+            elif not run or run[-1] != step:
+                run.append(step)
+        for cause in CAUSES:
+            run = self._runs.get(cause, [])
+            if len(run) >= self.flat_steps and not self._fell(run[0], step):
+                return self._fire_flat(run[0], step, cause)
+        return self._constant_loss(step)
+
+    def _fell(self, first: int, last: int) -> bool:
+        """The loss fell clearly over these steps (something else is learning: not a flat loss)."""
+        losses = [v for s, v in self._losses if first <= s <= last]
+        if len(losses) < 4:
+            return False
+        head, tail = median(losses[:2]), median(losses[-2:])
+        return head > 0 and (head - tail) / head > LOSS_FELL
+
+    def _constant_loss(self, step: int) -> list[Finding]:
+        recent = [v for _, v in self._losses[-self.flat_steps * 2 :]]
+        if len(recent) < self.flat_steps * 2:
+            return []
+        scale = max(abs(recent[0]), 1e-12)
+        if max(recent) - min(recent) > CONSTANT_REL * scale:
+            return []
+        return self._fire_flat(self._losses[-len(recent)][0], step, "unknown")
+
+    def _fire_flat(self, first: int, step: int, cause: str) -> list[Finding]:
+        losses = [v for s, v in self._losses if first <= s <= step]
+        return self.fire(
+            LOSS_FLAT,
+            f"nothing is being learned from step {first}: {CAUSE_TEXT[cause]} (steps {first}-{step})",
+            step=first,
+            evidence={
+                "cause": cause,
+                "first_step": first,
+                "confirmed_step": step,
+                "first_loss": losses[0] if losses else None,
+                "last_loss": losses[-1] if losses else None,
+            },
+        )
+
+    def _too_low(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
+        ratio, lr = values.get("update_ratio"), values.get("lr")
+        if ratio is None or not math.isfinite(ratio) or step <= self.warmup_steps:
+            return []
+        if ratio <= 0 or (lr is not None and lr == 0):
+            return []  # no update at all is loss-flat (no-update / lr-zero), not a small one
+        if ratio >= LOW_RATIO:
+            self._low = []
+            return []
+        self._low.append((step, float(ratio), lr if lr is not None else math.nan))
+        if len(self._low) < self.low_measures:
+            return []
+        ratios = [r for _, r, _ in self._low]
+        first = self._low[0][0]
+        level = median(ratios)
+        return self.fire(
+            LR_TOO_LOW,
+            f"the weights barely move: update/weight ratio {fmt(level)} per step (healthy is ~1e-3) over "
+            f"{len(ratios)} measurements from step {first}, at lr={fmt(self._low[-1][2])}",
+            step=first,
+            evidence={
+                "update_ratio": level,
+                "measurements": len(ratios),
+                "lr": self._low[-1][2],
+                "threshold": LOW_RATIO,
+                "steps": [s for s, _, _ in self._low],
+            },
+        )
+
+
+def setup_findings(
+    *, total_params: int, trainable: Sequence[str], in_optimizer: Sequence[str] | set[str] | None
+) -> list[Finding]:
+    """The gradient path at train begin: something trains, and the optimizer steps all of it.
+
+    ``trainable``: names of the parameters that require grad; ``in_optimizer``: those of them found in an
+    optimizer param group (None when there is no optimizer to look at).
+    """
+    out: list[Finding] = []
+    if total_params and not trainable:
+        out.append(
+            NO_TRAINABLE_PARAMS.finding(
+                f"none of the model's {total_params:,} parameters requires grad",
+                evidence={"parameters": total_params, "trainable": 0},
+                step=0,
+            )
+        )
+        return out
+    if in_optimizer is None:
+        return out
+    inside = set(in_optimizer)
+    missing = [name for name in trainable if name not in inside]
+    if missing:
+        out.append(
+            OPTIMIZER_MISSING_PARAMS.finding(
+                f"{len(missing)} of {len(trainable)} trainable parameters are in no optimizer param group "
+                f"(first: {missing[0]})",
+                evidence={"missing": len(missing), "trainable": len(trainable), "names": missing[:10]},
+                step=0,
+            )
+        )
+    return out
+
+
+@monitor
+class SetupMonitor(Monitor):
+    """The gradient path at train begin, fed once: ``total_params``, ``trainable`` (names of the parameters
+    that require grad) and ``in_optimizer`` (those of them in an optimizer param group; None when there is no
+    optimizer to look at, or a sharded one)."""
+
+    rules = (NO_TRAINABLE_PARAMS, OPTIMIZER_MISSING_PARAMS)
+
+    def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
+        if "trainable" not in values:
+            return []
+        found = setup_findings(
+            total_params=values["total_params"],
+            trainable=values["trainable"],
+            in_optimizer=values.get("in_optimizer"),
+        )
+        found = [f for f in found if f.rule not in self.fired]
+        self.fired.update(f.rule for f in found)
+        return found

@@ -1,0 +1,114 @@
+"""The first real batch entering the model, checked once at the first training step.
+
+The token rules of preflight (`empty-loss-mask`, `labels-misaligned`, `prompt-in-loss`, `eos-not-learned`, ...)
+run on it through the usual context, and `init-loss-off-chance` on the step-0 numbers the callback's probe
+measured on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hf_sanity import catalog
+from hf_sanity.findings import Finding
+from hf_sanity.selection import Selection
+
+ALIGNED = ("input_ids", "labels", "attention_mask", "inputs_embeds")
+TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+STEP0_RULE = "init-loss-off-chance"
+
+
+def token_findings(
+    tokenizer, batch: Mapping[str, Any], *, model, trainer, selection: Selection, max_len, step0
+) -> list[Finding]:
+    """preflight's `tokens` rules on this one batch, and `init-loss-off-chance` on the step-0 numbers."""
+    from hf_sanity.measure.batches import batches_context
+    from hf_sanity.untouched import preserved_rng
+
+    if tokenizer is None or "input_ids" not in batch:
+        return []
+    tensors = {k: v.detach().cpu() for k, v in batch.items() if k in TOKEN_KEYS and hasattr(v, "shape")}
+    with preserved_rng():
+        ctx = batches_context(
+            tokenizer, [tensors], model=model, max_len=max_len, trainer=trainer, init_loss=step0
+        )
+        findings = catalog.run_all("context", ctx, selection, stages=("tokens",))
+        if step0:
+            findings += catalog.run_all("context", ctx, selection.restricted({STEP0_RULE}))
+    for finding in findings:
+        finding.step = 1 if finding.step is None else finding.step
+    return findings
+
+
+class FirstBatch:
+    """The first real batch, caught by the forward pre-hook of the first training forward: its shapes (before
+    the forward, which a mismatch may crash, and after it with the logits), the step-0 probe on it, and the
+    token rules. Its first rows stay as the probe batch that `predictions-frozen` re-runs every few steps."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self._labels = None  # the first batch's labels, which compute_loss may pop before the forward
+        self._shapes: dict[str, tuple[int, ...]] | None = None  # waiting for the logits
+        self._probe_batch = None
+        self._probe_prev = None
+
+    def labels_seen(self, batch: Mapping[str, Any]) -> None:
+        if not self.done and "labels" in batch:
+            self._labels = batch["labels"]
+
+    def check(self, module, args, kwargs, trainer, sink) -> dict[str, Any]:
+        """Everything the first batch tells; returns the values for the step detectors (its shapes)."""
+        import torch
+
+        from hf_sanity.training import probe
+
+        self.done = True
+        batch = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        if "input_ids" not in batch and args and isinstance(args[0], torch.Tensor):
+            batch["input_ids"] = args[0]
+        if "labels" not in batch and self._labels is not None:
+            batch["labels"] = self._labels  # popped by compute_loss for a custom loss / label smoothing
+        self._labels = None
+        self._shapes = {k: tuple(v.shape) for k, v in batch.items() if k in ALIGNED}
+        step0 = None
+        if sink.wants(STEP0_RULE, "predictions-frozen"):
+            with sink.guard("callback-probe"):
+                self._probe_batch = probe.probe_batch(batch)
+                measured = probe.probe(module, self._probe_batch, stats=True)
+                self._probe_prev = measured.get("argmax")
+                step0 = measured.get("stats")
+        tokenizer = getattr(trainer, "processing_class", None)
+        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
+        token_rules = [r.slug for r in catalog.all_rules() if r.stage == "tokens"]
+        if sink.wants(*token_rules) or step0 is not None:
+            from hf_sanity.measure.batches import trainer_max_len
+
+            sink.emit(
+                token_findings(
+                    tokenizer, batch, model=module, trainer=trainer, selection=sink.selection,
+                    max_len=trainer_max_len(trainer) if trainer is not None else None, step0=step0,
+                )
+            )  # fmt: skip
+        return {"shapes": dict(self._shapes)}
+
+    def logits_pending(self, output) -> dict[str, Any] | None:
+        """After the first forward: its shapes with the logits' (once)."""
+        if self._shapes is None:
+            return None
+        shapes, self._shapes = self._shapes, None
+        logits = getattr(output, "logits", None)
+        return {"shapes": shapes, "logits_shape": tuple(logits.shape) if logits is not None else None}
+
+    def probe(self, model, recorder, step: int) -> None:
+        """Re-run the probe batch: the share of its argmax predictions that changed since the last probe."""
+        from hf_sanity.training import probe
+
+        if self._probe_batch is None or model is None:
+            return
+        current = probe.probe(model, self._probe_batch).get("argmax")
+        if current is None:
+            return
+        if self._probe_prev is not None and self._probe_prev.shape == current.shape:
+            recorder.push(step, "probe_changed", (current != self._probe_prev).float().mean())
+        self._probe_prev = current

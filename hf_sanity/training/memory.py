@@ -1,0 +1,176 @@
+"""Memory held across steps, measured for `memory-growth` and `oom`.
+
+:func:`graph_tensors` finds tensors that still carry autograd history between steps by walking the attributes
+of the objects that live across steps (trainer, model, callbacks, the loss function and the user's module
+globals); :func:`allocated` reads the accelerator's allocator; :func:`memory_breakdown` says what the memory
+held when training died of it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+from collections.abc import Iterable
+from typing import Any
+
+_SKIP_MODULES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "hf_sanity", "numpy")
+
+
+_ATOMS = (
+    str, bytes, int, float, bool, type(None), type, types.ModuleType, types.FunctionType,
+    types.BuiltinFunctionType, types.MethodType,
+)  # fmt: skip
+
+
+def graph_tensors(
+    roots: Iterable[tuple[str, Any]], *, depth: int = 4, limit: int = 200_000
+) -> dict[str, int]:
+    """Tensors with autograd history reachable from ``roots`` (name, object), counted per holding path.
+
+    Walks instance attributes, lists, tuples, dicts, sets and deques (not into tensors, modules' parameters
+    or library internals), each object once, up to ``limit`` objects.
+    """
+    import collections
+
+    import torch
+
+    found: dict[str, int] = {}
+    seen: set[int] = set()
+    counted: set[int] = set()
+    stack: list[tuple[str, Any, int]] = [(name, obj, 0) for name, obj in roots]
+    visited = 0
+    while stack and visited < limit:
+        path, obj, level = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        visited += 1
+        if isinstance(obj, torch.Tensor):
+            if obj.grad_fn is not None and id(obj) not in counted:
+                counted.add(id(obj))
+                holder = path.rsplit("[", 1)[0]
+                found[holder] = found.get(holder, 0) + 1
+            continue
+        if level >= depth or isinstance(obj, _ATOMS):
+            continue
+        if isinstance(obj, dict):
+            items = list(obj.items())[:10_000]
+            stack.extend((f"{path}[{k!r}]", v, level + 1) for k, v in items)
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            stack.extend((f"{path}[{i}]", v, level + 1) for i, v in enumerate(list(obj)[:10_000]))
+        elif isinstance(obj, torch.nn.Module):
+            attrs = {k: v for k, v in vars(obj).items() if not k.startswith("_")}
+            stack.extend((f"{path}.{k}", v, level + 1) for k, v in attrs.items())
+            stack.extend((f"{path}.{k}", v, level) for k, v in obj.named_children())
+        elif isinstance(obj, torch.optim.Optimizer):
+            continue
+        elif hasattr(obj, "__dict__") and (level == 0 or not _library_object(obj)):
+            stack.extend((f"{path}.{k}", v, level + 1) for k, v in vars(obj).items())
+    return found
+
+
+def _library_object(obj) -> bool:
+    module = type(obj).__module__ or ""
+    return module.split(".")[0] in _SKIP_MODULES and not module.startswith("transformers.trainer")
+
+
+def user_globals(*objects) -> list[tuple[str, Any]]:
+    """The module globals of the user code behind ``objects`` (their classes and functions), as roots."""
+    roots: list[tuple[str, Any]] = []
+    seen: set[str] = set()
+    for obj in objects:
+        if obj is None:
+            continue
+        if isinstance(
+            obj, type
+        ):  # class attributes of the user's subclasses (a list on the Trainer subclass)
+            for cls in obj.__mro__:
+                if (cls.__module__ or "").split(".")[0] not in (*_SKIP_MODULES, "builtins"):
+                    roots.append(
+                        (cls.__name__, {k: v for k, v in vars(cls).items() if not k.startswith("__")})
+                    )
+        func = getattr(obj, "__func__", obj)
+        name = getattr(func, "__module__", None) if callable(func) and not isinstance(func, type) else None
+        name = name or type(obj).__module__
+        if not name or name in seen or name.split(".")[0] in _SKIP_MODULES or name == "builtins":
+            continue
+        seen.add(name)
+        module = sys.modules.get(name)
+        if module is not None:
+            roots.append((name, {k: v for k, v in vars(module).items() if not k.startswith("__")}))
+        closure = getattr(func, "__closure__", None)
+        if closure:
+            roots.extend(
+                (f"{getattr(func, '__qualname__', 'closure')}.<closure>", c.cell_contents)
+                for c in closure
+                if _cell_ok(c)
+            )
+    return roots
+
+
+def _cell_ok(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
+def roots(trainer, model, *, skip=None) -> list[tuple[str, Any]]:
+    """Where tensors kept across steps live: the trainer (its model, attributes, callbacks), the user's
+    subclass and module globals, the loss function's closure."""
+    found: list[tuple[str, Any]] = []
+    if trainer is None:
+        return [("model", model)] if model is not None else []
+    found.append(("trainer", trainer))
+    found += user_globals(type(trainer), getattr(trainer, "compute_loss_func", None))
+    for callback in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
+        if callback is not skip:
+            found.append((f"callbacks.{type(callback).__name__}", callback))
+    return found
+
+
+def allocated(model) -> int | None:
+    """Accelerator memory allocated on the model's device (a host-side counter: no synchronisation)."""
+    import torch
+
+    param = next(iter(model.parameters()), None) if model is not None else None
+    if param is None or not param.is_cuda:
+        return None
+    return torch.cuda.memory_allocated(param.device)
+
+
+def is_oom(exc: BaseException) -> bool:
+    import torch
+
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    return (oom_type is not None and isinstance(exc, oom_type)) or (
+        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    )
+
+
+def memory_breakdown(model, optimizer) -> dict[str, Any]:
+    """Bytes held by parameters, gradients and optimizer state, and the allocator's view where there is one."""
+    import torch
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    params = list(model.parameters()) if model is not None else []
+    out: dict[str, Any] = {
+        "parameters_bytes": nbytes(params),
+        "gradients_bytes": nbytes(p.grad for p in params if p.grad is not None),
+    }
+    if optimizer is not None:
+        state = getattr(optimizer, "state", {}) or {}
+        out["optimizer_state_bytes"] = nbytes(
+            v for s in state.values() for v in (s.values() if isinstance(s, dict) else ())
+        )
+    if torch.cuda.is_available() and params and params[0].is_cuda:
+        device = params[0].device
+        out["allocated_bytes"] = torch.cuda.memory_allocated(device)
+        out["reserved_bytes"] = torch.cuda.memory_reserved(device)
+        out["max_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["total_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    return {k: v for k, v in out.items() if not (isinstance(v, float) and math.isnan(v))}

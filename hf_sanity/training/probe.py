@@ -1,0 +1,62 @@
+"""A fixed probe batch, run without grad in eval mode (state restored): the argmax predictions at its
+supervised positions, compared across the run for `predictions-frozen`; and, on the first batch, the step-0
+numbers `init-loss-off-chance` reads (loss, the model's predictive entropy, label entropy, tokens)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure.tensors import forward_kwargs, logits_of
+from hf_sanity.untouched import untouched
+
+PROBE_ROWS = 4  # rows of the first batch kept as the probe
+
+
+def probe_batch(batch: Mapping[str, Any], rows: int = PROBE_ROWS) -> dict[str, Any]:
+    """The first ``rows`` rows of a batch (detached, kept for the whole run)."""
+    import torch
+
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            out[key] = (
+                value[:rows].detach().clone()
+                if value.dim() > 0 and value.shape[0] > 1
+                else value.detach().clone()
+            )
+    return out
+
+
+def probe(model, batch: Mapping[str, Any], *, stats: bool = False) -> dict[str, Any]:
+    """Argmax predictions at the supervised positions of ``batch`` (a device tensor, compared with later probes
+    without a transfer) and, with ``stats``, the step-0 numbers preflight's init-loss check reads
+    (``Context.init_loss``: loss, the model's predictive entropy, label entropy, tokens)."""
+    import torch
+    import torch.nn.functional as F
+
+    labels = batch.get("labels")
+    with untouched(model):
+        output = model(**forward_kwargs(model, batch, use_cache=False))
+        logits = logits_of(output)
+        out: dict[str, Any] = {"logits_shape": tuple(logits.shape) if logits is not None else None}
+        if logits is None or labels is None or logits.dim() != 3 or labels.shape[:2] != logits.shape[:2]:
+            return out
+        shifted = labels[:, 1:].to(logits.device)
+        mask = shifted != IGNORE_INDEX
+        picked = logits[:, :-1][mask].float()
+        out["argmax"] = picked.argmax(-1)
+        if stats:
+            targets = shifted[mask]
+            if targets.numel():
+                log_probs = F.log_softmax(picked, dim=-1)
+                _, counts = torch.unique(targets, return_counts=True)
+                p = counts.double() / counts.sum()
+                out["stats"] = {
+                    "loss": float(F.nll_loss(log_probs, targets)),
+                    "entropy": float(-(log_probs.exp() * log_probs).sum(-1).mean()),
+                    "tokens": int(targets.numel()),
+                    "label_entropy": float(-(p * p.log()).sum()),
+                }
+        return out

@@ -1,0 +1,121 @@
+"""Where SanityCallback's findings go: the user's selection applied, one finding per rule (the earliest step
+wins across ranks), printed once when it first fires, kept in the report and written to
+``output_dir/hf-sanity/report.json`` by the main process. Every check runs in :meth:`FindingSink.guard`: its
+exception becomes one ``internal-error`` finding per check, never the run's, and its seconds are counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from hf_sanity.catalog import guard
+from hf_sanity.findings import Finding
+from hf_sanity.report import Report
+from hf_sanity.selection import Selection
+
+
+class FindingSink:
+    def __init__(self, selection: Selection, *, abort_on: str = "never", print_findings: bool = True) -> None:
+        self.selection = selection
+        self.abort_on = abort_on
+        self.print_findings = print_findings
+        self.report = Report(title="hf-sanity training")
+        self.counts: dict[str, int] = {}  # findings per rule (what the logs carry as hf_sanity/<rule>)
+        self.is_main = True
+        self.rank, self.world_size = 0, 1
+        self.output_dir: Path | None = None
+        self.unsent: list[Finding] = []  # this rank's findings the other ranks have not seen (DDP)
+        self.errors_unsent = False
+        self.stop_pending = False  # an error finding with abort_on="error": stop at the next safe point
+        self.annotate: Callable[[Finding], None] | None = None  # adds run facts to a kept finding
+        self.seconds = 0.0
+        self.timings: dict[str, float] = {}
+        self._failed: set[str] = set()
+
+    def wants(self, *slugs: str) -> bool:
+        return any(self.selection.enabled(slug) for slug in slugs)
+
+    @contextlib.contextmanager
+    def guard(self, check: str, step: int | None = None) -> Iterator[None]:
+        """Run one check: an exception becomes an internal-error finding (once per check), never the run's."""
+        started = time.perf_counter()
+        broken: list[Finding] = []
+        try:
+            with guard(check, broken, step=step, user_errors=True):
+                yield
+        finally:
+            elapsed = time.perf_counter() - started
+            self.seconds += elapsed
+            self.timings[check] = self.timings.get(check, 0.0) + elapsed
+            if broken and check not in self._failed:
+                self._failed.add(check)
+                self.emit(broken)
+
+    def emit(self, findings: Iterable[Finding]) -> None:
+        for finding in findings:
+            kept = self.selection.apply(finding)
+            if kept is None or self._duplicate(kept):
+                continue
+            if self.world_size > 1:
+                kept.evidence["rank"] = self.rank
+            if self.annotate is not None:
+                with contextlib.suppress(Exception):
+                    self.annotate(kept)
+            self._add(kept)
+            if self.world_size > 1:
+                self.unsent.append(kept)
+                self.errors_unsent |= kept.severity == "error"
+            if kept.severity == "error" and self.abort_on == "error":
+                self.stop_pending = True
+
+    def merge(self, incoming: list[dict[str, Any]]) -> None:
+        """Findings of other ranks, on the main process: one per rule, the earliest step wins."""
+        for data in incoming:
+            kept = self.selection.apply(Finding(**data))
+            if kept is None:
+                continue
+            mine = self.report.by_rule(kept.rule)
+            if mine and kept.rule != "internal-error":
+                if kept.step is not None and mine[0].step is not None and kept.step < mine[0].step:
+                    self.report.findings.remove(mine[0])
+                    self.report.add(kept)
+                    self._print(kept)
+                continue
+            self._add(kept)
+
+    def take_unsent(self) -> tuple[list[Finding], bool]:
+        """This rank's new findings (and whether one is an error) since the last exchange."""
+        unsent, errors = self.unsent, self.errors_unsent
+        self.unsent, self.errors_unsent = [], False
+        return unsent, errors
+
+    def write(self) -> None:
+        if self.is_main and self.output_dir is not None:
+            self.report.write_json(self.output_dir / "report.json")
+
+    def _duplicate(self, finding: Finding) -> bool:
+        if finding.rule == "internal-error":
+            return any(
+                f.evidence.get("check") == finding.evidence.get("check")
+                for f in self.report.by_rule(finding.rule)
+            )
+        return finding.rule in self.counts
+
+    def _add(self, finding: Finding) -> None:
+        self.report.add(finding)
+        self.counts[finding.rule] = self.counts.get(finding.rule, 0) + 1
+        self._print(finding)
+
+    def _print(self, finding: Finding) -> None:
+        """Print a finding once, when it first fires (main process)."""
+        if self.is_main and self.print_findings:
+            with contextlib.suppress(Exception):
+                from rich.console import Console
+
+                from hf_sanity.report import render_finding
+
+                Console(stderr=True).print(render_finding(finding))
