@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 
 LINT_PATHS := $(wildcard hf_sanity tests recipes benchmarks)
 
-.PHONY: install demo test lint format docs bench clean
+.PHONY: install demo test test-fast lint format docs bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,10 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest
+
+# The developer's lane: in-process tests only (no subprocess, torchrun, recipe or browser run).
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
 
 lint: install
 	$(BIN)/ruff check $(LINT_PATHS)

@@ -4,28 +4,17 @@
     Trainer(..., callbacks=[sanity]).train()        # or TRL's SFTTrainer
     sanity.report.print()                           # also in output_dir/hf-sanity/report.json
 
-The callback is an adapter: it translates Trainer events into calls on plain objects and holds no verdict.
-
-* `hf_sanity.training.instrument` observes the Trainer (wraps ``training_step`` and ``_get_grad_norm``, hooks
-  the model's forward) and takes it all back at train end;
-* `hf_sanity.training.measures` measures the model and optimizer at each step, into a
-  `~hf_sanity.training.recorder.Recorder` that keeps per-step values on the device and reads them in one
-  transfer every ``check_every`` steps and at logging steps. A non-finite loss is known before the optimizer
-  step where that costs no synchronisation, so `hf_sanity.training.replay` replays the offending batch with the
-  weights that produced it;
-* `hf_sanity.training.values` turns what was read into per-step values, which feed every registered step
-  detector (`hf_sanity.rules.training`); the curve detectors run at each evaluation and at train end;
-* `hf_sanity.training.sink` keeps the findings (one per rule), prints them once and writes the report; every
-  check runs in its guard, so an exception becomes an ``internal-error`` finding and training goes on;
-* under DDP, `hf_sanity.training.ranks` exchanges findings and parameter checksums every ``sync_every`` steps.
-
-Extra forwards run without grad, in eval mode, with the RNG states and every module's mode restored: with
-``abort_on="never"`` a run with the callback is bit-for-bit the run without it.
+It translates Trainer events into calls on plain objects of `hf_sanity.training`: instruments observe the
+Trainer (removed at train end), a sampler measures each step into a recorder read in one transfer every
+``check_every`` steps, the step history turns that into values for every registered step detector
+(`hf_sanity.rules.training`), curve detectors run at evaluations and at train end, and the sink keeps, prints
+and writes the findings. Every check runs in a guard (an exception becomes an ``internal-error`` finding);
+extra forwards leave grads, RNG and modes as they were: with ``abort_on="never"`` the run is bit-for-bit
+the run without the callback.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -36,9 +25,9 @@ from hf_sanity.rules.training.base import TrainingSetup
 from hf_sanity.selection import resolve
 from hf_sanity.training import first_batch, memory, replay
 from hf_sanity.training.instrument import Instruments, find_trainer, move_before_reporters
-from hf_sanity.training.measures import StepSampler, train_only_modules
+from hf_sanity.training.measures import StepSampler, train_only_modules, vocab_size
 from hf_sanity.training.monitors import MonitorSet
-from hf_sanity.training.ranks import RankExchange
+from hf_sanity.training.ranks import RankExchange, world
 from hf_sanity.training.recorder import EarlyFlags, Recorder
 from hf_sanity.training.sink import FindingSink
 from hf_sanity.training.values import StepHistory
@@ -70,11 +59,11 @@ class SanityCallback(TrainerCallback):
     ) -> None:
         if abort_on not in ABORT_CHOICES:
             raise ValueError(f"abort_on must be one of {ABORT_CHOICES}, got {abort_on!r}")
-        for name, value in (
-            ("check_every", check_every),
-            ("probe_every", probe_every),
-            ("sync_every", sync_every),
-        ):
+        for name, value in {
+            "check_every": check_every,
+            "probe_every": probe_every,
+            "sync_every": sync_every,
+        }.items():
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.abort_on, self.print_findings = abort_on, print_findings
@@ -89,18 +78,11 @@ class SanityCallback(TrainerCallback):
         self.trainer = self.model = self.sampler = self.exchange = None
         self.monitors = MonitorSet(self.sink, TrainingSetup())
         self.recorder, self.early, self.history = Recorder(), EarlyFlags(), StepHistory()
-        self.held = replay.HeldBatches()
-        self.first = first_batch.FirstBatch()
+        self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch()
         self._step = self._micro = self._reads = 0
         self._autocast = None
 
-    @property
-    def report(self):
-        return self.sink.report
-
-    @property
-    def counts(self) -> dict[str, int]:
-        return self.sink.counts
+    report = property(lambda self: self.sink.report, doc="The findings so far; written at train end.")
 
     # -- Trainer events ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -110,16 +92,15 @@ class SanityCallback(TrainerCallback):
         with sink.guard("callback-setup"):  # first and alone: every rank must agree on the world size
             sink.is_main = bool(state.is_world_process_zero)
             self.trainer = find_trainer()
-            sink.rank, sink.world_size = _world()
+            sink.rank, sink.world_size = world()
         with sink.guard("callback-setup"):
             self.model = getattr(self.trainer, "model", None) or model
             sink.output_dir = Path(args.output_dir or ".") / "hf-sanity"
-            sink.annotate = self._annotate
+            sink.annotate = lambda finding: self.held.attach(finding, sink.save_batch)
             optimizer = optimizer or getattr(self.trainer, "optimizer", None)
             self.sampler = StepSampler(self.trainer, self.model, optimizer, args, state, sink.wants)
             self.exchange = RankExchange(sink.rank, sink.world_size, replicated=not self.sampler.sharded)
-            setup = TrainingSetup(warmup_steps=self.sampler.warmup_steps, world_size=sink.world_size)
-            self.monitors = MonitorSet(sink, setup)
+            self.monitors = MonitorSet(sink, TrainingSetup(self.sampler.warmup_steps, sink.world_size))
             self.monitors.feed(0, self.sampler.setup_values())
             self.instruments.install(self.trainer, self.model, self)
             move_before_reporters(self.trainer, self)
@@ -147,9 +128,10 @@ class SanityCallback(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         with self.sink.guard("callback-update-ratio"):
             if self.sampler is not None:
-                accelerator = getattr(self.trainer, "accelerator", None)
-                skipped = bool(getattr(accelerator, "optimizer_step_was_skipped", False))
-                self.sampler.after_optimizer(self.recorder, state.global_step + 1, skipped=skipped)
+                skipped = getattr(
+                    getattr(self.trainer, "accelerator", None), "optimizer_step_was_skipped", False
+                )
+                self.sampler.after_optimizer(self.recorder, state.global_step + 1, skipped=bool(skipped))
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -166,17 +148,14 @@ class SanityCallback(TrainerCallback):
         return control
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        self.history.evaluations.append(
-            state.global_step
-        )  # after it, training forwards must be in train mode
+        self.history.evaluations.append(state.global_step)  # later training forwards must be in train mode
         self._read(now=state.global_step, control=control)
         self._curves(state, final=False)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None:
-            for slug, count in self.sink.counts.items():
-                logs[f"hf_sanity/{slug}"] = count
+            logs.update({f"hf_sanity/{slug}": count for slug, count in self.sink.counts.items()})
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -186,7 +165,7 @@ class SanityCallback(TrainerCallback):
             if self.sink.world_size > 1:
                 self._sync(state.global_step, control, final=True)
             with self.sink.guard("report"):
-                self.report.stats.update(self._stats(state))
+                self.report.stats.update(self._stats(state.global_step))
                 self.sink.write()
         finally:
             self.instruments.uninstall()
@@ -226,27 +205,20 @@ class SanityCallback(TrainerCallback):
                 self.monitors.feed(1, values)
 
     def post_forward(self, module, output) -> None:
-        shapes = self.first.logits_pending(output)
-        if shapes is not None:
+        if (shapes := self.first.logits_pending(output)) is not None:
             self.monitors.feed(1, shapes)
 
     def failed(self, exc: BaseException) -> None:
         """Training dies: report an out-of-memory error with its memory picture, write the report, clean up."""
         try:
             if memory.is_oom(exc) and self.sink.wants("oom"):
-                with self.sink.guard(
-                    "oom"
-                ):  # memory is short: every part on its own, the report written regardless
+                with self.sink.guard("oom"):  # memory is short: each part on its own, the report regardless
                     self._read(now=self._step)
-                text = str(exc).strip()
-                oom: dict[str, Any] = {"error": text.splitlines()[0][:300] if text else type(exc).__name__}
-                with self.sink.guard("oom"):
-                    oom.update(memory.memory_breakdown(self.model, getattr(self.trainer, "optimizer", None)))
+                optimizer = getattr(self.trainer, "optimizer", None)
+                oom = memory.oom_facts(exc, self.model, optimizer, self.sink.guard)
                 self.monitors.feed(self._step or 1, {"oom": oom})
-            state = getattr(self.trainer, "state", None)
-            if state is not None:
-                self.report.stats.update(self._stats(state))
-            self.report.stats["aborted_by"] = type(exc).__name__
+            steps = getattr(getattr(self.trainer, "state", None), "global_step", self._step)
+            self.report.stats.update(self._stats(steps), aborted_by=type(exc).__name__)
         finally:
             try:
                 with self.sink.guard("report"):
@@ -259,11 +231,8 @@ class SanityCallback(TrainerCallback):
         """Move every recorded value to the host in one transfer and feed the monitors, step by step."""
         records: dict[int, dict[str, list[Any]]] = {}
         with self.sink.guard("callback-read"):
-            entropy = (
-                self.sampler.label_entropy() if self.sampler is not None and len(self.recorder) else None
-            )
-            if entropy is not None:
-                self.recorder.push(now, "label_entropy", entropy)
+            if self.sampler is not None and len(self.recorder):
+                self.sampler.push_label_entropy(self.recorder, now)
             records = self.recorder.read()
             self._reads += 1
         for step, raw in records.items():
@@ -282,72 +251,35 @@ class SanityCallback(TrainerCallback):
 
     def _diagnose(self, step: int, micro: list[float], weights_step: int | None) -> dict[str, Any]:
         """The facts of the first non-finite loss: the batch itself, a replay of it, the batch saved."""
-        if "nonfinite-loss" in self.sink.counts or not self.sink.wants("nonfinite-loss"):
-            return {}
-        half = bool(self._autocast) or bool(self.sampler and self.sampler.half)
-        facts: dict[str, Any] = {"half_precision": half}
-        with self.sink.guard("nonfinite-loss"), self.instruments.quiet():
-            index = next((i for i, x in enumerate(micro) if not math.isfinite(x)), 0)
-            batch = self.held.get(step, index)
-            if batch is None:
-                facts["replay_skipped"] = "the batch is no longer held"
-                return facts
-            facts["batch_file"] = self._save_batch(batch, f"nonfinite-loss-step{step}")
-            skip = None
-            if (self.sampler is not None and self.sampler.sharded) or self.model is None:
-                skip = "sharded model (FSDP/DeepSpeed): a one-rank forward would deadlock"
-            elif weights_step != step and not replay.weights_finite(self.model):
-                skip = f"the weights are non-finite by step {self._step} (read later than step {step})"
-            model = None if skip else self.model
-            facts.update(replay.diagnose(batch, model, half_precision=facts["half_precision"],
-                                         autocast=self._autocast or None, skip=skip))  # fmt: skip
-            if not skip:
-                facts["replay_weights"] = "same step" if weights_step == step else f"step {self._step}"
+        facts: dict[str, Any] = {}
+        if "nonfinite-loss" not in self.sink.counts and self.sink.wants("nonfinite-loss"):
+            with self.sink.guard("nonfinite-loss"), self.instruments.quiet():
+                half, sharded = (self.sampler.half, self.sampler.sharded) if self.sampler else (False, False)
+                facts = replay.nonfinite_facts(
+                    step, micro, self.held, self.model, now=self._step, weights_step=weights_step,
+                    half=half or bool(self._autocast), autocast=self._autocast or None, sharded=sharded,
+                    save=self.sink.save_batch,
+                )  # fmt: skip
         return facts
 
     def _memory_check(self, step: int) -> None:
-        if not self.sink.wants("memory-growth", "oom"):
-            return
-        with self.sink.guard("memory-growth"):
-            holders = memory.graph_tensors(memory.roots(self.trainer, self.model, skip=self))
-            values: dict[str, Any] = {"graph_tensors": sum(holders.values()), "holders": holders}
-            allocated = memory.allocated(self.model)
-            if allocated is not None:
-                values["allocated"] = allocated
-            self.monitors.feed(step, values)
+        if self.sink.wants("memory-growth", "oom"):
+            with self.sink.guard("memory-growth"):
+                self.monitors.feed(step, memory.held_now(self.trainer, self.model, skip=self))
 
     def _curves(self, state, *, final: bool) -> None:
         if not self.sink.is_main:
             return
         with self.sink.guard("curves"):
             from hf_sanity.drivers.curves import analyze
-            from hf_sanity.measure.curves import Curves
 
-            curves = Curves.from_log_history(state.log_history, vocab_size=_vocab_size(self.model))
-            if self.history.losses:  # the exact per-step losses rather than the logged averages
-                curves.train_steps = [s for s, _ in self.history.losses]
-                curves.train_loss = [v for _, v in self.history.losses]
-                lr = self.history.lr
-                curves.lr = [lr.get(s, math.nan) for s in curves.train_steps] if lr else []
-            found = analyze(curves, final=final, online=True)
+            curves = self.history.curves(state.log_history, vocab_size=vocab_size(self.model))
+            found = analyze(curves, final=final, online=True, ran=self.monitors.ran)
             for finding in found:
                 finding.step = state.global_step if finding.step is None else finding.step
             self.sink.emit(found)
 
     # -- findings, stopping, DDP ---------------------------------------------------------------------
-    def _annotate(self, finding) -> None:
-        if finding.rule == "grad-explosion":
-            batch = self.held.get(finding.step)
-            if batch is not None:
-                finding.evidence["batch_file"] = self._save_batch(batch, f"grad-explosion-step{finding.step}")
-
-    def _save_batch(self, batch, name: str) -> str | None:
-        if self.sink.output_dir is None:
-            return None
-        suffix = f"-rank{self.sink.rank}" if self.sink.world_size > 1 else ""
-        path = replay.save_batch(batch, self.sink.output_dir / f"{name}{suffix}.safetensors")
-        return str(path) if path else None
-
     def _sync(self, step: int, control, final: bool = False) -> None:
         with self.sink.guard("callback-sync"):
             stop = self.exchange.sync(step, self.model, self.sink, self.monitors.feed)
@@ -358,32 +290,9 @@ class SanityCallback(TrainerCallback):
         self.sink.stop_pending = False
         with self.sink.guard("report"):
             self.sink.write()
-        control.should_training_stop = True
-        trainer_control = getattr(self.trainer, "control", None)
-        if trainer_control is not None:
-            trainer_control.should_training_stop = True
+        for ctl in (control, getattr(self.trainer, "control", None)):
+            if ctl is not None:
+                ctl.should_training_stop = True
 
-    def _stats(self, state) -> dict[str, Any]:
-        timings = sorted(self.sink.timings.items(), key=lambda kv: -kv[1])[:5]
-        return {
-            "steps": state.global_step,
-            "reads": self._reads,
-            "transfers": self.recorder.transfers,
-            "callback_seconds": round(self.sink.seconds, 3),
-            "callback_seconds_by_check": {k: round(v, 3) for k, v in timings},
-            "world_size": self.sink.world_size,
-        }
-
-
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _vocab_size(model) -> int | None:
-    if model is None or not hasattr(model, "get_input_embeddings"):
-        return None
-    return getattr(model.get_input_embeddings(), "num_embeddings", None)
+    def _stats(self, steps: int) -> dict[str, Any]:
+        return self.sink.stats(steps=steps, reads=self._reads, transfers=self.recorder.transfers)

@@ -53,6 +53,7 @@ def subclass(compute_loss=None, training_step=None, **attrs):
 
 
 # -- nonfinite-loss: exact first step, cause, module, saved batch ---------------------------------------
+@pytest.mark.planted("nonfinite-loss")
 def test_nonfinite_loss_from_the_input_names_step_module_and_saves_the_batch(tmp_path):
     model, tok = tt.setup()
     _, cb = train(
@@ -129,6 +130,7 @@ def test_all_labels_masked_is_empty_loss_mask_then_nan(tmp_path):
 
 
 # -- gradients ------------------------------------------------------------------------------------------
+@pytest.mark.planted("nonfinite-grad")
 def test_nonfinite_grad_with_a_finite_loss(tmp_path):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         out = model(**inputs)
@@ -140,6 +142,7 @@ def test_nonfinite_grad_with_a_finite_loss(tmp_path):
     assert only(cb, "nonfinite-grad").step == 4
 
 
+@pytest.mark.planted("grad-explosion")
 def test_grad_explosion_names_the_step_and_saves_its_batch(tmp_path):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = super(type(self), self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -151,6 +154,7 @@ def test_grad_explosion_names_the_step_and_saves_its_batch(tmp_path):
     assert finding.evidence["batch_file"].endswith("grad-explosion-step8.safetensors")
 
 
+@pytest.mark.planted("stale-gradients")
 def test_stale_gradients_when_zero_grad_is_disabled(tmp_path):
     model, tok = tt.setup()
     model.zero_grad = lambda *args, **kwargs: None  # gradients are never cleared
@@ -162,6 +166,7 @@ def test_stale_gradients_when_zero_grad_is_disabled(tmp_path):
 
 
 # -- the gradient path: loss-flat and its causes, the optimizer, the LR -------------------------------
+@pytest.mark.planted("loss-flat")
 def test_detached_loss_is_loss_flat_no_grad(tmp_path):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = super(type(self), self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -188,6 +193,7 @@ def test_optimizer_over_another_model_is_not_in_optimizer(tmp_path):
     assert (flat.step, flat.evidence["cause"]) == (1, "not-in-optimizer")
 
 
+@pytest.mark.planted("optimizer-missing-params")
 def test_optimizer_over_a_subset_is_optimizer_missing_params(tmp_path):
     model, tok = tt.setup()
     optimizer = torch.optim.AdamW(model.lm_head.parameters(), lr=1e-3)
@@ -196,6 +202,7 @@ def test_optimizer_over_a_subset_is_optimizer_missing_params(tmp_path):
     assert finding.evidence["missing"] == 20 and "model.embed_tokens.weight" in finding.evidence["names"]
 
 
+@pytest.mark.planted("lr-zero")
 def test_lr_zero_and_loss_flat(tmp_path):
     _, cb = train(tmp_path, ["lr-zero", "loss-flat"], learning_rate=0.0)
     zero, flat = cb.report.by_rule("lr-zero")[0], cb.report.by_rule("loss-flat")[0]
@@ -208,6 +215,7 @@ def test_warmup_from_zero_is_not_lr_zero(tmp_path):
     assert cb.report.findings == []
 
 
+@pytest.mark.planted("lr-too-low")
 def test_lr_too_low(tmp_path):
     _, cb = train(tmp_path, ["lr-too-low"], learning_rate=1e-8)
     finding = only(cb, "lr-too-low")
@@ -215,6 +223,7 @@ def test_lr_too_low(tmp_path):
 
 
 # -- train mode, loss sign, prior, predictions --------------------------------------------------------
+@pytest.mark.planted("train-mode-off")
 def test_train_mode_off_after_an_evaluation(tmp_path):
     def evaluate(self, *args, **kwargs):
         self.evaluated = True
@@ -241,6 +250,7 @@ def test_train_mode_off_after_an_evaluation(tmp_path):
     assert finding.evidence["train_only_modules"] >= 1  # dropout is on
 
 
+@pytest.mark.planted("negative-loss")
 def test_negative_loss(tmp_path):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = super(type(self), self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -251,6 +261,7 @@ def test_negative_loss(tmp_path):
     assert finding.step == 4 and finding.evidence["loss"] < 0
 
 
+@pytest.mark.planted("loss-plateau-prior")
 def test_loss_plateau_at_the_label_prior_when_inputs_do_not_reach_the_model(tmp_path):
     model, tok = tt.setup()
     base = DataCollatorForSeq2Seq(tok)
@@ -273,6 +284,7 @@ def test_loss_plateau_at_the_label_prior_when_inputs_do_not_reach_the_model(tmp_
     assert finding.evidence["start_loss"] > 1.5 * finding.evidence["label_entropy"]
 
 
+@pytest.mark.planted("predictions-frozen")
 def test_predictions_frozen_while_an_outside_parameter_lowers_the_loss(tmp_path):
     model, tok = tt.setup()
     model.requires_grad_(False)
@@ -312,6 +324,7 @@ def keeping_losses(raise_oom_at=None):
     return subclass(compute_loss, __init__=init)
 
 
+@pytest.mark.planted("memory-growth")
 def test_memory_growth_names_the_list_that_holds_the_graphs(tmp_path):
     _, cb = train(tmp_path, ["memory-growth"], cls=keeping_losses(), callback_kwargs={"check_every": 1})
     finding = only(cb, "memory-growth")
@@ -319,6 +332,7 @@ def test_memory_growth_names_the_list_that_holds_the_graphs(tmp_path):
     assert finding.evidence["holder"] == "trainer.losses"
 
 
+@pytest.mark.planted("oom")
 def test_oom_after_growth_says_so_and_writes_the_report(tmp_path):
     _, cb = train(
         tmp_path, ["oom", "memory-growth"], cls=keeping_losses(raise_oom_at=7),
@@ -333,6 +347,7 @@ def test_oom_after_growth_says_so_and_writes_the_report(tmp_path):
 
 
 # -- the first batch ------------------------------------------------------------------------------------
+@pytest.mark.planted("shape-mismatch")
 def test_shape_mismatch_is_reported_before_the_crash(tmp_path):
     model, tok = tt.setup()
     base = DataCollatorForSeq2Seq(tok)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from dist import tinytrain as tt
 
+from hf_sanity import catalog
 from hf_sanity.callback import SanityCallback
 
 
@@ -23,6 +24,9 @@ def above_info(callback) -> list[str]:
     return [f"{f.rule}@{f.step}: {f.message}" for f in callback.report.findings if f.severity != "info"]
 
 
+@pytest.mark.clean(
+    "training", "curves", "tokens", "init-loss-off-chance", "no-trainable-params", "internal-error"
+)
 def test_clean_full_fine_tune_is_silent(tmp_path):
     model, tok = tt.setup()
     cb = watch()
@@ -33,10 +37,16 @@ def test_clean_full_fine_tune_is_silent(tmp_path):
     trainer.train()
     assert above_info(cb) == []
     assert cb.report.stats["steps"] == 30 and (tmp_path / "hf-sanity" / "report.json").is_file()
+    # Every online detector but the cross-rank one (2 processes: test_callback_dist) ran on its inputs.
+    online = {d.name for d in catalog.detectors("step") + catalog.detectors("curve", online=True)}
+    assert sorted(online - cb.monitors.ran) == ["hf_sanity.rules.training.ranks.RankMonitor"]
     losses = tt.step_losses(trainer)
     assert losses[-1] < losses[0] - 1.0  # it did learn: silence is not blindness
 
 
+@pytest.mark.clean(
+    "training", "curves", "tokens", "init-loss-off-chance", "no-trainable-params", "internal-error"
+)
 def test_clean_lora_is_silent(tmp_path):
     from peft import LoraConfig, get_peft_model
 
@@ -56,6 +66,7 @@ def test_clean_lora_is_silent(tmp_path):
     assert losses[-1] < losses[0] - 0.5
 
 
+@pytest.mark.clean("training", "curves", "tokens", "internal-error")
 def test_clean_sft_trainer_with_completion_only_loss_is_silent(tmp_path):
     import datasets
     from trl import SFTConfig, SFTTrainer
@@ -105,6 +116,7 @@ def test_a_run_with_the_callback_is_bit_for_bit_the_run_without(tmp_path):
     assert not trainer.model._forward_pre_hooks and not trainer.model._forward_hooks
 
 
+@pytest.mark.planted("internal-error")
 def test_a_check_that_breaks_is_an_internal_error_and_training_goes_on(tmp_path, monkeypatch):
     from hf_sanity.rules.training.gradients import GradientMonitor
     from hf_sanity.training import first_batch

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
+
 SCRIPT = Path(__file__).parent / "dist" / "ddp_run.py"
 
 
@@ -53,9 +55,22 @@ def test_a_nan_on_one_rank_is_reported_once_by_the_main_process(ddp_runs):
         assert json.loads((run / f"rank{rank}.json").read_text())["steps"] == 8
 
 
+@pytest.mark.planted("ranks-diverged")
 def test_replicas_that_bypass_ddp_are_ranks_diverged(ddp_runs):
     run = ddp_runs / "drift"
     assert findings(run / "hf-sanity" / "report.json") == [("ranks-diverged", 3, 0)]
     for rank in (0, 1):
         seen = json.loads((run / f"rank{rank}.json").read_text())
         assert seen["steps"] == 8 and [f["rule"] for f in seen["findings"]] == ["ranks-diverged"]
+
+
+@pytest.mark.clean("training", "curves", "tokens", "internal-error")
+def test_a_clean_two_process_run_is_silent_and_runs_every_online_detector(ddp_runs):
+    from hf_sanity import catalog
+
+    run = ddp_runs / "clean"
+    assert findings(run / "hf-sanity" / "report.json") == []
+    main = json.loads((run / "rank0.json").read_text())
+    assert main["steps"] == 8 and main["findings"] == []
+    online = {d.name for d in catalog.detectors("step") + catalog.detectors("curve", online=True)}
+    assert sorted(online - set(main["ran"])) == []  # every online detector was fed what it reads

@@ -30,8 +30,10 @@ def rows_for(name):
     return rows
 
 
+@pytest.mark.slow  # real vocabularies of up to 152k tokens
 @pytest.mark.parametrize("name", REAL)
 @pytest.mark.parametrize("fmt", ["messages", "prompt-completion"])
+@pytest.mark.clean("data", "tokens", "template", "model", "internal-error")
 def test_real_template_clean_setup(name, fmt):
     tok = real_tokenizer(name)
     rows = rows_for(name)
@@ -44,6 +46,7 @@ def test_real_template_clean_setup(name, fmt):
 
 
 @pytest.mark.parametrize("template", ["chatml", "llama3", "generation"])
+@pytest.mark.clean("data", "tokens", "template", "model", "internal-error")
 def test_embedded_tiny_setups_are_clean(template):
     from hf_sanity.testing import tiny_setup
 

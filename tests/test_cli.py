@@ -7,6 +7,8 @@ import pytest
 from helpers import assert_one_line_error, cli
 from hf_sanity.testing import demo_conversations, tiny_model_dir
 
+pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
+
 
 @pytest.fixture(scope="module")
 def model_dir():

@@ -86,6 +86,7 @@ CLEAN = [
 
 
 @pytest.mark.parametrize("kwargs", CLEAN)
+@pytest.mark.clean("curves", "nonfinite-loss", "negative-loss", "lr-zero", "loss-flat")
 def test_clean_curves_fire_nothing(kwargs):
     curves = make(**kwargs)
     assert analyze(curves, final=True) == []
@@ -151,6 +152,7 @@ def test_from_log_history_keeps_eval_loss_nan_free_when_some_evals_log_none():
 
 
 # -- loss-spike ------------------------------------------------------------------------------------
+@pytest.mark.planted("loss-spike")
 def test_loss_spike_reports_step_and_lr():
     curves = make(seed=1)
     curves.train_loss[250] = 3.0 * decay(251)
@@ -192,6 +194,7 @@ def oscillating(n=200, seed=0):
     return Curves(train_steps=t.tolist(), train_loss=loss.tolist(), lr=[5e-3] * n)
 
 
+@pytest.mark.planted("loss-oscillation")
 def test_loss_oscillation():
     curves = oscillating()
     found = C.loss_oscillation(curves)
@@ -216,6 +219,7 @@ def with_evals(curves, values, every=40):
     return curves
 
 
+@pytest.mark.planted("overfitting")
 def test_overfitting_reports_the_best_step():
     curves = with_evals(make(seed=4, tau=80), EVAL_U)
     found = C.overfitting(curves)
@@ -230,6 +234,7 @@ def test_overfitting_needs_a_real_rise():
 
 
 # -- underfitting ----------------------------------------------------------------------------------
+@pytest.mark.planted("underfitting")
 def test_underfitting_when_both_barely_move():
     curves = make(n=300, start=2.5, floor=2.3, tau=100, noise=0.03, evals=False)
     with_evals(curves, [2.5, 2.47, 2.45, 2.44, 2.43, 2.43, 2.42], every=40)
@@ -256,6 +261,7 @@ def test_diverged_run_is_not_underfitting():
 
 
 # -- val-below-train ---------------------------------------------------------------------------------
+@pytest.mark.planted("val-below-train")
 def test_val_below_train():
     curves = make(seed=6)
     curves.eval_loss = [0.8 * decay(s) for s in curves.eval_steps]
@@ -274,6 +280,7 @@ def test_val_below_train_needs_the_last_evaluations():
 
 
 # -- eval-constant ---------------------------------------------------------------------------------
+@pytest.mark.planted("eval-constant")
 def test_eval_constant_metric():
     curves = make(seed=7)
     curves.eval_metrics["eval_accuracy"] = [0.5] * len(curves.eval_steps)
@@ -297,6 +304,7 @@ def test_eval_constant_needs_training_to_move():
 
 
 # -- memorizing ------------------------------------------------------------------------------------
+@pytest.mark.planted("memorizing")
 def test_memorizing():
     curves = make(n=400, start=2.0, floor=0.05, tau=60, noise=0.03, evals=False)
     with_evals(curves, [2.05, 2.06, 2.04, 2.07, 2.05, 2.06, 2.05, 2.06, 2.05, 2.07], every=40)

@@ -86,6 +86,7 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 # -- reading runs ----------------------------------------------------------------------------------
+@pytest.mark.clean("curves", "runs", "nonfinite-loss", "negative-loss", "lr-zero", "loss-flat")
 def test_clean_run_has_no_findings(tmp_path):
     report = doctor([write_run(tmp_path / "run", series(), config=LLAMA)], use_config=False)
     assert report.findings == []
@@ -178,6 +179,7 @@ def churn_runs(folder: Path, *, configs=(LLAMA, LLAMA, LLAMA)) -> list[Path]:
     return paths
 
 
+@pytest.mark.planted("hyperparameter-churn")
 def test_hyperparameter_churn(tmp_path):
     report = doctor(churn_runs(tmp_path), use_config=False)
     (churn,) = report.by_rule("hyperparameter-churn")
@@ -195,6 +197,7 @@ def test_no_churn_across_different_setups(tmp_path):
     assert len(report.by_rule("loss-flat")) == 3
 
 
+@pytest.mark.clean("hyperparameter-churn")
 def test_no_churn_when_runs_fail_differently(tmp_path):
     paths = churn_runs(tmp_path)
     spiky = series(seed=5)
@@ -214,6 +217,7 @@ def test_training_args_json_separates_setups(tmp_path):
     assert doctor(paths, use_config=False).by_rule("hyperparameter-churn") == []
 
 
+@pytest.mark.planted("seed-unfixed")
 def test_seed_unfixed(tmp_path):
     a = write_run(tmp_path / "a", series(seed=1), config=LLAMA)
     b = write_run(tmp_path / "b", series(seed=2), config=LLAMA)
@@ -227,6 +231,7 @@ def test_seed_unfixed_needs_the_same_recorded_fields(tmp_path):
     assert doctor([a, b], use_config=False).by_rule("seed-unfixed") == []
 
 
+@pytest.mark.clean("seed-unfixed")
 def test_same_seed_same_curves_is_fine(tmp_path):
     a = write_run(tmp_path / "a", series(seed=1), config=LLAMA)
     b = write_run(tmp_path / "b", series(seed=1), config=LLAMA)
@@ -260,12 +265,14 @@ def test_accuracy_implausibly_high(tmp_path):
     assert "leakage" in finding.message
 
 
+@pytest.mark.clean("metric-suspicious")
 def test_honest_accuracy_is_fine():
     labels = ["a", "b", "c", "d"] * 25
     rows = [{"prediction": y if i % 5 else "a", "label": y} for i, y in enumerate(labels)]  # ~80%
     assert R.metric_suspicious(rows) == []
 
 
+@pytest.mark.clean("eval-scores-cluster")
 def test_scores_cluster():
     assert R.eval_scores_cluster([{"score": 7 if i % 2 else 8} for i in range(50)] + [{"score": 3}])
     assert R.eval_scores_cluster([{"score": 1}] * 48 + [{"score": 0}] * 2)
@@ -273,6 +280,7 @@ def test_scores_cluster():
     assert R.eval_scores_cluster([{"score": i % 2} for i in range(50)]) == []  # a balanced pass/fail
 
 
+@pytest.mark.planted("metric-suspicious", "eval-scores-cluster")
 def test_predictions_through_doctor(tmp_path):
     run = write_run(tmp_path / "run", series())
     preds = write_jsonl(tmp_path / "p.jsonl", [{"prediction": "no", "label": "no"}] * 70
@@ -376,6 +384,7 @@ def doctor_cli(*args, cwd=None):
     return cli("doctor", *args, cwd=cwd, timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_clean_run_exits_0_and_writes_json(tmp_path):
     out = tmp_path / "report.json"
     result = doctor_cli(write_run(tmp_path / "run", series(), config=LLAMA), "--json", out, cwd=tmp_path)
@@ -384,6 +393,7 @@ def test_cli_clean_run_exits_0_and_writes_json(tmp_path):
     assert report["findings"] == [] and report["title"] == "hf-sanity doctor"
 
 
+@pytest.mark.slow
 def test_cli_errors_exit_1_with_plot_and_predictions(tmp_path):
     runs = churn_runs(tmp_path / "runs")
     preds = write_jsonl(tmp_path / "p.jsonl", [{"score": 4}] * 20)
@@ -396,12 +406,14 @@ def test_cli_errors_exit_1_with_plot_and_predictions(tmp_path):
     assert png.read_bytes().startswith(PNG_SIGNATURE)
 
 
+@pytest.mark.slow
 def test_cli_ignore_turns_exit_1_into_0(tmp_path):
     runs = churn_runs(tmp_path / "runs")
     result = doctor_cli(*runs, "--ignore", "loss-flat,hyperparameter-churn", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_cli_bad_input_is_one_line(tmp_path):
     assert_one_line_error(doctor_cli(tmp_path / "nope", cwd=tmp_path), "does not exist", "trainer_state.json")
     (tmp_path / "empty").mkdir()
@@ -414,11 +426,13 @@ def test_cli_bad_input_is_one_line(tmp_path):
                           "unknown rule or stage 'nope'")  # fmt: skip
 
 
+@pytest.mark.slow
 def test_cli_needs_a_run(tmp_path):
     result = doctor_cli(cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_html_page_embeds_the_curves(tmp_path):
     runs = churn_runs(tmp_path / "runs")
     page = tmp_path / "doctor.html"

@@ -307,6 +307,7 @@ def chromium(tmp_path, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_chromium_parses_findings_in_order_and_runs_no_injected_script(tmp_path, examples):
     report = sample_report(examples)
     path = write_html(report, tmp_path / "report.html", plots={"loss": tiny_png()})
@@ -341,6 +342,7 @@ def solid_pixels(png_path, hex_colour: str) -> int:
     return int((m[1:-1, 1:-1] & m[:-2, 1:-1] & m[2:, 1:-1] & m[1:-1, :-2] & m[1:-1, 2:]).sum())
 
 
+@pytest.mark.slow
 def test_chromium_screenshot_shows_loss_green_and_no_loss_grey(tmp_path, examples):
     report = sample_report(examples)
     control = Report(

@@ -7,9 +7,12 @@ import sys
 from pathlib import Path
 
 import datasets
+import pytest
 
 from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing import build_tokenizer, demo_conversations
+
+pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
 
 SCRIPT = Path(__file__).parent / "dist" / "preflight_shards.py"
 

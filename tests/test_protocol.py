@@ -85,6 +85,8 @@ def cause(report) -> str:
 
 
 # -- a clean setup ---------------------------------------------------------------------------------
+@pytest.mark.planted("lr-range")
+@pytest.mark.clean("protocol", "init-loss-off-chance", "vocab-size-mismatch")
 def test_clean_setup_overfits_and_passes_all_five_layers(model, tok):
     started = time.perf_counter()
     report = diagnose(model=model, tokenizer=tok, dataset=demo_conversations(16), lr=1e-2, write_repro=False)
@@ -244,6 +246,7 @@ def test_labels_all_masked_by_a_wrong_response_template(model, tok, tmp_path):
     assert report.stats["overfit"]["gradient_path"]["label_positions"] > 0
 
 
+@pytest.mark.planted("overfit-failed")
 def test_zero_gradient_through_a_path_multiplied_by_zero(model, tok):
     model.lm_head.register_forward_hook(lambda module, args, output: output * 0)  # e.g. a scale left at 0
     report = overfit(model=model, tokenizer=tok, dataset=demo_conversations(8), lr=1e-2)
@@ -265,6 +268,7 @@ def test_optimizer_step_that_updates_nothing(model, tok, tmp_path):
 
 
 # -- layers ----------------------------------------------------------------------------------------
+@pytest.mark.planted("precision-mismatch")
 def test_precision_catches_a_planted_fp16_overflow_and_is_silent_on_the_clean_model(model, tok):
     if half_support(torch.device("cpu"))["float16"] is not None:
         pytest.skip("fp16 autocast is not available on this CPU")

@@ -14,6 +14,8 @@ import pytest
 from helpers import assert_one_line_error
 from hf_sanity.testing import demo_conversations, tiny_model_dir
 
+pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
+
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
+
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 

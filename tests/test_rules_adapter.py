@@ -30,6 +30,7 @@ def base():
     return tiny_setup("chatml", "distinct")
 
 
+@pytest.mark.clean("adapter-untrained", "adapter-base-mismatch", "adapter-not-loaded")
 def test_trained_adapter_on_its_base_is_silent(base, conversations, tmp_path):
     model, tok = base
     adapter = save_adapter(model, tmp_path / "lora")
@@ -41,6 +42,7 @@ def test_trained_adapter_on_its_base_is_silent(base, conversations, tmp_path):
     )
 
 
+@pytest.mark.planted("adapter-untrained")
 def test_untrained_adapter(base, conversations, tmp_path):
     model, tok = base
     adapter = save_adapter(model, tmp_path / "lora", trained=False)
@@ -51,6 +53,7 @@ def test_untrained_adapter(base, conversations, tmp_path):
     assert report.findings[0].evidence["lora_B_tensors"] == 4  # q and v in two layers
 
 
+@pytest.mark.planted("adapter-base-mismatch")
 def test_adapter_on_another_base(base, conversations, tmp_path):
     model, tok = base
     adapter = save_adapter(model, tmp_path / "lora")
@@ -65,6 +68,7 @@ def test_adapter_on_another_base(base, conversations, tmp_path):
     )
 
 
+@pytest.mark.planted("adapter-not-loaded")
 def test_adapter_whose_targets_match_nothing(base, conversations, tmp_path):
     model, tok = base
     adapter = save_adapter(model, tmp_path / "lora")
@@ -79,6 +83,7 @@ def test_adapter_whose_targets_match_nothing(base, conversations, tmp_path):
     assert "none of the adapter's 4 target modules" in finding.message
 
 
+@pytest.mark.planted("adapter-not-loaded")
 def test_attached_adapter_that_is_not_active(base, conversations):
     model, tok = base
     peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
@@ -99,6 +104,7 @@ def test_adapter_folder_without_weights_is_bad_input(base, conversations, tmp_pa
         run(tok, conversations[:2], model=model, adapter=str(tmp_path / "empty"), select="adapter-untrained")
 
 
+@pytest.mark.planted("adapter-not-loaded")
 def test_served_model_must_compute_what_was_trained(base, conversations, tmp_path):
     from transformers import AutoModelForCausalLM
 

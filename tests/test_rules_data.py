@@ -1,11 +1,13 @@
 """Data rules: each planted bug triggers its rule; the clean demo data triggers none."""
 
 import datasets
+import pytest
 
 from helpers import run
 from hf_sanity.testing import as_prompt_completion
 
 
+@pytest.mark.clean("data")
 def test_clean_data_is_silent(chatml, conversations):
     report = run(
         chatml, conversations[:40], select="data", eval_dataset=datasets.Dataset.from_list(conversations[40:])
@@ -13,6 +15,7 @@ def test_clean_data_is_silent(chatml, conversations):
     assert report.findings == []
 
 
+@pytest.mark.planted("bad-input-values")
 def test_bad_input_values_lists_rows_and_reasons(chatml, conversations):
     rows = [dict(r) for r in conversations[:10]]
     rows[2] = {"messages": []}
@@ -44,6 +47,7 @@ def test_rows_the_template_rejects(conversations):
     assert "no system" in finding.message
 
 
+@pytest.mark.planted("duplicate-examples")
 def test_duplicate_examples(chatml, conversations):
     rows = conversations[:20] + [conversations[3], conversations[3], conversations[11]]
     # Case and whitespace do not make an example new.
@@ -57,6 +61,7 @@ def test_duplicate_examples(chatml, conversations):
     assert [3, 20] in finding.evidence["pairs"] and [5, 23] in finding.evidence["pairs"]
 
 
+@pytest.mark.planted("split-leakage")
 def test_split_leakage(chatml, conversations):
     eval_rows = conversations[40:48] + conversations[:2]
     report = run(
@@ -69,6 +74,7 @@ def test_split_leakage(chatml, conversations):
     assert clean.findings == []
 
 
+@pytest.mark.planted("label-leakage")
 def test_label_leakage(chatml, conversations):
     rows = as_prompt_completion(conversations[:10])
     rows[4] = {"prompt": "Context: The capital of Norway is Oslo and it is cold.\nQuestion: capital?\n",

@@ -1,10 +1,12 @@
 """Length rules: max_len against the data and against the model."""
 
+import pytest
 from transformers import LlamaConfig
 
 from helpers import run
 
 
+@pytest.mark.planted("truncated-completion")
 def test_truncated_completion_severity_and_suggestion(chatml, conversations):
     report = run(chatml, conversations, select="truncated-completion", max_len=40)
     (finding,) = report.findings
@@ -27,10 +29,12 @@ def test_truncated_completion_is_a_warning_when_few_are_cut(chatml, conversation
     assert finding.severity == "warning" and finding.evidence["rows"] == [len(conversations)]
 
 
+@pytest.mark.clean("truncated-completion")
 def test_no_truncation_no_finding(chatml, conversations):
     assert run(chatml, conversations, select="truncated-completion", max_len=512).findings == []
 
 
+@pytest.mark.planted("max-len-exceeds-model")
 def test_max_len_exceeds_model(chatml, conversations):
     config = LlamaConfig(max_position_embeddings=256)
     (finding,) = run(
@@ -45,6 +49,7 @@ def test_max_len_exceeds_model(chatml, conversations):
     )
 
 
+@pytest.mark.planted("context-beyond-window")
 def test_context_beyond_sliding_window(chatml, conversations):
     config = LlamaConfig(max_position_embeddings=4096)
     config.sliding_window = 32

@@ -22,6 +22,15 @@ def correct_token_rows(tok, conversations):
 
 
 @pytest.mark.parametrize("fmt", ["messages", "prompt-completion", "conversational", "tokens"])
+@pytest.mark.clean(
+    "missing-chat-template",
+    "prompt-in-loss",
+    "empty-loss-mask",
+    "completion-masked",
+    "labels-misaligned",
+    "eos-not-learned",
+    "pad-token-missing",
+)
 def test_correct_pipelines_are_silent(chatml, conversations, fmt):
     rows = {
         "messages": conversations,
@@ -32,12 +41,14 @@ def test_correct_pipelines_are_silent(chatml, conversations, fmt):
     assert run(chatml, rows, select=MASK_RULES).findings == []
 
 
+@pytest.mark.planted("missing-chat-template")
 def test_missing_chat_template(conversations):
     report = run(build_tokenizer("base"), conversations[:8], select=MASK_RULES + ["bad-input-values"])
     assert slugs(report) == {"missing-chat-template"}
     assert report.findings[0].evidence["rows"] == 8
 
 
+@pytest.mark.planted("prompt-in-loss")
 def test_prompt_in_loss_when_training_on_all_tokens(chatml, conversations):
     report = run(chatml, conversations, select="prompt-in-loss", loss_on="all")
     (finding,) = report.findings
@@ -53,6 +64,7 @@ def test_prompt_in_loss_in_prerendered_text(chatml, conversations):
     assert "prompt-in-loss" in slugs(run(chatml, rows, select="prompt-in-loss"))
 
 
+@pytest.mark.planted("empty-loss-mask")
 def test_empty_loss_mask(chatml, conversations):
     rows = correct_token_rows(chatml, conversations[:10])
     rows[3] = {**rows[3], "labels": [IGNORE_INDEX] * len(rows[3]["labels"])}
@@ -67,6 +79,7 @@ def test_empty_loss_mask_after_truncation(chatml, conversations):
     assert "max_len=12" in finding.message
 
 
+@pytest.mark.planted("completion-masked")
 def test_completion_masked_off_by_some(chatml, conversations):
     rows = correct_token_rows(chatml, conversations)
     for row in rows:  # a response template matched three tokens too late
@@ -91,6 +104,7 @@ def test_completion_masked_when_loss_is_on_the_prompt_only(chatml, conversations
     assert {"completion-masked", "prompt-in-loss"} <= slugs(report)
 
 
+@pytest.mark.planted("labels-misaligned")
 def test_labels_misaligned(chatml, conversations):
     rows = [{"input_ids": r["input_ids"], "labels": r["input_ids"][1:] + [IGNORE_INDEX]}
             for r in correct_token_rows(chatml, conversations)]  # fmt: skip
@@ -98,6 +112,7 @@ def test_labels_misaligned(chatml, conversations):
     assert finding.evidence["equal_next"] > 10 * finding.evidence["equal_same"]
 
 
+@pytest.mark.planted("eos-not-learned")
 def test_eos_masked_by_pad_equal_eos_collator(conversations):
     tok = build_tokenizer("chatml", "eos")
     rows = []
@@ -121,6 +136,7 @@ def test_eos_missing_at_the_end_of_pretokenized_text():
     assert run(tok, with_eos, select="eos-not-learned").findings == []
 
 
+@pytest.mark.planted("pad-token-missing")
 def test_pad_token_missing(conversations):
     report = run(build_tokenizer("chatml", "none"), conversations[:4], select=MASK_RULES)
     assert slugs(report) == {"pad-token-missing"}

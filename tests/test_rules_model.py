@@ -20,6 +20,13 @@ def setup():
     return copy.deepcopy(model), tok
 
 
+@pytest.mark.clean(
+    "vocab-size-mismatch",
+    "untrained-special-tokens",
+    "new-tokens-frozen",
+    "init-loss-off-chance",
+    "no-trainable-params",
+)
 def test_clean_model_is_silent(setup, conversations):
     model, tok = setup
     assert run(tok, conversations, model=model, select=MODEL_RULES).findings == []
@@ -39,6 +46,7 @@ def test_model_is_loaded_only_when_a_model_rule_runs(conversations):
     assert calls == [1]
 
 
+@pytest.mark.planted("vocab-size-mismatch")
 def test_token_ids_beyond_the_embeddings(setup, conversations):
     model, _ = setup
     tok = build_tokenizer("chatml")
@@ -59,6 +67,7 @@ def test_token_ids_beyond_the_embeddings(setup, conversations):
     assert finding.evidence["tokenizer_size"] == 1001
 
 
+@pytest.mark.planted("untrained-special-tokens")
 def test_untrained_special_token_rows(setup, conversations):
     model, tok = setup
     with torch.no_grad():
@@ -84,6 +93,7 @@ def lora(model, **kwargs):
     return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **kwargs))
 
 
+@pytest.mark.planted("new-tokens-frozen")
 def test_new_tokens_frozen_under_lora(setup):
     model, _ = setup
     tok = build_tokenizer("chatml")
@@ -100,6 +110,7 @@ def test_new_tokens_frozen_under_lora(setup):
     assert trained.findings == []
 
 
+@pytest.mark.planted("init-loss-off-chance")
 def test_init_loss_far_above_chance(setup, conversations):
     model, tok = setup
     with torch.no_grad():
@@ -126,6 +137,7 @@ def test_init_loss_far_below_chance_when_the_model_has_seen_the_data(setup, conv
     assert finding.evidence["direction"] == "below"
 
 
+@pytest.mark.planted("no-trainable-params")
 def test_no_trainable_params(setup, conversations):
     model, tok = setup
     model.requires_grad_(False)
@@ -142,6 +154,7 @@ def test_preflight_on_a_saved_dataset_folder(setup, conversations, tmp_path):
     assert run(tok, data, model=model, select=MODEL_RULES).findings == []
 
 
+@pytest.mark.planted("init-loss-above-base")
 def test_init_loss_above_base_for_a_model_pretrained_without_the_template(setup, conversations):
     model, tok = setup
     # "Pretraining": the plain-text form of the data, never the chat template.
@@ -159,6 +172,7 @@ def test_init_loss_above_base_for_a_model_pretrained_without_the_template(setup,
     assert finding.evidence["templated_loss"] > 1.5 * finding.evidence["plain_loss"]
 
 
+@pytest.mark.clean("init-loss-above-base")
 def test_init_loss_above_base_is_silent_on_a_fresh_model(setup, conversations):
     model, tok = setup
     assert run(tok, conversations, model=model, select="init-loss-above-base").findings == []

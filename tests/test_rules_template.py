@@ -10,6 +10,7 @@ TEMPLATE_RULES = ["template-mismatch", "generation-prompt-mismatch", "stray-temp
 
 
 @pytest.mark.parametrize("template", ["chatml", "llama3", "generation"])
+@pytest.mark.clean("template")
 def test_clean_templates_are_silent(template, conversations):
     tok = build_tokenizer(template)
     assert run(tok, conversations, select=TEMPLATE_RULES).findings == []
@@ -24,6 +25,7 @@ def test_plain_prose_is_not_a_template_mismatch(chatml):
     assert run(chatml, rows, select=TEMPLATE_RULES).findings == []
 
 
+@pytest.mark.planted("template-mismatch")
 def test_text_rendered_with_another_template(chatml, conversations):
     alpaca = [
         {
@@ -59,6 +61,7 @@ def test_inference_tokenizer_with_another_template(chatml, conversations):
     assert same.findings == []
 
 
+@pytest.mark.planted("generation-prompt-mismatch")
 def test_generation_prompt_not_a_prefix(conversations):
     tok = build_tokenizer("chatml")
     # Inference opens a reasoning block that no training turn contains (as DeepSeek-R1's template does).
@@ -84,6 +87,7 @@ def test_deepseek_r1_generation_prompt_opens_think():
     assert "<think>" in finding.evidence["inference_prompt_ends"]
 
 
+@pytest.mark.planted("stray-template-markers")
 def test_stray_markers_in_content(chatml, conversations):
     rows = [dict(r) for r in conversations[:10]]
     rows[6] = {"messages": [{"role": "user", "content": "Summarise: [INST] hi [/INST]"},
@@ -93,6 +97,7 @@ def test_stray_markers_in_content(chatml, conversations):
     assert set(finding.evidence["markers"]) == {"[INST]", "[/INST]", "<|im_end|>"}
 
 
+@pytest.mark.planted("double-bos")
 def test_double_bos_from_retokenized_llama3_text(conversations):
     tok = build_tokenizer("llama3")
     rows = [{"text": tok.apply_chat_template(r["messages"], tokenize=False)} for r in conversations]

@@ -53,6 +53,7 @@ def test_pad_equal_eos_collator_trap_on_a_plain_trainer(tmp_path, model_tok):
 
 
 @pytest.mark.parametrize("mode", ["assistant_only", "completion_only", "packed"])
+@pytest.mark.clean("trainer", "tokens")
 def test_clean_sft_trainer_runs_are_silent(tmp_path, mode):
     from hf_sanity.testing import build_tokenizer
 
@@ -71,6 +72,7 @@ def test_clean_sft_trainer_runs_are_silent(tmp_path, mode):
     assert [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"] == []
 
 
+@pytest.mark.planted("packing-contamination")
 def test_packing_without_isolation(tmp_path, model_tok):
     model, tok = model_tok
     rows = as_prompt_completion(demo_conversations(24), conversational=True)
@@ -92,6 +94,7 @@ def test_packing_without_isolation(tmp_path, model_tok):
     assert finding.evidence["position_ids"] is False and finding.evidence["max_logit_difference"] > 0
 
 
+@pytest.mark.planted("grad-accum-loss-scaling")
 def test_custom_loss_that_ignores_num_items(tmp_path, model_tok):
     model, tok = model_tok
 
@@ -113,6 +116,7 @@ def test_custom_loss_that_ignores_num_items(tmp_path, model_tok):
     assert preflight(trainer=good, select="grad-accum-loss-scaling", use_config=False).findings == []
 
 
+@pytest.mark.planted("checkpointing-blocks-grads")
 def test_reentrant_checkpointing_with_frozen_embeddings(tmp_path, model_tok):
     from peft import LoraConfig, get_peft_model
 

@@ -88,6 +88,13 @@ def train_only_modules(model) -> int:
     return count
 
 
+def vocab_size(model) -> int | None:
+    """The model's input-embedding rows (the V of ln V), where it has embeddings."""
+    if model is None or not hasattr(model, "get_input_embeddings"):
+        return None
+    return getattr(model.get_input_embeddings(), "num_embeddings", None)
+
+
 def count_labels(counts, labels) -> None:
     """Add a batch's supervised label ids (after the shift) into ``counts``, a device vector over the vocabulary."""
     if not hasattr(labels, "dim") or labels.dim() < 2 or labels.is_floating_point():
@@ -189,5 +196,7 @@ class StepSampler:
             recorder.push(step, "updated", updated)
         self._snapshot = None
 
-    def label_entropy(self):
-        return label_entropy(self.label_counts) if self.label_counts is not None else None
+    def push_label_entropy(self, recorder, step: int) -> None:
+        """The entropy of the labels seen so far (for loss-plateau-prior), recorded at ``step``."""
+        if self.label_counts is not None:
+            recorder.push(step, "label_entropy", label_entropy(self.label_counts))

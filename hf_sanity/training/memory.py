@@ -131,6 +131,27 @@ def roots(trainer, model, *, skip=None) -> list[tuple[str, Any]]:
     return found
 
 
+def held_now(trainer, model, *, skip=None) -> dict[str, Any]:
+    """One memory check: tensors with autograd history held across steps (and by whom), and the accelerator's
+    allocated bytes where there is an accelerator."""
+    holders = graph_tensors(roots(trainer, model, skip=skip))
+    values: dict[str, Any] = {"graph_tensors": sum(holders.values()), "holders": holders}
+    in_use = allocated(model)
+    if in_use is not None:
+        values["allocated"] = in_use
+    return values
+
+
+def oom_facts(exc: BaseException, model, optimizer, guard) -> dict[str, Any]:
+    """What the out-of-memory error says and what memory held (the breakdown in its own ``guard(check)``: with
+    memory short, the error is reported even if the breakdown fails)."""
+    text = str(exc).strip()
+    facts: dict[str, Any] = {"error": text.splitlines()[0][:300] if text else type(exc).__name__}
+    with guard("oom"):
+        facts.update(memory_breakdown(model, optimizer))
+    return facts
+
+
 def allocated(model) -> int | None:
     """Accelerator memory allocated on the model's device (a host-side counter: no synchronisation)."""
     import torch

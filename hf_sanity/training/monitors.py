@@ -15,16 +15,18 @@ class MonitorSet:
         self.monitors: list[Monitor] = [
             cls.from_setup(setup) for cls in catalog.monitors(sink.selection.enabled)
         ]
-        self.ran: set[str] = set()  # names of the monitors that were fed at least once (for the tests)
+        self.ran: set[str] = (
+            set()
+        )  # detectors that ran on their inputs at least once (monitors, curve detectors)
 
     def feed(self, step: int, values: Mapping[str, Any]) -> None:
-        """Every monitor that still watches something gets ``values``; each runs in its own guard, named by
-        the rules it would leave unwatched if it broke."""
+        """Every monitor that still watches something and reads one of ``values``' keys gets them; each runs in
+        its own guard, named by the rules it would leave unwatched if it broke."""
         for monitor in self.monitors:
-            if monitor.done:
+            if monitor.done or not any(key in values for key in monitor.reads):
                 continue
             name = ", ".join(r.slug for r in monitor.rules if self.sink.selection.enabled(r.slug))
-            self.ran.add(type(monitor).__name__)
+            self.ran.add(catalog.Detector("", "step", type(monitor)).name)
             with self.sink.guard(name, step):
                 self.sink.emit(monitor.update(step, values))
 

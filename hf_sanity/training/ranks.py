@@ -12,6 +12,15 @@ from typing import Any
 from hf_sanity.findings import Finding
 
 
+def world() -> tuple[int, int]:
+    """(rank, world size) of the process group the Trainer set up; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def checksums(params: Sequence[Any]):
     """One float64 number per parameter (its sum), computed on its device and stacked on the first one."""
     import torch

@@ -196,6 +196,33 @@ def _fp32_finite(model, kwargs: dict[str, Any], limit: int) -> bool | None:
         return _outputs_finite(getattr(out, "logits", out))
 
 
+def nonfinite_facts(
+    step: int, micro: list[float], held, model, *, now: int, weights_step: int | None, half: bool, autocast,
+    sharded: bool, save,
+) -> dict[str, Any]:  # fmt: skip
+    """The facts of a non-finite step for :func:`hf_sanity.rules.training.loss.classify`: the offending batch
+    (saved with ``save(batch, name)``), then its replay on the model, unless the model is sharded (a one-rank
+    forward would deadlock) or its weights went non-finite since (the values were read at step ``now``)."""
+    import math
+
+    facts: dict[str, Any] = {"half_precision": half}
+    index = next((i for i, x in enumerate(micro) if not math.isfinite(x)), 0)
+    batch = held.get(step, index)
+    if batch is None:
+        facts["replay_skipped"] = "the batch is no longer held"
+        return facts
+    facts["batch_file"] = save(batch, f"nonfinite-loss-step{step}")
+    skip = None
+    if sharded or model is None:
+        skip = "sharded model (FSDP/DeepSpeed): a one-rank forward would deadlock"
+    elif weights_step != step and not weights_finite(model):
+        skip = f"the weights are non-finite by step {now} (read later than step {step})"
+    facts.update(diagnose(batch, None if skip else model, half_precision=half, autocast=autocast, skip=skip))
+    if not skip:
+        facts["replay_weights"] = "same step" if weights_step == step else f"step {now}"
+    return facts
+
+
 class HeldBatches:
     """The batches of the steps not read yet, so that a non-finite step can be replayed and saved. A step's
     batches are released once it has been read (the current step's once it is complete)."""
@@ -209,6 +236,13 @@ class HeldBatches:
     def get(self, step: int, micro: int = 0) -> dict[str, Any] | None:
         batches = self._by_step.get(step, [])
         return batches[micro] if micro < len(batches) else None
+
+    def attach(self, finding, save) -> None:
+        """A grad-explosion names the batch that preceded it: saved with ``save(batch, name)``, its file in the
+        evidence."""
+        batch = self.get(finding.step) if finding.rule == "grad-explosion" else None
+        if batch is not None:
+            finding.evidence["batch_file"] = save(batch, f"grad-explosion-step{finding.step}")
 
     def release(self, now: int, *, step_complete: bool) -> None:
         for step in [s for s in self._by_step if s < now or (s == now and step_complete)]:

@@ -93,9 +93,29 @@ class FindingSink:
         self.unsent, self.errors_unsent = [], False
         return unsent, errors
 
+    def save_batch(self, batch, name: str) -> str | None:
+        """A batch as ``output_dir/hf-sanity/<name>[-rank<r>].safetensors``, for reproduction (None: no folder)."""
+        from hf_sanity.training.replay import save_batch
+
+        if self.output_dir is None:
+            return None
+        suffix = f"-rank{self.rank}" if self.world_size > 1 else ""
+        path = save_batch(batch, self.output_dir / f"{name}{suffix}.safetensors")
+        return str(path) if path else None
+
     def write(self) -> None:
         if self.is_main and self.output_dir is not None:
             self.report.write_json(self.output_dir / "report.json")
+
+    def stats(self, **counts: int) -> dict[str, Any]:
+        """The report's stats: the run's counts, and the seconds the checks took (the five costliest)."""
+        timings = sorted(self.timings.items(), key=lambda kv: -kv[1])[:5]
+        return {
+            **counts,
+            "callback_seconds": round(self.seconds, 3),
+            "callback_seconds_by_check": {k: round(v, 3) for k, v in timings},
+            "world_size": self.world_size,
+        }
 
     def _duplicate(self, finding: Finding) -> bool:
         if finding.rule == "internal-error":

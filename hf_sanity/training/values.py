@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_sanity.measure.curves import Curves
 from hf_sanity.numbers import median
 
 SINGLE = ("grad_norm", "stale_norm", "label_entropy", "update_ratio", "lr", "n_trainable", "n_with_grad",
@@ -53,3 +54,13 @@ class StepHistory:
             values["loss_level"] = median(level) if level else None
             values["loss_start"] = median(start) if start else None
         return values
+
+    def curves(self, log_history: list[dict], *, vocab_size: int | None) -> Curves:
+        """The run's curves for the curve detectors: the logged ones, with the exact per-step train losses (and
+        learning rates) in place of the logged averages."""
+        curves = Curves.from_log_history(log_history, vocab_size=vocab_size)
+        if self.losses:
+            curves.train_steps = [s for s, _ in self.losses]
+            curves.train_loss = [v for _, v in self.losses]
+            curves.lr = [self.lr.get(s, math.nan) for s in curves.train_steps] if self.lr else []
+        return curves

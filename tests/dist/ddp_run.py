@@ -5,6 +5,7 @@
 * ``OUT_DIR/nan``: rank 1 alone receives a batch holding a NaN at step 3; every rank goes on (abort off).
 * ``OUT_DIR/drift``: at steps 3 and 4 each rank calls the model inside DDP directly, so no gradient is
   averaged and the replicas drift apart.
+* ``OUT_DIR/clean``: a correct run; nothing may be reported.
 
 Each run writes its report (main process only) under ``OUT_DIR/<scenario>/hf-sanity/``; each process also
 writes ``OUT_DIR/<scenario>/rank<R>.json`` with what it saw, for the test to compare.
@@ -42,18 +43,18 @@ def run(out: Path, scenario: str) -> None:
     kwargs = dict(COMMON)
     if scenario == "nan":
         kwargs["collator"] = tt.embeds_collator(tok, model, nan_at_batch=3 if RANK == 1 else None)
-    else:
+    elif scenario == "drift":
         kwargs["cls"] = Drifting
     trainer = tt.trainer(out / scenario, callbacks=[callback], model=model, tok=tok, **kwargs)
     trainer.train()
     seen = [{"rule": f.rule, "step": f.step, "evidence": f.evidence} for f in callback.report.findings]
     (out / scenario / f"rank{RANK}.json").write_text(
-        json.dumps({"steps": trainer.state.global_step, "findings": seen})
+        json.dumps({"steps": trainer.state.global_step, "findings": seen, "ran": sorted(callback.monitors.ran)})
     )
 
 
 if __name__ == "__main__":
     target = Path(sys.argv[1])
-    for name in ("nan", "drift"):
+    for name in ("nan", "drift", "clean"):
         run(target, name)
         torch.distributed.barrier()

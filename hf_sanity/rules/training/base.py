@@ -28,6 +28,7 @@ class Monitor:
     """
 
     rules: tuple[Rule, ...] = ()
+    reads: tuple[str, ...] = ()  # the value keys it needs: it is fed only the values that carry one of them
 
     def __init__(self) -> None:
         self.fired: set[str] = set()

@@ -57,6 +57,7 @@ STALE_GROWTH = 1.2  # ... while the norm grew 20% over them
 @monitor
 class GradientMonitor(Monitor):
     rules = (NONFINITE_GRAD, GRAD_EXPLOSION, STALE_GRADIENTS)
+    reads = ("grad_norm", "stale_norm")
 
     def __init__(self, *, explosion_factor: float = EXPLOSION_FACTOR) -> None:
         super().__init__()

@@ -32,6 +32,7 @@ LOSS_MOVED = 0.05  # ... while the training loss moved >= 5% since the first pro
 @monitor
 class PredictionsMonitor(Monitor):
     rules = (PREDICTIONS_FROZEN,)
+    reads = ("changed",)
 
     def __init__(self, *, probes: int = FROZEN_PROBES) -> None:
         super().__init__()

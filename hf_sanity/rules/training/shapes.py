@@ -51,6 +51,7 @@ def shape_findings(
 @monitor
 class ShapeMonitor(Monitor):
     rules = (SHAPE_MISMATCH,)
+    reads = ("shapes",)
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         if values.get("shapes") is None:

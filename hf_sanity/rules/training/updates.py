@@ -103,6 +103,16 @@ CAUSE_TEXT = {
 @monitor
 class UpdateMonitor(Monitor):
     rules = (LOSS_FLAT, LR_ZERO, LR_TOO_LOW)
+    reads = (
+        "loss",
+        "loss_finite",
+        "lr",
+        "update_ratio",
+        "updated",
+        "n_trainable",
+        "n_with_grad",
+        "n_in_optimizer",
+    )
 
     def __init__(
         self, *, warmup_steps: int = 0, flat_steps: int = FLAT_STEPS, low_measures: int = LOW_MEASURES
@@ -258,6 +268,7 @@ class SetupMonitor(Monitor):
     optimizer to look at, or a sharded one)."""
 
     rules = (NO_TRAINABLE_PARAMS, OPTIMIZER_MISSING_PARAMS)
+    reads = ("trainable",)
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         if "trainable" not in values:

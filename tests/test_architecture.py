@@ -1,0 +1,246 @@
+"""The shape of the house, checked: one registry that every rule is wired into (a detector, a planted-bug test
+and a clean test for each), imports that go one way, a context no rule can write to, and extra passes that
+leave every module of the user's model as it was."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_sanity import catalog
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "hf_sanity"
+TESTS = ROOT / "tests"
+GUARD_RULES = {"internal-error"}  # produced by the catalog's guard itself, around every other detector
+
+
+# -- the registry ------------------------------------------------------------------------------------
+def test_every_rule_has_a_detector():
+    missing = [
+        slug for slug, rule in catalog.load().items() if not rule.detectors and slug not in GUARD_RULES
+    ]
+    assert missing == []
+
+
+def test_rule_modules_are_discovered():
+    on_disk = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        for p in (PACKAGE / "rules").rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    assert set(catalog.rule_modules()) == on_disk
+    defined_in = {rule.module for rule in catalog.load().values()}
+    assert defined_in - {"hf_sanity.catalog"} <= on_disk
+
+
+def marked(name: str) -> dict[str, list[str]]:
+    """``{test id: [marker arguments]}`` of every ``@pytest.mark.<name>(...)`` in the test files (read from the
+    source, so the answer does not depend on which tests this run selected)."""
+    out: dict[str, list[str]] = {}
+    for path in sorted(TESTS.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for deco in node.decorator_list:
+                func = deco.func if isinstance(deco, ast.Call) else None
+                if (
+                    isinstance(func, ast.Attribute)
+                    and func.attr == name
+                    and ast.unparse(func.value) == "pytest.mark"
+                ):
+                    out[f"{path.name}::{node.name}"] = [ast.literal_eval(a) for a in deco.args]
+    return out
+
+
+def covered(selectors: list[str]) -> set[str]:
+    rules = catalog.load()
+    out: set[str] = set()
+    for selector in selectors:
+        if selector == "ALL":
+            out |= set(rules)
+        elif selector in catalog.STAGES:
+            out |= {slug for slug, rule in rules.items() if rule.stage == selector}
+        else:
+            assert selector in rules, f"unknown rule {selector!r} in a test marker"
+            out.add(selector)
+    return out
+
+
+def test_every_rule_has_a_planted_bug_test():
+    planted = {slug for slugs in marked("planted").values() for slug in covered(slugs)}
+    assert sorted(set(catalog.load()) - planted) == []
+
+
+def test_every_rule_has_a_clean_test():
+    clean = {slug for selectors in marked("clean").values() for slug in covered(selectors)}
+    assert sorted(set(catalog.load()) - clean) == []
+
+
+def test_online_detectors_are_the_step_monitors_and_the_online_curve_detectors():
+    online = {d.kind for d in catalog.detectors("step") + catalog.detectors("curve", online=True)}
+    assert online == {"step", "curve"}
+    assert all(d.online for d in catalog.detectors("step"))
+
+
+# -- imports go one way --------------------------------------------------------------------------------
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every import of every module of hf_sanity, function-level ones included (they run too), plus the
+    packages an import runs on the way (importing ``a.b.c`` runs ``a.b``'s ``__init__``). Imports under
+    ``if TYPE_CHECKING:`` never run and are left out."""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        skip = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for n in ast.walk(node)
+        }
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hf_sanity"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    targets.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names if a.name.startswith("hf_sanity")}
+        edges = set()
+        for target in targets:
+            parts = target.split(".")
+            edges |= {".".join(parts[:i]) for i in range(2, len(parts) + 1)}  # the packages on the way
+        # A module's own enclosing packages are initialised before it, whatever it imports: not an edge.
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = {t for t in edges if t in modules and t != name and t not in own}
+    return graph
+
+
+def test_no_import_cycle_inside_hf_sanity():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_rules_read_the_measurement_core_not_the_drivers():
+    graph = import_graph()
+    drivers = (
+        "hf_sanity.drivers",
+        "hf_sanity.training",
+        "hf_sanity.protocol",
+        "hf_sanity.callback",
+        "hf_sanity.cli",
+    )
+    for name, targets in graph.items():
+        if name.startswith(("hf_sanity.rules", "hf_sanity.measure")):
+            assert not [t for t in targets if t.startswith(drivers)], name
+
+
+@pytest.mark.slow
+def test_the_catalog_and_option_checks_load_without_torch_or_transformers():
+    code = (
+        "import sys\n"
+        "from hf_sanity import catalog\n"
+        "from hf_sanity.selection import resolve\n"
+        "catalog.load(); resolve('prompt-in-loss', use_config=False)\n"
+        "from hf_sanity.cli import main\n"
+        "sys.argv = ['hf-sanity', 'preflight', '--model', 'm', '--dataset', 'd', '--select', 'no-such-rule']\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n    print(exc.code)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.split("\n")[:2] == ["2", "[]"], result.stdout + result.stderr
+    assert "unknown rule or stage 'no-such-rule'" in result.stderr
+
+
+# -- the context is read-only ---------------------------------------------------------------------------
+def test_no_rule_writes_to_the_context(tmp_path, conversations):
+    """Every context detector runs on one context (a model, a trained adapter, an eval split, an inference
+    tokenizer); afterwards nothing it held was replaced, and it only gained its own lazy measurements."""
+    import datasets
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from hf_sanity.measure.context import Context
+    from hf_sanity.measure.encode import EncodeOptions
+    from hf_sanity.testing import build_tokenizer, tiny_setup
+
+    model, tok = tiny_setup("chatml", "distinct")
+    model = copy.deepcopy(model)
+    peft = get_peft_model(
+        copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    )
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    peft.save_pretrained(tmp_path / "adapter")
+    ctx = Context(
+        tokenizer=tok,
+        dataset=datasets.Dataset.from_list(conversations[:24]),
+        options=EncodeOptions(fmt="messages", max_len=128),
+        model=model,
+        eval_dataset=datasets.Dataset.from_list(conversations[24:32]),
+        inference_tokenizer=build_tokenizer("llama3"),
+        adapter_path=str(tmp_path / "adapter"),
+        sample=8,
+    )
+    ctx.encoded  # noqa: B018
+    before = {key: id(value) for key, value in vars(ctx).items()}
+    lazy = {name for name, value in vars(Context).items() if hasattr(value, "__set_name__")}
+    for detector in catalog.detectors("context"):
+        for finding in catalog.run(detector, ctx):
+            assert finding.rule != "internal-error", finding.message
+        after = vars(ctx)
+        assert {k for k in before if id(after.get(k)) != before[k]} == set(), detector.name
+        assert set(after) - set(before) <= lazy, detector.name
+    assert ctx.model is model and not any("lora" in name for name, _ in model.named_modules())
+    with pytest.raises(AttributeError, match="read-only"):
+        ctx.model_config = None
+
+
+# -- extra passes leave no trace --------------------------------------------------------------------------
+def test_untouched_restores_every_module_mode_rng_and_grads():
+    import torch
+
+    from hf_sanity.untouched import untouched
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 2))
+    model.train()
+    model[2].eval()  # a submodule the user keeps in eval mode
+    model(torch.ones(1, 4)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    with untouched(model):
+        assert not any(m.training for m in model.modules())
+        model(torch.ones(3, 4))
+        torch.rand(5)
+    assert [m.training for m in model.modules()] == [True, True, True, False]
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert torch.equal(torch.get_rng_state(), rng)
