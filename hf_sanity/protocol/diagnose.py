@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from hf_sanity import catalog
-from hf_sanity.catalog import internal_error
 from hf_sanity.errors import UserInputError
 from hf_sanity.protocol.build import build
 from hf_sanity.protocol.options import ProtocolOptions
@@ -216,17 +215,14 @@ def diagnose(
                     )
                 )
                 continue
-            try:
+            broken_check: list = []
+            findings, items = [], []
+            with catalog.guard(f"diagnose layer {layer.number} ({layer.title})", broken_check):
                 findings, items = layer.run(pipeline, report, run_options)
-            except UserInputError:
-                raise
-            except Exception as exc:  # a check that breaks is a finding, and the next layer still runs
-                report.add(internal_error(f"diagnose layer {layer.number} ({layer.title})", exc))
-                checklist.append(
-                    _item(
-                        layer.number, layer.title, "skipped", f"the check raised {type(exc).__name__}: {exc}"
-                    )
-                )
+            if broken_check:  # a check that breaks is a finding, and the next layer still runs
+                report.extend(broken_check)
+                failure = broken_check[0].message.partition(" failed with ")[2]  # "Type: message"
+                checklist.append(_item(layer.number, layer.title, "skipped", f"the check raised {failure}"))
                 continue
             report.extend(findings)
             checklist.extend(items)
