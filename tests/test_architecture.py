@@ -244,3 +244,27 @@ def test_untouched_restores_every_module_mode_rng_and_grads():
     assert [m.training for m in model.modules()] == [True, True, True, False]
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+# -- devices: code that creates tensors names the device ------------------------------------------------
+FACTORIES = {"eye", "zeros", "ones", "arange", "full", "tensor", "as_tensor", "empty", "randn", "rand",
+             "randint", "linspace", "logspace"}  # fmt: skip
+
+
+def test_every_tensor_factory_names_its_device():
+    """A factory call without ``device=`` makes a CPU tensor; beside a model on ``cuda:0`` that is a crash
+    (``torch.eye`` in untrained-special-tokens once turned every GPU preflight into internal errors). CI has no
+    GPU, so the class of bug is caught here: every factory call passes ``device=`` (``device="cpu"`` where the
+    CPU is meant, e.g. pinned host memory)."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in FACTORIES
+                and ast.unparse(node.func.value) == "torch"
+                and not any(k.arg == "device" for k in node.keywords)
+            ):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} torch.{node.func.attr}(...)")
+    assert offenders == []

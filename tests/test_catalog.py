@@ -22,12 +22,13 @@ def test_every_rule_is_documented_once():
 
 
 def test_preflight_contract_slugs_exist():
-    # Public contract from the preflight issue: these slugs must exist with these default severities.
+    # Public contract from the preflight issue: these slugs must exist with these default severities
+    # (pad-token-missing became a warning with the false-alarm issue: SFTTrainer sets a pad token itself).
     expected = {
         "bad-input-values": "error", "duplicate-examples": "warning", "split-leakage": "error",
         "label-leakage": "warning", "missing-chat-template": "error", "prompt-in-loss": "warning",
         "empty-loss-mask": "error", "completion-masked": "error", "labels-misaligned": "error",
-        "eos-not-learned": "error", "pad-token-missing": "error", "truncated-completion": "error",
+        "eos-not-learned": "error", "pad-token-missing": "warning", "truncated-completion": "error",
         "max-len-exceeds-model": "error", "context-beyond-window": "warning",
     }  # fmt: skip
     rules = catalog.load()

@@ -125,3 +125,37 @@ def test_served_model_must_compute_what_was_trained(base, conversations, tmp_pat
     # Serving the base checkpoint by mistake (the adapter never merged or loaded):
     (finding,) = served_model_findings(peft_model, copy.deepcopy(model), batch, base=model)
     assert finding.rule == "adapter-not-loaded" and "base model" in finding.message
+
+
+@pytest.mark.clean("data", "tokens", "template", "model")
+def test_a_trained_adapter_passed_for_inspection_raises_nothing_and_leaves_the_model_trainable(
+    base, conversations, tmp_path
+):
+    """--adapter loads the adapter for inspection: there is no training setup, so trainability is not in
+    question, and the user's model keeps every requires_grad it had."""
+    model, tok = base
+    adapter = save_adapter(model, tmp_path / "lora")
+    mine = copy.deepcopy(model)
+    before = {name: p.requires_grad for name, p in mine.named_parameters()}
+    report = run(tok, conversations[:16], model=mine, adapter=str(adapter), max_len=256)
+    assert [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"] == []
+    assert {name: p.requires_grad for name, p in mine.named_parameters()} == before
+    assert not any("lora" in name for name, _ in mine.named_modules())
+
+
+@pytest.mark.slow
+def test_cli_with_a_trained_adapter_is_clean(base, conversations, tmp_path):
+    import json
+
+    from helpers import cli
+    from hf_sanity.testing import tiny_model_dir
+
+    model, _ = base
+    adapter = save_adapter(model, tmp_path / "lora")
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(row) for row in conversations[:16]) + "\n")
+    result = cli("preflight", "--model", tiny_model_dir("chatml", "distinct"), "--dataset", data,
+                 "--adapter", adapter, "--max-len", 256, "--json", tmp_path / "r.json", cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    findings = json.loads((tmp_path / "r.json").read_text())["findings"]
+    assert [f["rule"] for f in findings if f["severity"] != "info"] == []

@@ -140,3 +140,16 @@ def test_eos_missing_at_the_end_of_pretokenized_text():
 def test_pad_token_missing(conversations):
     report = run(build_tokenizer("chatml", "none"), conversations[:4], select=MASK_RULES)
     assert slugs(report) == {"pad-token-missing"}
+    assert report.findings[0].severity == "warning"  # SFTTrainer sets one itself: not an error on its own
+
+
+def test_pad_token_fix_names_this_tokenizers_tokens():
+    from conftest import real_tokenizer
+
+    llama2 = real_tokenizer("llama2-chat")  # no pad token, but <unk>
+    rows = [
+        {"messages": [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"}]}
+    ]
+    (finding,) = run(llama2, rows, select="pad-token-missing").findings
+    assert finding.evidence["pad_candidate"] == "<unk>" and "'<unk>'" in finding.fix
+    assert "<|finetune_right_pad_id|>" not in finding.fix  # no other family's token

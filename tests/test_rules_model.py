@@ -176,3 +176,18 @@ def test_init_loss_above_base_for_a_model_pretrained_without_the_template(setup,
 def test_init_loss_above_base_is_silent_on_a_fresh_model(setup, conversations):
     model, tok = setup
     assert run(tok, conversations, model=model, select="init-loss-above-base").findings == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_side_checks_hold_in_half_precision(setup, conversations, dtype):
+    """The model-side checks run on the model as loaded, bf16 as well as fp32: clean stays clean (no
+    internal-error), and planted bugs are still found."""
+    model, tok = setup
+    model = model.to(dtype)
+    clean = run(tok, conversations, model=model, select="model")
+    assert [f"{f.rule}: {f.message}" for f in clean.findings if f.severity != "info"] == []
+    with torch.no_grad():
+        model.get_input_embeddings().weight[tok.convert_tokens_to_ids("<|im_end|>")] = 0.0
+        model.lm_head.weight.mul_(60.0)
+    broken = run(tok, conversations, model=model, select="model")
+    assert {f.rule for f in broken.findings} == {"untrained-special-tokens", "init-loss-off-chance"}

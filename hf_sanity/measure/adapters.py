@@ -49,9 +49,11 @@ def lora_keys(state: dict, which: str) -> dict[str, object]:
 @contextlib.contextmanager
 def attached_adapter(model, folder: str | Path):
     """``model`` with the saved adapter attached, for the duration of the block; on exit the adapter's layers
-    are removed again and ``model`` is the same object it was (no later reader sees the adapter)."""
+    are removed again, ``model`` is the same object it was and every parameter's ``requires_grad`` is what it
+    was (peft freezes the base model when it loads an adapter for inference)."""
     from peft import PeftModel
 
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     peft_model = PeftModel.from_pretrained(model, str(folder))
     try:
         yield peft_model
@@ -61,3 +63,5 @@ def attached_adapter(model, folder: str | Path):
             raise RuntimeError(
                 "peft's unload() returned another model object than the one the adapter was on"
             )
+        for name, p in model.named_parameters():
+            p.requires_grad_(trainable.get(name, p.requires_grad))

@@ -185,6 +185,18 @@ def check_labels_misaligned(ctx):
     )
 
 
+def pad_candidate(tokenizer) -> str | None:
+    """A token of this tokenizer that can pad without harm: a dedicated pad or reserved token it already has."""
+    specials = {tokenizer.eos_token, tokenizer.bos_token}
+    added = [str(t) for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()]
+    for hint in ("pad", "reserved", "unused"):
+        for token in added:
+            if hint in token.lower() and token not in specials:
+                return token
+    unk = getattr(tokenizer, "unk_token", None)
+    return unk if unk and unk not in specials else None
+
+
 EOS_NOT_LEARNED = define(
     "eos-not-learned",
     severity="error",
@@ -193,9 +205,9 @@ EOS_NOT_LEARNED = define(
     detects="Each completion must end with the template's end-of-turn token (or EOS) carrying loss. Flags "
     "completions without it and end tokens whose label is -100 — the classic trap is pad == EOS with a "
     "collator that masks every pad token, EOS included.",
-    fix="Keep the end-of-turn/EOS token in the labels: use a pad token distinct from EOS (e.g. "
-    "`tokenizer.pad_token = '<|finetune_right_pad_id|>'` or add one), or a collator that masks padding by "
-    "attention_mask rather than by token id; for text data append EOS.",
+    fix="Keep the end-of-turn/EOS token in the labels: use a pad token distinct from EOS (an unused reserved "
+    "token of this tokenizer, or add one), or a collator that masks padding by attention_mask rather than by "
+    "token id; for text data append EOS.",
 )
 
 
@@ -221,8 +233,17 @@ def check_eos_not_learned(ctx):
         what.append(f"{n_unsup:,} end-of-turn tokens carry no loss")
     if n_missing:
         what.append(f"{n_missing:,} completions do not end with an end-of-turn token")
+    candidate = pad_candidate(tok) if trap else None
+    fix = (
+        f"Keep the end-of-turn/EOS token in the labels: set a pad token distinct from EOS ({tok.eos_token!r}), "
+        f"e.g. `tokenizer.pad_token = {candidate!r}` (unused by this tokenizer's template), or use a collator "
+        "that masks padding by attention_mask rather than by token id."
+        if candidate
+        else None
+    )
     yield EOS_NOT_LEARNED.finding(
         f"{' and '.join(what)} (of {completions:,} completions)" + (" — pad == EOS" if trap else ""),
+        fix=fix,
         evidence={
             "end_tokens_without_loss": n_unsup,
             "completions_without_end": n_missing,
@@ -237,19 +258,33 @@ def check_eos_not_learned(ctx):
 
 PAD_TOKEN_MISSING = define(
     "pad-token-missing",
-    severity="error",
+    severity="warning",
     stage="tokens",
     symptom="Batching fails ('Asking to pad but the tokenizer does not have a padding token'), or a hasty fix sets pad = EOS and masks EOS.",
-    detects="`tokenizer.pad_token` is None.",
-    fix="Set a pad token that is not EOS: an unused reserved token, or `tokenizer.add_special_tokens({'pad_token': "
-    "'<|pad|>'})` followed by `model.resize_token_embeddings(len(tokenizer))`.",
+    detects="`tokenizer.pad_token` is None and no trainer is there to show the collator. A warning: TRL's "
+    "SFTTrainer sets a pad token itself and masks padding by attention mask; a plain collator fails loudly. "
+    "When the data shows the mis-masking (an end-of-turn token without loss), that is `eos-not-learned`.",
+    fix="Set a pad token that is not EOS: an unused reserved token of this tokenizer, or "
+    "`tokenizer.add_special_tokens({'pad_token': '<|pad|>'})` followed by `model.resize_token_embeddings(len(tokenizer))`.",
 )
 
 
 @PAD_TOKEN_MISSING.check
 def check_pad_token(ctx):
-    if ctx.tokenizer.pad_token is None and ctx.trainer is None:
-        yield PAD_TOKEN_MISSING.finding(
-            "the tokenizer has no pad token",
-            evidence={"tokenizer": type(ctx.tokenizer).__name__, "eos_token": ctx.tokenizer.eos_token},
-        )
+    tok = ctx.tokenizer
+    if tok.pad_token is not None or ctx.trainer is not None:
+        return
+    candidate = pad_candidate(tok)
+    fix = (
+        f"Set a pad token that is not EOS ({tok.eos_token!r}): this tokenizer has {candidate!r} "
+        f"(`tokenizer.pad_token = {candidate!r}`); or add one with `tokenizer.add_special_tokens({{'pad_token': "
+        "'<|pad|>'})` and `model.resize_token_embeddings(len(tokenizer))`. TRL's SFTTrainer does this for you."
+        if candidate
+        else None
+    )
+    yield PAD_TOKEN_MISSING.finding(
+        "the tokenizer has no pad token: a plain collator cannot batch, and pad = EOS with a collator that masks "
+        "pad ids would mask EOS too",
+        evidence={"tokenizer": type(tok).__name__, "eos_token": tok.eos_token, "pad_candidate": candidate},
+        fix=fix,
+    )

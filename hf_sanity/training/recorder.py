@@ -77,7 +77,7 @@ class EarlyFlags:
             self.pending.append((step, micro, not bool(torch.isfinite(loss).all()), None))
         elif loss.device.type == "cuda":
             if self._pinned is None:
-                self._pinned = torch.zeros(self.ring, dtype=torch.bool, pin_memory=True)
+                self._pinned = torch.zeros(self.ring, dtype=torch.bool, device="cpu", pin_memory=True)
             slot = self._pinned[self._next % self.ring : self._next % self.ring + 1]
             self._next += 1
             slot.copy_(~torch.isfinite(loss).all().reshape(1), non_blocking=True)
