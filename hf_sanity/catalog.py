@@ -71,6 +71,7 @@ class Detector:
     online: bool = False
     final: bool = False
     reads: type | None = None
+    applies: Callable[[Any], bool] | None = None  # whether there is anything to check on this input
 
     @property
     def name(self) -> str:
@@ -86,24 +87,36 @@ class Rule:
     detects: str
     fix: str
     module: str = ""
+    # Rules that must pass first: when one of them finds an error on the same input, this rule's detectors
+    # are skipped (they would measure nonsense or crash), and the report says so once (`checks-skipped`).
+    needs: tuple[str, ...] = ()
     detectors: list[Detector] = field(default_factory=list, repr=False)
 
     def detector(
-        self, kind: str, *, online: bool = False, final: bool = False, reads: type | None = None
+        self,
+        kind: str,
+        *,
+        online: bool = False,
+        final: bool = False,
+        reads: type | None = None,
+        applies: Callable[[Any], bool] | None = None,
     ) -> Callable[[Callable], Callable]:
-        """Decorator: register ``fn`` as a detector of this rule, of ``kind`` (see :data:`KINDS`)."""
+        """Decorator: register ``fn`` as a detector of this rule, of ``kind`` (see :data:`KINDS`). ``applies``:
+        whether the input holds anything for it to check (a trainer, an adapter); when not, it is not run."""
         if kind not in KINDS:
             raise ValueError(f"{self.slug}: detector kind must be one of {list(KINDS)}")
 
         def register(fn: Callable) -> Callable:
-            self.detectors.append(Detector(self.slug, kind, fn, online=online, final=final, reads=reads))
+            self.detectors.append(Detector(self.slug, kind, fn, online, final, reads, applies))
             return fn
 
         return register
 
-    def check(self, fn: Callable[[Any], Iterable[Finding]]) -> Callable[[Any], Iterable[Finding]]:
-        """Decorator: register ``fn(context)`` as this rule's preflight check (kind "context")."""
-        return self.detector("context")(fn)
+    def check(self, fn: Callable | None = None, *, applies: Callable[[Any], bool] | None = None):
+        """Decorator: register ``fn(context)`` as this rule's preflight check (kind "context"); as
+        ``@RULE.check(applies=...)`` with a predicate saying when the context holds anything to check."""
+        register = self.detector("context", applies=applies)
+        return register(fn) if fn is not None else register
 
     def finding(
         self,
@@ -134,6 +147,11 @@ class Rule:
             f"**Symptom.** {self.symptom}\n\n"
             f"**How it is detected.** {self.detects}\n\n"
             f"**Fix.** {self.fix}\n"
+            + (
+                f"\n**Needs.** {', '.join(f'`{n}`' for n in self.needs)} to pass first.\n"
+                if self.needs
+                else ""
+            )
         )
 
 
@@ -149,8 +167,10 @@ def define(
     symptom: str,
     detects: str,
     fix: str,
+    needs: tuple[str, ...] = (),
 ) -> Rule:
-    """Declare a rule. Each slug is declared exactly once."""
+    """Declare a rule. Each slug is declared exactly once. ``needs``: rules that must pass before this one
+    can measure anything meaningful (see :attr:`Rule.needs`)."""
     if severity not in SEVERITIES:
         raise ValueError(f"{slug}: severity must be one of {SEVERITIES}")
     if stage not in STAGES:
@@ -158,7 +178,9 @@ def define(
     if slug in _RULES:
         raise ValueError(f"rule {slug!r} is declared twice ({_RULES[slug].module})")
     caller = sys._getframe(1).f_globals.get("__name__", "")  # inspect.stack() reads source: seconds
-    rule = Rule(slug, severity, stage, symptom.strip(), detects.strip(), fix.strip(), module=caller)
+    rule = Rule(
+        slug, severity, stage, symptom.strip(), detects.strip(), fix.strip(), module=caller, needs=needs
+    )
     _RULES[slug] = rule
     return rule
 
@@ -279,6 +301,18 @@ def run(detector: Detector, subject: Any, *, step: int | None = None) -> list[Fi
     return errors
 
 
+CHECKS_SKIPPED = define(
+    "checks-skipped",
+    severity="info",
+    stage="internal",
+    symptom="Some checks did not run: a problem they depend on was found first.",
+    detects="A rule that needs another to pass (e.g. the step-0 loss needs every token id inside the embedding) "
+    "is skipped when that rule finds an error on the same input; one finding lists what was skipped and why.",
+    fix="Fix the problem the skipped checks depend on (its own finding is in this report), then run again.",
+)
+ALWAYS_REPORTED = frozenset({INTERNAL_ERROR.slug, CHECKS_SKIPPED.slug})
+
+
 def run_all(
     kind: str,
     subject: Any,
@@ -290,13 +324,69 @@ def run_all(
 ) -> list[Finding]:
     """Every enabled detector of ``kind`` on ``subject``, each guarded; findings as ``selection`` configures
     them (silenced rules dropped, severities overridden). Protocol detectors run only on the measurement
-    type they read."""
+    type they read.
+
+    Preconditions first: a rule's ``needs`` run before it (measured even when not selected, reported only
+    when selected); when one of them finds an error (or breaks), the rule is skipped and one
+    ``checks-skipped`` finding says which checks were skipped and why."""
+    rules = load()
+    wanted = [d for d in detectors(kind, stages=stages, online=online) if selection.enabled(d.rule)]
+    needed: set[str] = set()
+    frontier = [n for d in wanted for n in rules[d.rule].needs]
+    while frontier:  # preconditions of preconditions, too
+        slug = frontier.pop()
+        if slug not in needed:
+            needed.add(slug)
+            frontier.extend(rules[slug].needs)
+    order = [d for slug in _dependency_order(needed) for d in rules[slug].detectors if d.kind == kind]
+    order += [d for d in wanted if d.rule not in needed]
+    failed: set[str] = set()
+    skipped: dict[str, list[str]] = {}  # failed precondition -> the rules skipped for it
     out: list[Finding] = []
-    for detector in detectors(kind, stages=stages, online=online, enabled=selection.enabled):
+    for detector in order:
         if detector.reads is not None and not isinstance(subject, detector.reads):
             continue
-        for finding in run(detector, subject, step=step):
-            kept = selection.apply(finding)
-            if kept is not None:
-                out.append(kept)
+        if detector.applies is not None and not detector.applies(subject):
+            continue
+        blocking = [n for n in rules[detector.rule].needs if n in failed]
+        if blocking:
+            skipped.setdefault(blocking[0], []).append(detector.rule)
+            continue
+        found = run(detector, subject, step=step)
+        if any(f.severity == "error" or f.rule == INTERNAL_ERROR.slug for f in found):
+            failed.add(detector.rule)
+        for finding in found:
+            if finding.rule in ALWAYS_REPORTED or selection.enabled(finding.rule):
+                kept = selection.apply(finding)
+                if kept is not None:
+                    out.append(kept)
+    for precondition, rules_skipped in skipped.items():
+        names = sorted(set(rules_skipped))
+        out.append(
+            CHECKS_SKIPPED.finding(
+                f"skipped {', '.join(names)}: {'they need' if len(names) > 1 else 'it needs'} {precondition} to "
+                "pass first",
+                evidence={"skipped": names, "needs": precondition},
+                step=step,
+            )
+        )
     return out
+
+
+def _dependency_order(slugs: set[str]) -> list[str]:
+    """``slugs`` with every rule after the rules it needs (catalog order otherwise)."""
+    rules = load()
+    done: list[str] = []
+
+    def visit(slug: str) -> None:
+        if slug in done:
+            return
+        for need in rules[slug].needs:
+            if need in slugs:
+                visit(need)
+        done.append(slug)
+
+    for rule in all_rules():
+        if rule.slug in slugs:
+            visit(rule.slug)
+    return done

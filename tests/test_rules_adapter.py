@@ -66,6 +66,10 @@ def test_adapter_on_another_base(base, conversations, tmp_path):
         finding.evidence["mismatches"][0]["adapter_in"] == 64
         and finding.evidence["mismatches"][0]["model_in"] == 32
     )
+    # adapter-not-loaded would load the adapter into modules of the wrong shape: it is skipped, not crashed.
+    report = run(tok, conversations[:8], model=other, adapter=str(adapter), select=ADAPTER_RULES)
+    assert {f.rule for f in report.findings} == {"adapter-base-mismatch", "checks-skipped"}
+    assert report.by_rule("checks-skipped")[0].evidence["skipped"] == ["adapter-not-loaded"]
 
 
 @pytest.mark.planted("adapter-not-loaded")

@@ -191,3 +191,23 @@ def test_model_side_checks_hold_in_half_precision(setup, conversations, dtype):
         model.lm_head.weight.mul_(60.0)
     broken = run(tok, conversations, model=model, select="model")
     assert {f.rule for f in broken.findings} == {"untrained-special-tokens", "init-loss-off-chance"}
+
+
+@pytest.mark.planted("checks-skipped")
+def test_checks_that_need_a_failed_precondition_are_skipped_not_crashed(setup, conversations):
+    """Token ids beyond the embedding: the forward pass behind the step-0 loss checks would raise IndexError.
+    They are skipped, the report says so once, and nothing is an internal error."""
+    model, _ = setup
+    tok = build_tokenizer("chatml")
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    rows = [{"messages": [{"role": "user", "content": "Call it."}, {"role": "assistant", "content": f"<tool_call> {i}"}]}
+            for i in range(4)] + conversations[:8]  # fmt: skip
+    report = run(tok, rows, model=model)
+    assert "internal-error" not in {f.rule for f in report.findings}
+    assert report.by_rule("vocab-size-mismatch")[0].severity == "error"
+    (skipped,) = report.by_rule("checks-skipped")
+    assert skipped.severity == "info" and skipped.evidence["needs"] == "vocab-size-mismatch"
+    assert set(skipped.evidence["skipped"]) == {"init-loss-off-chance", "init-loss-above-base"}
+    # Selected alone, the step-0 check still measures its precondition first (without reporting it).
+    alone = run(tok, rows, model=model, select="init-loss-off-chance")
+    assert [f.rule for f in alone.findings] == ["checks-skipped"]

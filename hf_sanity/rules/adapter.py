@@ -8,6 +8,14 @@ from hf_sanity.catalog import define
 from hf_sanity.measure.adapters import adapter_config, adapter_state, attached_adapter, lora_keys, module_path
 from hf_sanity.measure.tensors import forward_kwargs, model_device, to_device
 
+
+def has_adapter(ctx) -> bool:
+    """A saved adapter to check against the model, or a model object that carries one."""
+    if not ctx.has_model:
+        return False
+    return bool(ctx.adapter_path) or (ctx.model_given and bool(getattr(ctx.model, "peft_config", None)))
+
+
 ADAPTER_UNTRAINED = define(
     "adapter-untrained",
     severity="error",
@@ -20,7 +28,7 @@ ADAPTER_UNTRAINED = define(
 )
 
 
-@ADAPTER_UNTRAINED.check
+@ADAPTER_UNTRAINED.check(applies=lambda ctx: bool(ctx.adapter_path))
 def check_adapter_untrained(ctx):
     if not ctx.adapter_path:
         return
@@ -44,7 +52,7 @@ ADAPTER_BASE_MISMATCH = define(
 )
 
 
-@ADAPTER_BASE_MISMATCH.check
+@ADAPTER_BASE_MISMATCH.check(applies=lambda ctx: bool(ctx.adapter_path) and ctx.has_model)
 def check_adapter_base(ctx):
     if not ctx.adapter_path or not ctx.has_model:
         return
@@ -95,10 +103,11 @@ ADAPTER_NOT_LOADED = define(
     "model's outputs with the adapter attached equal the base model's on a sample batch.",
     fix="Load with PeftModel.from_pretrained(base, adapter) (or merge_and_unload() and save the merged model) and "
     "serve that model; check target_modules against the base model's module names.",
+    needs=("adapter-base-mismatch", "vocab-size-mismatch"),
 )
 
 
-@ADAPTER_NOT_LOADED.check
+@ADAPTER_NOT_LOADED.check(applies=has_adapter)
 def check_adapter_not_loaded(ctx):
     if not ctx.has_model:
         return

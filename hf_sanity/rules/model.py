@@ -20,6 +20,7 @@ INIT_LOSS_OFF_CHANCE = define(
     "leakage (the answer is in the input) or labels that are trivially predictable.",
     fix="Far above: check the labels (not shifted by hand, right tokens) and the init. Far below: check "
     "label-leakage and what the labels contain.",
+    needs=("vocab-size-mismatch",),
 )
 
 NO_TRAINABLE_PARAMS = define(
@@ -225,7 +226,7 @@ def check_new_tokens_frozen(ctx):
     )
 
 
-@INIT_LOSS_OFF_CHANCE.check
+@INIT_LOSS_OFF_CHANCE.check(applies=lambda ctx: ctx.has_model)
 def check_init_loss(ctx):
     measured = ctx.init_loss
     if measured is None or measured["tokens"] == 0:
@@ -271,6 +272,7 @@ INIT_LOSS_ABOVE_BASE = define(
     "templated loss is more than 0.5 nat and 50% above the plain one.",
     fix="Use the chat template (and tokenizer) the model was trained with, or the instruct checkpoint the template "
     "belongs to; if the template is new on purpose, expect to train its tokens (see untrained-special-tokens).",
+    needs=("vocab-size-mismatch",),
 )
 
 ABOVE_BASE_SAMPLE = 64
@@ -284,7 +286,9 @@ def _conversation(row) -> list[dict] | None:
     return None
 
 
-@INIT_LOSS_ABOVE_BASE.check
+@INIT_LOSS_ABOVE_BASE.check(
+    applies=lambda ctx: ctx.has_model and ctx.fmt in ("messages", "prompt-completion")
+)
 def check_init_loss_above_base(ctx):
     if not ctx.has_model or ctx.fmt not in ("messages", "prompt-completion") or ctx.dataset is None:
         return

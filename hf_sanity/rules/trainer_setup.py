@@ -14,6 +14,10 @@ from hf_sanity.measure.tensors import model_device, to_device
 from hf_sanity.untouched import untouched
 
 
+def has_trainer_batch(ctx) -> bool:
+    return ctx.trainer is not None and ctx.first_batch is not None
+
+
 def _device_batch(model, batch):
     return to_device(batch, model_device(model))
 
@@ -29,6 +33,7 @@ PACKING_CONTAMINATION = define(
     fix="Use padding-free packing with position_ids that restart per example (TRL packing_strategy='bfd') and an "
     "attention implementation that isolates them (flash_attention_2, or sdpa with transformers' packed masks); "
     "or disable packing.",
+    needs=("vocab-size-mismatch",),
 )
 
 
@@ -50,7 +55,7 @@ def example_bounds(batch) -> list[list[int]] | None:
     return None
 
 
-@PACKING_CONTAMINATION.check
+@PACKING_CONTAMINATION.check(applies=has_trainer_batch)
 def check_packing(ctx):
     batch, trainer = ctx.first_batch, ctx.trainer
     if batch is None or trainer is None:
@@ -105,10 +110,11 @@ GRAD_ACCUM_LOSS_SCALING = define(
     "tokens across micro-batches.",
     fix="Sum the per-token losses and divide by `num_items_in_batch` in your compute_loss (and set "
     "`self.loss_is_scaled_for_ga = True`), or use the model's built-in loss.",
+    needs=("vocab-size-mismatch",),
 )
 
 
-@GRAD_ACCUM_LOSS_SCALING.check
+@GRAD_ACCUM_LOSS_SCALING.check(applies=has_trainer_batch)
 def check_grad_accum(ctx):
     import torch
 
@@ -165,10 +171,11 @@ CHECKPOINTING_BLOCKS_GRADS = define(
     "that receive no gradient (reentrant checkpointing with frozen input embeddings cuts the graph).",
     fix="Call `model.enable_input_require_grads()` before training, or use non-reentrant checkpointing "
     "(gradient_checkpointing_kwargs={'use_reentrant': False}).",
+    needs=("vocab-size-mismatch",),
 )
 
 
-@CHECKPOINTING_BLOCKS_GRADS.check
+@CHECKPOINTING_BLOCKS_GRADS.check(applies=has_trainer_batch)
 def check_checkpointing(ctx):
     batch, trainer = ctx.first_batch, ctx.trainer
     if batch is None or trainer is None or "labels" not in batch:
