@@ -93,6 +93,8 @@ def logits_of(output):
     import torch
 
     logits = getattr(output, "logits", None)
+    if logits is None and isinstance(output, Mapping):  # a custom model may return a plain dict
+        logits = output.get("logits")
     if logits is None and isinstance(output, (tuple, list)) and output:
         logits = output[0]
     if logits is None and isinstance(output, torch.Tensor):
