@@ -27,7 +27,9 @@ class FeatureLM(torch.nn.Module):
         logits = self.head(torch.tanh(self.proj(x)))
         loss = None
         if labels is not None:
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100
+            )
         return {"loss": loss, "logits": logits}
 
 
@@ -57,9 +59,17 @@ def train(tmp_path, *, collator=default_data_collator, seed=0, steps=24):
     trainer = Trainer(
         model=FeatureLM(),
         args=TrainingArguments(
-            output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=8, learning_rate=1e-2,
-            logging_steps=4, report_to=[], save_strategy="no", use_cpu=True, seed=seed, disable_tqdm=True,
-        ),  # fmt: skip
+            output_dir=str(tmp_path),
+            max_steps=steps,
+            per_device_train_batch_size=8,
+            learning_rate=1e-2,
+            logging_steps=4,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            seed=seed,
+            disable_tqdm=True,
+        ),
         train_dataset=rows(seed=seed),
         data_collator=collator,
         callbacks=[callback],

@@ -174,7 +174,7 @@ class Context:
 
     def spans(self, index: int) -> list[Span]:
         flat = self.row(index)["spans"]
-        return [Span(*flat[i : i + 3]) for i in range(0, len(flat), 3)]
+        return [Span(*flat[i : i + 4]) for i in range(0, len(flat), 4)]
 
     def view(self, index: int, *, focus: int | None = None, title: str | None = None) -> TokenView:
         """The token view of one encoded example (positions from max_len on are marked cut)."""

@@ -20,6 +20,53 @@ from hf_sanity.measure.formats import conversation_problem, text_problem
 from hf_sanity.measure.markers import Span, TemplateMarkers, boundary_ids, derive_markers, find_sequence
 
 
+def content_markers(tokenizer, markers: TemplateMarkers) -> set[str]:
+    """Special tokens that belong inside message content: the chat template mentions them but does not use
+    them as turn or role boundaries (reasoning ``<think>``/``</think>``, tool-call tags). Data carrying them is
+    what the template is built around, not stray markers."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str) or not template:
+        return set()
+    added = {str(t): i for i, t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items()}
+    return {t for t, i in added.items() if t in template and i not in markers.turn_marker_ids}
+
+
+def template_kwargs(row: dict[str, Any]) -> dict[str, Any] | str:
+    """What TRL passes the chat template besides the messages: the row's ``tools`` (a list of function
+    schemas, or its JSON string) and its ``chat_template_kwargs`` (e.g. ``documents``, ``enable_thinking``);
+    a problem with them, as a string."""
+    import json
+
+    kwargs: dict[str, Any] = {}
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as exc:
+            return f"tools is not valid JSON ({exc.msg})"
+    if tools:  # `or None`, as TRL: some templates render tool boilerplate for tools=[]
+        kwargs["tools"] = tools
+    extra = row.get("chat_template_kwargs")
+    if extra:
+        if not isinstance(extra, dict):
+            return f"chat_template_kwargs is {type(extra).__name__}, not a mapping"
+        kwargs.update(extra)
+    return kwargs
+
+
+def text_of(message: dict[str, Any]) -> str:
+    """A message's text for the data checks (duplicates, leakage, stray markers): its content, and the
+    function calls an assistant turn makes."""
+    import json
+
+    content = message.get("content")
+    text = content if isinstance(content, str) else ""
+    calls = message.get("tool_calls") or []
+    if calls:
+        text = " ".join([text, *(json.dumps(call, sort_keys=True, default=str) for call in calls)]).strip()
+    return text
+
+
 def stable_hash(text: str) -> int:
     """A 63-bit hash stable across processes (unlike `hash`), for duplicate and leakage detection."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1
@@ -41,7 +88,7 @@ class EncodeOptions:
 MEASURES: dict[str, Any] = {
     "input_ids": [],
     "labels": [],
-    "spans": [],  # flat [start, stop, end, ...] per completion
+    "spans": [],  # flat [lead, start, stop, end, ...] per completion (see markers.Span)
     "error": "",
     "n_tokens": 0,
     "n_supervised": 0,
@@ -56,7 +103,8 @@ MEASURES: dict[str, Any] = {
     "n_leading_bos": 0,
     "n_label_eq_next": 0,
     "n_label_eq_same": 0,
-    "n_gp_mismatch": 0,
+    "n_gp_mismatch": 0,  # assistant turns whose training text does not start with the inference prompt
+    "n_gp_merge": 0,  # ... whose text does, but whose tokens merge across the boundary
     "content_markers": [],
     "text_families": [],
     "hash": 0,
@@ -78,7 +126,9 @@ class Encoder:
         self.markers = markers or derive_markers(tokenizer)
         specials = {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
         specials |= {str(t) for t in tokenizer.all_special_tokens}
-        strays = sorted(specials | set(FAMILY_OF), key=len, reverse=True)
+        strays = sorted(
+            (specials - content_markers(tokenizer, self.markers)) | set(FAMILY_OF), key=len, reverse=True
+        )
         self._stray_re = re.compile("|".join(re.escape(s) for s in strays if s.strip())) if strays else None
         self._family_re = re.compile("|".join(re.escape(m) for m in FAMILY_OF))
         self._boundaries = boundary_ids(tokenizer)
@@ -123,21 +173,24 @@ class Encoder:
             conversation = self._conversation(row)
             if not isinstance(conversation, tuple):
                 continue
-            messages, first = conversation
+            messages, first, kwargs = conversation
             try:
-                full = self.tokenizer.apply_chat_template(messages, tokenize=False)
+                full = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
                 enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-                exact, gp = self._exact_spans(messages, first, full, enc["input_ids"], enc["offset_mapping"])
+                exact, gp = self._exact_spans(
+                    messages, first, full, enc["input_ids"], enc["offset_mapping"], kwargs
+                )
             except Exception:
                 continue
-            if gp or self._marker_spans(messages, first, enc["input_ids"]) != exact:
+            if any(gp) or self._marker_spans(messages, first, enc["input_ids"]) != exact:
                 return
             agree += 1
         self.exact = agree == 0
 
     def _conversation(self, row: dict[str, Any]):
-        """(messages, index of the first supervised message), a failure dict, or None for plain-text
-        prompt/completion rows."""
+        """(messages, index of the first supervised message, template kwargs), a failure dict, or None for
+        plain-text prompt/completion rows. The messages are passed to the template as they are (tool calls,
+        names, reasoning fields included) with the row's ``tools`` and ``chat_template_kwargs``, as TRL does."""
         if self.options.fmt == "messages":
             messages, first = row.get("messages"), 0
         else:
@@ -152,12 +205,15 @@ class Encoder:
         problem = conversation_problem(messages)
         if problem:
             return self.failed(problem)
-        return [{"role": m["role"], "content": m["content"]} for m in messages], first
+        kwargs = template_kwargs(row)
+        if isinstance(kwargs, str):
+            return self.failed(kwargs)
+        return list(messages), first, kwargs
 
     def encode_conversations(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Render each conversation with the chat template, tokenize the batch in one call, measure each."""
         out: list[dict[str, Any] | None] = [None] * len(rows)
-        pending: list[tuple[int, list[dict], int, str]] = []
+        pending: list[tuple[int, list[dict], int, dict, str]] = []
         for k, row in enumerate(rows):
             try:
                 conversation = self._conversation(row)
@@ -166,71 +222,85 @@ class Encoder:
                 elif isinstance(conversation, dict):
                     out[k] = conversation
                 else:
-                    messages, first = conversation
-                    pending.append(
-                        (k, messages, first, self.tokenizer.apply_chat_template(messages, tokenize=False))
-                    )
+                    messages, first, kwargs = conversation
+                    full = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+                    pending.append((k, messages, first, kwargs, full))
             except Exception as exc:  # the template rejected this row: a data problem
                 out[k] = self.failed(f"{type(exc).__name__}: {exc}")
         if pending:
             enc = self.tokenizer(
                 [text for *_, text in pending], add_special_tokens=False, return_offsets_mapping=self.exact
             )
-            for n, (k, messages, first, full) in enumerate(pending):
+            for n, (k, messages, first, kwargs, full) in enumerate(pending):
                 offsets = enc["offset_mapping"][n] if self.exact else None
                 try:
-                    out[k] = self._measure_conversation(messages, first, full, enc["input_ids"][n], offsets)
+                    out[k] = self._measure_conversation(
+                        messages, first, full, enc["input_ids"][n], offsets, kwargs
+                    )
                 except Exception as exc:
                     out[k] = self.failed(f"{type(exc).__name__}: {exc}")
         return out
 
-    def _measure_conversation(self, messages, first, full, ids, offsets) -> dict[str, Any]:
-        gp_mismatch = 0
+    def _measure_conversation(self, messages, first, full, ids, offsets, kwargs) -> dict[str, Any]:
+        gp_mismatch = (0, 0)
         spans = None if offsets is not None else self._marker_spans(messages, first, ids)
         if spans is None:  # exact method (chosen by calibration, or markers did not fit this row)
             if offsets is None:
                 offsets = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)[
                     "offset_mapping"
                 ]
-            spans, gp_mismatch = self._exact_spans(messages, first, full, ids, offsets)
+            spans, gp_mismatch = self._exact_spans(messages, first, full, ids, offsets, kwargs)
         labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
-        prompt_text = " ".join(m["content"] for m in messages if m["role"] != "assistant")
-        answers = [m["content"] for j, m in enumerate(messages) if m["role"] == "assistant" and j >= first]
+        texts = [(m["role"], text_of(m)) for m in messages]
+        prompt_text = " ".join(text for role, text in texts if role != "assistant")
+        answers = [text for j, (role, text) in enumerate(texts) if role == "assistant" and j >= first]
         out = self.measure(ids, labels, spans, user_labels=False)
         out.update(
             gp=gp_mismatch,
-            content=self._strays(m["content"] for m in messages),
-            hash=stable_hash(normalize(" ".join(f"{m['role']}: {m['content']}" for m in messages))),
+            content=self._strays(text for _, text in texts),
+            hash=stable_hash(normalize(" ".join(f"{role}: {text}" for role, text in texts))),
             leak=self._leaks(prompt_text, answers),
         )
         return self._finish(out)
 
-    def _exact_spans(self, messages, first, full, ids, offsets) -> tuple[list[Span], int]:
+    def _exact_spans(
+        self, messages, first, full, ids, offsets, kwargs=None
+    ) -> tuple[list[Span], tuple[int, int]]:
+        """The completions located exactly, and how many turns' inference prompt is not a prefix of the
+        training text (differs) or is, but not on a token boundary (merges)."""
         tok = self.tokenizer
+        kwargs = kwargs or {}
         starts = [s for s, _ in offsets]
         spans: list[Span] = []
-        gp_mismatch = 0
+        differs = merges = 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant" or i < first:
                 continue
-            prompt = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            prompt = tok.apply_chat_template(
+                messages[:i], tokenize=False, add_generation_prompt=True, **kwargs
+            )
+            before = tok.apply_chat_template(messages[:i], tokenize=False, **kwargs) if i else ""
+            # The assistant turn's own scaffolding (its header) starts where the conversation before it ends.
+            lead_char = len(before) if prompt.startswith(before) and full.startswith(before) else None
             if full.startswith(prompt):
                 start_char = len(prompt)
             else:  # the inference prompt is not what training saw: fall back to the shared prefix
-                gp_mismatch += 1
+                differs += 1
                 start_char = _common_prefix(full, prompt)
             start = bisect_left(starts, start_char)
-            if (start < len(starts) and starts[start] != start_char) or (
+            straddles = (start < len(starts) and starts[start] != start_char) or (
                 start > 0 and offsets[start - 1][1] > start_char
-            ):
-                gp_mismatch += 1  # a token straddles the boundary: the prompt is not a token prefix
+            )
+            if straddles and full.startswith(prompt):
+                merges += 1  # a token straddles the boundary: the prompt is not a token prefix
             if self.markers.end_of_turn:  # _close stops at the first end-of-turn marker
                 end = len(ids)
             else:
-                through = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+                through = tok.apply_chat_template(messages[: i + 1], tokenize=False, **kwargs)
                 end = bisect_left(starts, len(through) if full.startswith(through) else len(full))
-            spans.append(self._close(ids, start, end))
-        return spans, gp_mismatch
+            lead = min(bisect_left(starts, lead_char), start) if lead_char is not None else start
+            spans.append(self._close(ids, start, end, lead=lead))
+        return spans, (differs, merges)
 
     def _marker_spans(self, messages, first, ids) -> list[Span] | None:
         """The supervised turns located by the template's markers, or None if they do not fit this row."""
@@ -256,7 +326,7 @@ class Encoder:
         labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
         out = self.measure(ids, labels, spans, user_labels=False)
         out.update(
-            gp=int(start < len(prompt_ids)),
+            gp=(0, int(start < len(prompt_ids))),  # the text is a prefix: only tokens can merge
             content=self._strays([prompt, completion]),
             hash=stable_hash(normalize(prompt + " " + completion)),
             leak=self._leaks(prompt, [completion]),
@@ -276,6 +346,7 @@ class Encoder:
         out.update(
             families=sorted({FAMILY_OF[m] for m in self._family_re.findall(text)}),
             hash=stable_hash(normalize(text)),
+            gp=self._missing_extras(ids, spans),
         )
         return self._finish(out)
 
@@ -297,12 +368,34 @@ class Encoder:
             ids, labels, spans or [self._whole(ids)], user_labels=user_labels, located=bool(spans)
         )
         out["hash"] = stable_hash(" ".join(map(str, ids)))
+        out["gp"] = self._missing_extras(ids, spans)
         return self._finish(out)
 
+    def _missing_extras(self, ids: Sequence[int], spans: list[Span]) -> tuple[int, int]:
+        """Located turns of a pre-rendered sequence that do not start with the generation prompt's tokens
+        (DeepSeek-R1's ``<think>\\n`` after its header): inference prompts the model into a state these turns
+        never had. (differs, merges) as in ``_exact_spans``."""
+        prompt = self.markers.generation_ids
+        differs = merges = 0
+        if not prompt:
+            return 0, 0
+        served = None
+        for span in spans:
+            if tuple(ids[span.lead : span.lead + len(prompt)]) == prompt:
+                continue
+            served = self.tokenizer.decode(list(prompt)) if served is None else served
+            if self.tokenizer.decode(list(ids[span.lead : span.lead + len(prompt) + 2])).startswith(served):
+                merges += 1
+            else:
+                differs += 1
+        return differs, merges
+
     # -- pieces ------------------------------------------------------------------------------------
-    def _close(self, ids: Sequence[int], start: int, limit: int) -> Span:
+    def _close(self, ids: Sequence[int], start: int, limit: int, *, lead: int | None = None) -> Span:
         """The completion starting at ``start`` (rendered no further than ``limit``): up to and including its
-        end-of-turn marker; the template whitespace or trailing EOS after it is neutral (see ``Span``)."""
+        end-of-turn marker; the template whitespace or trailing EOS after it is neutral (see ``Span``), and so
+        is the turn's own scaffolding from ``lead``."""
+        lead = start if lead is None else lead
         eot = self.markers.end_of_turn
         found = find_sequence(ids, eot, start, limit) if eot else -1
         if found >= 0:
@@ -311,11 +404,11 @@ class Encoder:
                 ids[end] in self.markers.whitespace_ids or ids[end] in self.markers.stop_ids
             ):
                 end += 1
-            return Span(start, stop, end)
+            return Span(lead, start, stop, end)
         stop = limit
         while stop > start and ids[stop - 1] in self.markers.whitespace_ids:
             stop -= 1
-        return Span(start, stop, limit)
+        return Span(lead, start, stop, limit)
 
     def _whole(self, ids: Sequence[int]) -> Span:
         """A sequence without located turns is one completion (language modelling), after any BOS."""
@@ -323,7 +416,7 @@ class Encoder:
         bos = self.tokenizer.bos_token_id
         while start < len(ids) - 1 and bos is not None and ids[start] == bos:
             start += 1
-        return Span(start, len(ids), len(ids))
+        return Span(start, start, len(ids), len(ids))
 
     def _labels(self, ids: Sequence[int], spans: list[Span] | None) -> list[int]:
         if spans is None:
@@ -368,7 +461,7 @@ class Encoder:
             masked = labels[span.start : content_stop].count(ignore)
             n_completion += width
             n_completion_cut += max(0, span.stop - max(kept, span.start))
-            sup_in_turns += (span.end - span.start) - labels[span.start : span.end].count(ignore)
+            sup_in_turns += (span.end - span.lead) - labels[span.lead : span.end].count(ignore)
             if not ends:
                 eot_missing += 1
             # A turn with no loss at all is history the user chose not to train (multi-turn data trained on
@@ -394,7 +487,7 @@ class Encoder:
         return {
             "input_ids": ids,
             "labels": labels,
-            "spans": [x for s in spans for x in (s.start, s.stop, s.end)] if located else [],
+            "spans": [x for s in spans for x in s.flat()] if located else [],
             "n_tokens": n,
             "n_supervised": n_supervised,
             "n_supervised_kept": kept - labels[:kept].count(ignore),
@@ -415,7 +508,7 @@ class Encoder:
     def _finish(self, out: dict[str, Any]) -> dict[str, Any]:
         row = dict(MEASURES)
         row.update({k: v for k, v in out.items() if k in MEASURES})
-        row["n_gp_mismatch"] = out.get("gp", 0)
+        row["n_gp_mismatch"], row["n_gp_merge"] = out.get("gp", (0, 0))
         row["content_markers"] = out.get("content", [])
         row["text_families"] = out.get("families", [])
         return row

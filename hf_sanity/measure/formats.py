@@ -46,6 +46,13 @@ def conversation_problem(messages) -> str:
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
             return f"message {i} has unknown role {role!r}"
+        calls = message.get("tool_calls")
+        if calls is not None and (role != "assistant" or not isinstance(calls, list)):
+            return f"message {i} ({role}) has tool_calls that are not an assistant's list of calls"
+        if calls:  # a tool-call turn: its calls are what the model writes; text beside them is optional
+            if content is not None and not isinstance(content, str):
+                return f"message {i} ({role}) content is {type(content).__name__}, not a string"
+            continue
         if content is None:
             return f"message {i} ({role}) has no content"
         if not isinstance(content, str):

@@ -2,9 +2,14 @@
 
 Rendering a probe conversation tells us, in token ids as they appear in context:
 
-* the *assistant header*: what the template puts between the end of a user message and the start of
-  the assistant's answer (``<|im_end|>\\n<|im_start|>assistant\\n`` for ChatML, `` [/INST]`` for Mistral);
-* the *end of turn*: the first tokens after an assistant answer (``<|im_end|>``, ``<|eot_id|>``, ``</s>``).
+* the *assistant header*: what the template puts between the end of a user message and the point where the
+  model starts generating: the end of the generation prompt (``<|im_end|>\\n<|im_start|>assistant\\n`` for
+  ChatML, `` [/INST]`` for Mistral). What a template writes into a completed assistant turn after that point
+  (Qwen3's empty ``<think>\\n\\n</think>\\n\\n`` block) is completion: the model writes it at inference;
+* the *end of turn*: the first tokens after an assistant answer (``<|im_end|>``, ``<|eot_id|>``, ``</s>``);
+* the *generation prompt* in tokens, as inference renders it after the user's turn: every training turn
+  must start with the same tokens, or inference prompts the model into a state it never trained in
+  (DeepSeek-R1's ``<|Assistant|><think>\\n`` where its training turns have ``<|Assistant|>`` and the answer).
 
 With these, assistant turns can be located in any token sequence: pre-tokenized datasets, text datasets that
 carry the template's markers, and the collated batches of a real Trainer.
@@ -22,18 +27,27 @@ PROBE_ASSISTANT = "Probe answer zq"
 @dataclass(frozen=True)
 class Span:
     """One completion in token positions: ``[start, stop)`` carries the answer and its end-of-turn token;
-    ``[stop, end)`` is template whitespace after it, neither prompt nor completion."""
+    ``[lead, start)`` is the assistant turn's own scaffolding before it (its header, the newline after it) and
+    ``[stop, end)`` template whitespace after it: both are the assistant's side of the conversation, neither
+    prompt nor completion (training on them does not teach the model to write the user's turns)."""
 
+    lead: int
     start: int
     stop: int
     end: int
+
+    def flat(self) -> tuple[int, int, int, int]:
+        return self.lead, self.start, self.stop, self.end
 
 
 @dataclass(frozen=True)
 class TemplateMarkers:
     has_template: bool
     assistant_header: tuple[int, ...] = ()
+    header_own: int = 0  # the header's last tokens that open the assistant turn (the rest closes the user's)
     end_of_turn: tuple[int, ...] = ()
+    generation_ids: tuple[int, ...] = ()  # the generation prompt's tokens after the user's turn, at inference
+    turn_marker_ids: frozenset[int] = frozenset()  # special tokens the template uses as turn/role boundaries
     # Tokens that may legitimately close a completion: the template's end-of-turn token and EOS.
     stop_ids: frozenset[int] = frozenset()
     whitespace_ids: frozenset[int] = field(default_factory=frozenset)
@@ -57,6 +71,7 @@ class TemplateMarkers:
         n = len(ids)
         i = 0
         while (i := find_sequence(ids, header, i, n)) >= 0:
+            lead = i + len(header) - self.header_own
             start = i + len(header)
             while start < n and ids[start] in self.whitespace_ids:
                 start += 1
@@ -65,7 +80,7 @@ class TemplateMarkers:
             end = stop
             while end < n and (ids[end] in self.whitespace_ids or ids[end] in self.stop_ids):
                 end += 1
-            spans.append(Span(start, stop, end))
+            spans.append(Span(lead, start, stop, end))
             i = max(stop, start)
         return spans
 
@@ -129,16 +144,21 @@ def derive_markers(tokenizer) -> TemplateMarkers:
     if a_start < 0:
         return TemplateMarkers(True, stop_ids=frozenset(stop_ids), whitespace_ids=whitespace)
     a_end = a_start + len(PROBE_ASSISTANT)
+    # The header ends where the model starts generating: at the end of the generation prompt when a completed
+    # turn starts with it (whatever the template adds after it is the model's to write), else at the answer.
+    header_end = len(with_prompt) if full.startswith(with_prompt) and len(with_prompt) <= a_start else a_start
+    user_end = len(without) if full.startswith(without) else u_end  # where the user's turn is closed
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
-    header = [i for i, (s, e) in zip(ids, offsets) if s >= u_end and e <= a_start and e > s]
+    header = [(i, s) for i, (s, e) in zip(ids, offsets) if s >= u_end and e <= header_end and e > s]
     tail = [i for i, (s, e) in zip(ids, offsets) if s >= a_end and e > s]
     # Trim template whitespace at both ends of the header and keep the end of turn up to its first
     # non-whitespace run (``<|im_end|>`` of ``<|im_end|>\n``).
-    while header and header[0] in whitespace:
+    while header and header[0][0] in whitespace:
         header.pop(0)
-    while header and header[-1] in whitespace:  # re-found by skipping whitespace after the header
+    while header and header[-1][0] in whitespace:  # re-found by skipping whitespace after the header
         header.pop()
+    header_own = sum(1 for _, s in header if s >= user_end)
     while tail and tail[0] in whitespace:
         tail.pop(0)
     eot: list[int] = []
@@ -150,16 +170,26 @@ def derive_markers(tokenizer) -> TemplateMarkers:
         if idx in boundaries:
             break
     stop_ids |= {eot[-1]} if eot else set()
-    prompt_ids = tokenizer(with_prompt, add_special_tokens=False)["input_ids"]
+    prompted = tokenizer(with_prompt, add_special_tokens=False, return_offsets_mapping=True)
+    prompt_ids = prompted["input_ids"]
+    generation_ids = tuple(
+        i for i, (s, e) in zip(prompt_ids, prompted["offset_mapping"]) if s >= user_end and e > s
+    )
     shared = 0
     while shared < min(len(prompt_ids), len(ids)) and prompt_ids[shared] == ids[shared]:
         shared += 1
     user_end_token = next((k for k, (s, e) in enumerate(offsets) if e >= u_end), len(ids))
     start = min(shared, user_end_token + 1)
+    # Turn markers: the special tokens the template renders around the probe's contents, not inside the
+    # answer's side (a reasoning block there is content the model writes).
+    markers = {i for i, (s, _) in zip(ids, offsets) if i in boundaries and not header_end <= s < a_end}
     return TemplateMarkers(
         True,
-        assistant_header=tuple(header),
+        assistant_header=tuple(i for i, _ in header),
+        header_own=header_own,
         end_of_turn=tuple(eot),
+        generation_ids=generation_ids,
+        turn_marker_ids=frozenset(markers),
         stop_ids=frozenset(stop_ids),
         whitespace_ids=whitespace,
         generation_prompt=generation_prompt,

@@ -116,44 +116,85 @@ GENERATION_PROMPT_MISMATCH = define(
     symptom="Output has stray template markers or a wrong first token: the prompt at inference is not what "
     "training saw before each answer.",
     detects="For every assistant turn, the conversation up to that turn is rendered with the generation prompt "
-    "(the inference prompt) and must be a token prefix of the training sequence. Also checked once per "
-    "template on a probe conversation (e.g. a generation prompt that opens a `<think>` block the training "
-    "turns never contain).",
-    fix="Train on sequences rendered the way inference renders them (include the generation prompt's extra "
-    "tokens in the training data, e.g. the reasoning block), or serve with a template whose generation prompt "
+    "(the inference prompt) and must be a token prefix of the training sequence; in pre-rendered data (text, "
+    "tokens) every located assistant turn must start with the generation prompt's tokens (e.g. DeepSeek-R1's "
+    "`<think>` that its own template strips from completed turns).",
+    fix="Train on sequences rendered the way inference renders them, or serve with a generation prompt that "
     "matches the training turns.",
 )
 
 
 @GENERATION_PROMPT_MISMATCH.check
 def check_generation_prompt(ctx):
-    markers = ctx.markers
-    template_level = markers.has_template and markers.inference_tail != markers.training_tail
-    counts = ctx.col("n_gp_mismatch")
+    differs, merges = ctx.col("n_gp_mismatch"), ctx.col("n_gp_merge")
+    cause = "text-differs" if (ctx.valid & (differs > 0)).any() else "tokens-merge"
+    counts = differs if cause == "text-differs" else merges
     bad = ctx.valid & (counts > 0)
-    if not bad.any() and not template_level:
+    if not bad.any():
         return
-    tok = ctx.tokenizer
+    tok, markers = ctx.tokenizer, ctx.markers
+    n = int(ctx.valid.sum())
+    rows = ctx.first(bad)
+    ids = ctx.row(rows[0])["input_ids"]
+    spans = ctx.spans(rows[0])
+    prompt = list(markers.generation_ids)
+    turn = spans[0].lead if spans else 0
+    served = tok.decode(prompt)
+    trained = tok.decode(ids[turn : turn + max(len(prompt), 1) + 4])  # the real training text at that place
+    shared = next(
+        (k for k, (a, b) in enumerate(zip(served, trained)) if a != b), min(len(served), len(trained))
+    )
+    extra = served[shared:].strip() or served.strip()  # what inference has that the training turn lacks
     evidence = {
-        "inference_prompt_ends": tok.decode(list(markers.inference_tail)),
-        "training_turn_has": tok.decode(list(markers.training_tail)),
+        "cause": cause,
+        "inference_prompt_ends": served,
+        "training_turn_has": trained,
+        "rows": rows,
+        "turns": int(counts[ctx.valid].sum()),
     }
-    if bad.any():
-        n = int(ctx.valid.sum())
-        rows = ctx.first(bad)
-        spans = ctx.spans(rows[0])
+    if cause == "tokens-merge":  # the same text, tokenized across the boundary: a smaller gap
         yield GENERATION_PROMPT_MISMATCH.finding(
-            f"in {int(bad.sum())} of {n} examples the inference prompt is not a token prefix of the training "
-            f"sequence ({int(counts[ctx.valid].sum())} assistant turns)",
-            evidence={**evidence, "rows": rows, "turns": int(counts[ctx.valid].sum())},
-            example=ctx.view(rows[0], focus=spans[0].start if spans else None),
-        )
-    else:
-        yield GENERATION_PROMPT_MISMATCH.finding(
-            f"the generation prompt renders {evidence['inference_prompt_ends']!r} but training turns contain "
-            f"{evidence['training_turn_has']!r} at that place",
+            f"in {int(bad.sum())} of {n} examples the training text starts with the inference prompt but its "
+            f"tokens merge across the boundary: inference ends on {served!r}, training has {trained!r}",
             evidence=evidence,
+            example=ctx.view(rows[0], focus=spans[0].start if spans else None),
+            severity="warning",
+            fix="The model never sees the inference prompt's last tokens as they are tokenized at inference. End "
+            "the generation prompt on a token boundary (a chat template whose turns continue the prompt with a "
+            "separate token), or build training sequences from the prompt's own tokens plus the completion's "
+            "(TRL does so for prompt/completion data).",
         )
+        return
+    yield GENERATION_PROMPT_MISMATCH.finding(
+        f"in {int(bad.sum())} of {n} examples the inference prompt is not a prefix of the training sequence "
+        f"({int(counts[ctx.valid].sum())} assistant turns): inference renders {served!r} where training has "
+        f"{trained!r}",
+        evidence=evidence,
+        example=ctx.view(rows[0], focus=spans[0].start if spans else None),
+        fix=_generation_prompt_fix(ctx, rows[0], extra),
+    )
+
+
+def _generation_prompt_fix(ctx, row: int, extra: str) -> str:
+    """A fix the data can follow: when the data carries what the generation prompt opens (a reasoning block)
+    and the rendering drops it, the template is the culprit; otherwise the data lacks it."""
+    contents = ""
+    if ctx.dataset is not None and ctx.fmt in ("messages", "prompt-completion"):
+        raw = ctx.dataset[int(row)]
+        messages = raw.get("messages") or (raw.get("prompt") or []) + (raw.get("completion") or [])
+        if isinstance(messages, list):
+            contents = " ".join(str(m.get("content") or "") for m in messages if isinstance(m, dict))
+    if extra and extra in contents:
+        return (
+            f"Your data carries {extra!r} but the chat template drops it from the assistant turns it renders (see "
+            "template-drops-content): render with a template that keeps it (e.g. TRL's training variant of this "
+            "template, trl/chat_templates/*_training.jinja), so training turns start the way inference prompts."
+        )
+    return (
+        f"The training turns lack {extra!r}, which the generation prompt opens at inference: add it to the "
+        "training data (e.g. the reasoning block the template expects), or serve with a generation prompt that "
+        "matches the training turns (e.g. `enable_thinking=False` where the template has it)."
+    )
 
 
 STRAY_TEMPLATE_MARKERS = define(

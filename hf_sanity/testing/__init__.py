@@ -11,7 +11,14 @@ the tokenizer), ``generation`` (ChatML with ``{% generation %}`` markers), ``bas
 ``pad``: ``distinct`` (pad != EOS), ``eos`` (pad == EOS), ``none``.
 """
 
-from hf_sanity.testing.data import as_prompt_completion, as_text, demo_conversations, synthetic_conversations
+from hf_sanity.testing.data import (
+    as_prompt_completion,
+    as_text,
+    demo_conversations,
+    reasoning_conversations,
+    synthetic_conversations,
+    tool_conversations,
+)
 from hf_sanity.testing.factory import (
     CHAT_TEMPLATES,
     TEMPLATES,
@@ -34,8 +41,10 @@ __all__ = [
     "build_tokenizer",
     "cache_root",
     "demo_conversations",
+    "reasoning_conversations",
     "synthetic_conversations",
     "tiny_model_dir",
     "tiny_model_for",
     "tiny_setup",
+    "tool_conversations",
 ]

@@ -101,3 +101,58 @@ def as_text(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
     return [
         {"text": " ".join(m["content"] for m in row["messages"] if m["role"] != "system")} for row in rows
     ]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current temperature in a city, in degrees Celsius.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "The city."}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def tool_conversations(n: int = 32, seed: int = 0, *, tools_as_json: bool = False) -> list[dict[str, Any]]:
+    """``n`` tool-calling conversations in the TRL/OpenAI format: a user question, an assistant turn that is
+    only a call (``content: ""`` plus ``tool_calls``), the ``tool`` result, and the answer; the ``tools``
+    column carries the function schema (a JSON string with ``tools_as_json``, as CSV/Parquet files hold it)."""
+    import json
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        _, city = CAPITALS[i % len(CAPITALS)]
+        degrees = rng.randrange(-5, 35)
+        call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"How warm is it in {city} right now? ({i})"},
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "name": "get_weather", "content": json.dumps({"celsius": degrees})},
+                    {"role": "assistant", "content": f"It is {degrees} degrees Celsius in {city}."},
+                ],
+                "tools": json.dumps([WEATHER_TOOL]) if tools_as_json else [WEATHER_TOOL],
+            }
+        )
+    return rows
+
+
+def reasoning_conversations(n: int = 32, seed: int = 0) -> list[dict[str, Any]]:
+    """:func:`demo_conversations` whose answers carry a reasoning block, ``<think>\\n...\\n</think>\\n\\n`` before
+    the answer, as reasoning models (DeepSeek-R1, Qwen3) write them."""
+    rows = []
+    for row in demo_conversations(n, seed):
+        messages = []
+        for m in row["messages"]:
+            if m["role"] == "assistant":
+                thought = f"The user asks: {messages[-1]['content']} I know this one."
+                m = {**m, "content": f"<think>\n{thought}\n</think>\n\n{m['content']}"}
+            messages.append(m)
+        rows.append({"messages": messages})
+    return rows
