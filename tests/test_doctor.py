@@ -190,6 +190,31 @@ def test_hyperparameter_churn(tmp_path):
     assert report.by_rule("seed-unfixed") == []  # different LRs: not one configuration
 
 
+def test_churn_groups_runs_by_failure_class(tmp_path):
+    """Three LRs that all fail to learn: flat at two, underfitting (it moved, by 6%) at the third."""
+    paths = churn_runs(tmp_path)
+    barely = series(start=2.4, floor=2.25, noise=0.003, seed=2, peak=1e-3)
+    write_run(paths[2], barely, config=LLAMA)
+    report = doctor(paths, use_config=False)
+    assert [f.rule for f in report.findings if f.evidence.get("run") == str(paths[2])] == ["underfitting"]
+    (churn,) = report.by_rule("hyperparameter-churn")
+    assert churn.evidence["failure_classes"] == ["not-learning"]
+    assert churn.evidence["failures"] == ["loss-flat", "underfitting"]
+    assert churn.evidence["failures_by_run"] == {
+        str(paths[0]): ["loss-flat"],
+        str(paths[1]): ["loss-flat"],
+        str(paths[2]): ["underfitting"],
+    }
+    assert "not-learning: loss-flat in 2, underfitting in 1" in churn.message
+
+
+def test_failure_classes_name_rules_of_the_catalog():
+    rules_known = catalog.load()
+    assert [s for slugs in R.FAILURE_CLASSES.values() for s in slugs if s not in rules_known] == []
+    assert R.failure_class("underfitting") == R.failure_class("loss-flat") == "not-learning"
+    assert R.failure_class("negative-loss") == "negative-loss"  # in no class: a class of its own
+
+
 def test_no_churn_across_different_setups(tmp_path):
     other = {**LLAMA, "_name_or_path": "Qwen/Qwen2.5-0.5B", "model_type": "qwen2"}
     report = doctor(churn_runs(tmp_path, configs=(LLAMA, LLAMA, other)), use_config=False)
