@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pickle
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +18,8 @@ from hf_sanity import catalog
 from hf_sanity.drivers.doctor import doctor
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.curves import Curves
-from hf_sanity.measure.runs import find_state
+from hf_sanity.measure.runs import describe, find_state, read_run
+from hf_sanity.measure.training_args import read_training_args_bin
 from hf_sanity.rules import runs as R
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -247,7 +251,9 @@ def test_seed_unfixed(tmp_path):
     a = write_run(tmp_path / "a", series(seed=1), config=LLAMA)
     b = write_run(tmp_path / "b", series(seed=2), config=LLAMA)
     (finding,) = doctor([a, b], use_config=False).by_rule("seed-unfixed")
-    assert finding.evidence["pair"] == [str(a), str(b)] and "no recorded seed" in finding.message
+    assert finding.evidence["pair"] == [str(a), str(b)]
+    assert finding.evidence["seeds"] == {str(a): None, str(b): None}
+    assert "their seeds are unknown" in finding.message and "no recorded seed" not in finding.message
 
 
 def test_seed_unfixed_needs_the_same_recorded_fields(tmp_path):
@@ -269,7 +275,17 @@ def test_different_recorded_seeds_are_meant_to_differ(tmp_path):
     assert doctor([a, b], use_config=False).by_rule("seed-unfixed") == []
     (b / "training_args.json").write_text(json.dumps({"seed": 1}))
     (finding,) = doctor([a, b], use_config=False).by_rule("seed-unfixed")
-    assert "same seed 1" in finding.message
+    assert "same seed 1" in finding.message and "full_determinism=True" in finding.fix
+
+
+def test_model_configs_that_differ_anywhere_are_different_setups(tmp_path):
+    """Two checkpoints of one architecture told apart by their token ids only; dtype and dropout are not
+    the model's identity."""
+    a = write_run(tmp_path / "a", series(seed=1), config={**LLAMA, "eos_token_id": 2}, args={"seed": 0})
+    b = write_run(tmp_path / "b", series(seed=2), config={**LLAMA, "eos_token_id": 7}, args={"seed": 0})
+    assert doctor([a, b], use_config=False).by_rule("seed-unfixed") == []
+    (b / "config.json").write_text(json.dumps({**LLAMA, "eos_token_id": 2, "dtype": "bfloat16"}))
+    assert doctor([a, b], use_config=False).by_rule("seed-unfixed")
 
 
 # -- predictions -----------------------------------------------------------------------------------
@@ -402,6 +418,87 @@ def test_real_trainer_run(real_run):
         {**f.to_dict(), "evidence": {**f.evidence, "run": same.stats["runs"][0]["run"]}}
         for f in report.findings
     ]
+
+
+def test_real_trainer_run_records_its_arguments(real_run):
+    run = read_run(real_run)
+    assert str(real_run / "checkpoint-12" / "training_args.bin") in run.files
+    description = describe(run)
+    hyper = description.hyperparameters
+    assert (hyper["seed"], hyper["learning_rate"], hyper["per_device_train_batch_size"]) == (42, 1e-3, 4)
+    assert hyper["lr_scheduler_type"] == "linear"  # an enum, read as its value
+    assert "output_dir" not in description.setup and "distributed_state" not in description.setup
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    """Two tiny models of one architecture (ChatML and Llama-3 special tokens: other token ids), each trained
+    by a plain Trainer with seed=0 for 30 logged steps, a checkpoint at the end."""
+    import torch
+    from dist import tinytrain as tt
+
+    from hf_sanity.testing import tiny_setup
+
+    out = tmp_path_factory.mktemp("two-models")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for template in ("chatml", "llama3"):
+            model, tok = tiny_setup(template, "distinct")
+            tt.trainer(
+                out / template, model=model, tok=tok, max_steps=30, logging_steps=1, save_strategy="steps",
+                save_steps=30, save_only_model=True, seed=0,
+            ).train()  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    return [out / "chatml", out / "llama3"]
+
+
+@pytest.mark.clean("seed-unfixed")
+def test_two_models_trained_with_one_seed_are_not_seed_unfixed(two_models):
+    a, b = (describe(read_run(path)) for path in two_models)
+    assert a.hyperparameters["seed"] == 0 and a.hyperparameters == b.hyperparameters
+    assert R._curve_gap(a.curves, b.curves)["differs"]  # the curves differ: only the model tells them apart
+    assert a.setup["model.eos_token_id"] != b.setup["model.eos_token_id"]
+    assert doctor(two_models, use_config=False).by_rule("seed-unfixed") == []
+
+
+class TrainingArguments:  # named like the real class, so that the reader reads its fields
+    def __init__(self, payload):
+        self.seed = 7
+        self.hub_token = "hf_not_to_be_read"
+        self.payload = payload
+
+
+class MakeDir:
+    """Unpickled, it makes a directory: the shape of every malicious pickle (a callable and its arguments)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def torch_saved(path: Path, obj) -> Path:
+    """A file laid out as torch.save writes it: a zip with the pickle at <name>/data.pkl."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("training_args/data.pkl", pickle.dumps(obj, protocol=2))
+    return path
+
+
+def test_training_args_bin_runs_no_code_of_the_file(tmp_path):
+    proof = tmp_path / "proof"
+    pickle.loads(pickle.dumps(MakeDir(str(proof))))
+    assert proof.is_dir()  # the payload does run when the pickle is loaded
+    marker = tmp_path / "ran"
+    fields = read_training_args_bin(torch_saved(tmp_path / "a.bin", TrainingArguments(MakeDir(str(marker)))))
+    assert not marker.exists()
+    assert fields == {"seed": 7, "payload": str(marker)}  # the call is only recorded; the token is dropped
+    assert read_training_args_bin(torch_saved(tmp_path / "b.bin", MakeDir(str(marker)))) is None
+    assert not marker.exists()
+    (tmp_path / "c.bin").write_bytes(pickle.dumps(TrainingArguments(None)))  # not torch.save's zip
+    assert read_training_args_bin(tmp_path / "c.bin") is None
 
 
 # -- the command line ------------------------------------------------------------------------------

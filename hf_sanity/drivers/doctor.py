@@ -3,8 +3,8 @@
 Per run (see `hf_sanity.measure.runs` for what a RUN is and what is read): the curve detectors on its
 ``log_history``, with the vocabulary size from a ``config.json`` beside it. Across runs: the "runs"
 detectors, which compare what each run says about its setup and hyperparameters. With ``predictions=``:
-the prediction rules on a JSONL of ``{"prediction", "label"}`` / ``{"score"}`` rows. Nothing is unpickled
-and nothing is written into the run folders.
+the prediction rules on a JSONL of ``{"prediction", "label"}`` / ``{"score"}`` rows. No code of the run's
+files runs (``training_args.bin`` is read inert) and nothing is written into the run folders.
 """
 
 from __future__ import annotations

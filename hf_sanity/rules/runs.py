@@ -12,9 +12,10 @@ import numpy as np
 from hf_sanity.catalog import define
 from hf_sanity.findings import Finding
 from hf_sanity.measure.curves import Curves
-from hf_sanity.measure.runs import RunDescription, RunSet, canonical
+from hf_sanity.measure.runs import ARGS_BIN, ARGS_FILES, RunDescription, RunSet, canonical
 from hf_sanity.numbers import median, noise
 
+ARGS_NAMES = (ARGS_BIN, *ARGS_FILES)
 SEED_MIN_COMMON = 10  # common logged steps needed to compare two curves
 SEED_REL = 0.01  # curves differ when the median |difference| at common steps is >= 1% of the level ...
 SEED_NOISE = 0.5  # ... and >= half the curves' own step-to-step noise sigma
@@ -52,8 +53,11 @@ SEED_UNFIXED = define(
     detects="Runs with one configuration (the same readable setup and hyperparameters, the same fields "
     "recorded, the peak LR read from the logs included) whose train losses, at the steps both logged "
     f"({SEED_MIN_COMMON}+), differ by a median >= {SEED_REL:.0%} of the level and >= {SEED_NOISE:g}x their own "
-    "step-to-step noise sigma (numerical noise alone stays far below both). Runs whose recorded seeds "
-    "differ are not compared.",
+    "step-to-step noise sigma (numerical noise alone stays far below both). The seed and the other arguments "
+    "are read from training_args.bin (inert: no code of the file runs) and a training_args.json / args.json; "
+    "runs whose recorded seeds differ are not compared, runs whose model configs differ are different setups. "
+    "The message says whether the seed was the same (then the cause is unrecorded data or weights, or "
+    "nondeterministic kernels) or is unknown.",
     fix="Set the seed (TrainingArguments(seed=..., data_seed=...)) and enable full determinism when comparing runs.",
 )
 
@@ -67,8 +71,8 @@ HYPERPARAMETER_CHURN = define(
     "whichever slug of it (a flat loss at one LR, underfitting at the next). Hyperparameters are the knobs of "
     "TrainingArguments/LoRA (learning rate, schedule, warmup, batch size, epochs, seed, rank, ...) and the peak "
     "LR of the logs; the setup is everything else readable: the model's identity in config.json and the other "
-    "fields of a training_args.json or args.json beside the state. training_args.bin is never unpickled; a "
-    "field one run does not record does not separate it from the others.",
+    "fields of the training arguments beside the state (training_args.bin, read inert, and a "
+    "training_args.json or args.json). A field one run does not record does not separate it from the others.",
     fix="Stop tuning: it is a pipeline bug. Run `hf-sanity diagnose` on the setup.",
 )
 
@@ -213,20 +217,31 @@ def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
             continue
         a, b, gap = max(pairs, key=lambda p: p[2]["gap"] / p[2]["level"])
         seeds = {item.label: item.hyperparameters.get("seed") for item in (runs[i] for i in members)}
-        known = [s for s in seeds.values() if s is not None]
-        why = (
-            f"with the same seed {known[0]} (data order or kernels are not deterministic)"
-            if known and len(known) == len(seeds)
-            else "and no recorded seed"
-        )
+        seed = runs[members[0]].hyperparameters.get("seed")  # one configuration: the same seed, or none read
+        differ = f"their train losses differ by {gap['gap'] / gap['level']:.1%} of the level at the median common step"
+        if gap["noise"] > 0:
+            differ += f" ({gap['gap'] / gap['noise']:.1f}x the step-to-step noise)"
+        if seed is not None:
+            message = (
+                f"{a.label} and {b.label} have one readable configuration and the same seed {seed}, yet {differ}: "
+                "something the files do not record differs (the data, the initial weights) or the kernels "
+                "are not deterministic"
+            )
+            fix = (
+                f"The seed is fixed ({seed}): set TrainingArguments(full_determinism=True) for deterministic "
+                "kernels, and check that both runs read the same data and start from the same weights."
+            )
+        else:
+            message = (
+                f"{a.label} and {b.label} have one readable configuration but {differ}; their seeds are unknown "
+                f"(none of {', '.join(ARGS_NAMES)} beside the state records one), so an unfixed seed is one "
+                "possible cause"
+            )
+            fix = None
         findings.append(
             SEED_UNFIXED.finding(
-                f"{a.label} and {b.label} have one configuration {why} but their train losses differ by "
-                f"{gap['gap'] / gap['level']:.1%} of the level at the median common step "
-                f"({gap['gap'] / gap['noise']:.1f}x the step-to-step noise)"
-                if gap["noise"] > 0
-                else f"{a.label} and {b.label} have one configuration {why} but their train losses differ by "
-                f"{gap['gap'] / gap['level']:.1%} of the level at the median common step",
+                message,
+                fix=fix,
                 evidence={
                     "runs": [runs[i].label for i in members],
                     "pair": [a.label, b.label],
