@@ -1,5 +1,6 @@
-"""`doctor`: runs read from disk (synthetic trainer_state.json files and one real tiny Trainer run), the
-run rules across runs, the prediction rules, the plot, and the command line through a subprocess."""
+"""`doctor`: runs read from disk (synthetic trainer_state.json files and real tiny Trainer runs, one of them
+watched by SanityCallback), the run rules across runs, the prediction rules, the plot, and the command line
+through a subprocess."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from helpers import assert_one_line_error, cli
 from hf_sanity import catalog
+from hf_sanity.drivers.curves import analyze
 from hf_sanity.drivers.doctor import doctor
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.curves import Curves
@@ -501,6 +503,91 @@ def test_training_args_bin_runs_no_code_of_the_file(tmp_path):
     assert read_training_args_bin(tmp_path / "c.bin") is None
 
 
+# -- SanityCallback's report -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory):
+    """A plain Trainer run watched by SanityCallback, a NaN in the input of its 3rd batch, a checkpoint at the
+    end: the callback names the cause, the logs only show 0.0 losses (logging_nan_inf_filter)."""
+    import torch
+    from dist import tinytrain as tt
+
+    from hf_sanity.callback import SanityCallback
+
+    out = tmp_path_factory.mktemp("nan") / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tok = tt.setup()
+        tt.trainer(
+            out, model=model, tok=tok, callbacks=[SanityCallback(use_config=False, print_findings=False)],
+            collator=tt.embeds_collator(tok, model, nan_at_batch=3), logging_steps=1, save_strategy="steps",
+            save_steps=12, save_only_model=True,
+        ).train()  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_doctor_reads_the_callback_report(nan_run):
+    from_curves = analyze(read_run(nan_run).curves, final=True)
+    assert [f.evidence.get("hidden_by") for f in from_curves if f.rule == "nonfinite-loss"] == [
+        "logging_nan_inf_filter"
+    ]  # the logs alone: a hidden NaN, no cause
+    written = json.loads((nan_run / "hf-sanity" / "report.json").read_text())["findings"]
+    for run in (nan_run, nan_run / "checkpoint-12"):  # the report sits in the output_dir above the checkpoint
+        report = doctor([run], use_config=False)
+        (nan,) = report.by_rule("nonfinite-loss")  # the callback's, not both
+        assert (nan.step, nan.evidence["cause"], nan.evidence["source"]) == (3, "input", "SanityCallback")
+        assert nan.evidence["run"] == str(run) and "found by SanityCallback" in nan.message
+        assert report.stats["runs"][0]["callback_findings"] == len(written)
+        assert report.exit_code == 1
+
+
+def write_callback_report(folder: Path, *findings: dict) -> Path:
+    (folder / "hf-sanity").mkdir(parents=True, exist_ok=True)
+    path = folder / "hf-sanity" / "report.json"
+    path.write_text(json.dumps({"title": "hf-sanity training", "findings": list(findings), "stats": {}}))
+    return path
+
+
+LR_TOO_LOW = {"rule": "lr-too-low", "severity": "warning", "message": "updates are 1e-9 of the weights",
+              "evidence": {"update_ratio": 1e-9}, "fix": "Raise the learning rate.", "step": 40}  # fmt: skip
+
+
+def test_a_callback_finding_the_curves_give_is_not_repeated(tmp_path):
+    spiky = series(seed=1)
+    spiky.train_loss[150] = 3 * spiky.train_loss[149]
+    run = write_run(tmp_path / "run", spiky)
+    (from_curves,) = doctor([run], use_config=False).by_rule("loss-spike")
+    write_callback_report(
+        run, from_curves.to_dict(), LR_TOO_LOW, {"rule": "loss-flat"}
+    )  # the last: malformed
+    report = doctor([run], use_config=False)
+    (spike,) = report.by_rule("loss-spike")
+    assert "source" not in spike.evidence
+    (low,) = report.by_rule("lr-too-low")
+    assert (low.evidence["source"], low.evidence["update_ratio"], low.step) == ("SanityCallback", 1e-9, 40)
+    assert rules(report) == {"loss-spike", "lr-too-low"}
+    assert rules(doctor([run], ignore="lr-too-low", use_config=False)) == {"loss-spike"}
+
+
+def test_callback_findings_count_in_the_churn(tmp_path):
+    paths = churn_runs(tmp_path)
+    write_run(paths[2], series(seed=3, peak=1e-3), config=LLAMA)  # its logs look fine ...
+    write_callback_report(paths[2], LR_TOO_LOW)  # ... the callback saw updates too small to learn
+    (churn,) = doctor(paths, use_config=False).by_rule("hyperparameter-churn")
+    assert churn.evidence["failure_classes"] == ["not-learning"]
+    assert churn.evidence["failures_by_run"][str(paths[2])] == ["lr-too-low"]
+
+
+def test_malformed_callback_report_is_a_user_error(tmp_path):
+    run = write_run(tmp_path / "run", series())
+    (run / "hf-sanity").mkdir()
+    (run / "hf-sanity" / "report.json").write_text('{"findings": [')
+    with pytest.raises(UserInputError, match=r"SanityCallback report .* malformed JSON"):
+        doctor([run], use_config=False)
+
+
 # -- the command line ------------------------------------------------------------------------------
 def doctor_cli(*args, cwd=None):
     return cli("doctor", *args, cwd=cwd, timeout=120)
@@ -526,6 +613,20 @@ def test_cli_errors_exit_1_with_plot_and_predictions(tmp_path):
     found = {f["rule"] for f in json.loads(out.read_text())["findings"]}
     assert found == {"loss-flat", "hyperparameter-churn", "eval-scores-cluster"}
     assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.slow
+def test_cli_shows_the_cause_the_callback_found(nan_run, tmp_path):
+    out = tmp_path / "report.json"
+    result = doctor_cli(nan_run, "--json", out, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "nonfinite-loss" in result.stdout and "SanityCallback" in result.stdout
+    (nan,) = [f for f in json.loads(out.read_text())["findings"] if f["rule"] == "nonfinite-loss"]
+    assert (nan["step"], nan["evidence"]["cause"], nan["evidence"]["source"]) == (
+        3,
+        "input",
+        "SanityCallback",
+    )
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ A RUN is a ``trainer_state.json``, a checkpoint folder that holds one, or a Trai
 whichever has more steps). Beside the state (in its folder, then for a checkpoint in the output_dir above):
 ``config.json`` gives the model's identity and vocabulary; the arguments come from the ``training_args.bin``
 Trainer saves (read inert, see :mod:`hf_sanity.measure.training_args`) and a ``training_args.json`` /
-``args.json`` twin, which wins where both give a field. Nothing is written into the run folders.
+``args.json`` twin, which wins where both give a field. Where SanityCallback watched the run, the findings
+of its ``output_dir/hf-sanity/report.json``. Nothing is written into the run folders.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from hf_sanity.errors import UserInputError
+from hf_sanity.findings import SEVERITIES
 from hf_sanity.measure.curves import Curves
 from hf_sanity.measure.training_args import read_training_args_bin
 
 STATE = "trainer_state.json"
 ARGS_FILES = ("training_args.json", "args.json")
 ARGS_BIN = "training_args.bin"
+CALLBACK_REPORT = Path("hf-sanity") / "report.json"  # where SanityCallback writes its report in output_dir
+FINDING_FIELDS = {"rule": str, "severity": str, "message": str, "evidence": dict, "fix": str}
 RUN_HELP = "pass a trainer_state.json, a checkpoint folder or a Trainer output_dir"
 
 
@@ -38,6 +42,8 @@ class Run:
     model_config: dict[str, Any] = field(default_factory=dict)
     args: dict[str, Any] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)  # the side files that were read
+    callback_report: Path | None = None  # SanityCallback's report.json, when it watched this run
+    callback_findings: list[dict[str, Any]] = field(default_factory=list)  # the findings it holds, as written
 
 
 # -- reading runs ----------------------------------------------------------------------------------
@@ -51,7 +57,7 @@ def read_json(path: Path, what: str) -> Any:
     except json.JSONDecodeError as exc:
         raise UserInputError(
             f"cannot read {what} {path}: malformed JSON ({exc.msg} at line {exc.lineno}); "
-            "restore the file Trainer wrote or remove it"
+            "restore the file as it was written or remove it"
         ) from None
 
 
@@ -138,8 +144,29 @@ def _read_args(folders: list[Path], files: list[str]) -> dict[str, Any]:
     return {**pickled, **written}
 
 
+def _read_callback_report(folders: list[Path]) -> tuple[Path | None, list[dict[str, Any]]]:
+    """SanityCallback's report beside the run and its well-formed findings (a finding of another shape, from
+    another version, is left out rather than guessed at)."""
+    for folder in folders:
+        path = folder / CALLBACK_REPORT
+        if path.is_file():
+            data = read_json(path, "SanityCallback report")
+            found = data.get("findings") if isinstance(data, dict) else None
+            findings = [
+                f
+                for f in (found if isinstance(found, list) else [])
+                if isinstance(f, dict)
+                and all(isinstance(f.get(key), kind) for key, kind in FINDING_FIELDS.items())
+                and f["severity"] in SEVERITIES
+                and (f.get("step") is None or type(f["step"]) is int)
+            ]
+            return path, findings
+    return None, []
+
+
 def read_run(path: str | Path) -> Run:
-    """Read one RUN: its trainer state, the config.json beside it and its training arguments."""
+    """Read one RUN: its trainer state, the config.json beside it, its training arguments and the report of
+    the SanityCallback that watched it."""
     state_path = find_state(path)
     state = read_json(state_path, "trainer state")
     if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
@@ -155,13 +182,18 @@ def read_run(path: str | Path) -> Run:
                 model_config = data
                 files.append(str(config_path))
     args = _read_args(folders, files)
+    callback_report, callback_findings = _read_callback_report(folders)
+    if callback_report is not None:
+        files.append(str(callback_report))
     curves = Curves.from_log_history(state["log_history"], vocab_size=_vocab_size(model_config))
     if not curves.train_loss and not curves.eval_loss:
         raise UserInputError(
             f"{state_path} logs no loss (log_history has no 'loss' nor 'eval_loss' entry); "
             "train with logging_steps set so that at least one step is logged"
         )
-    return Run(str(path), state_path, state, curves, model_config, args, files)
+    return Run(
+        str(path), state_path, state, curves, model_config, args, files, callback_report, callback_findings
+    )
 
 
 # -- predictions -----------------------------------------------------------------------------------
