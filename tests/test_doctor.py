@@ -1,10 +1,14 @@
-"""`doctor`: runs read from disk (synthetic trainer_state.json files and one real tiny Trainer run), the
-run rules across runs, the prediction rules, the plot, and the command line through a subprocess."""
+"""`doctor`: runs read from disk (synthetic trainer_state.json files and real tiny Trainer runs, one of them
+watched by SanityCallback), the run rules across runs, the prediction rules, the plot, and the command line
+through a subprocess."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import pickle
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -12,10 +16,12 @@ import pytest
 
 from helpers import assert_one_line_error, cli
 from hf_sanity import catalog
+from hf_sanity.drivers.curves import analyze
 from hf_sanity.drivers.doctor import doctor
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.curves import Curves
-from hf_sanity.measure.runs import find_state
+from hf_sanity.measure.runs import describe, find_state, read_run
+from hf_sanity.measure.training_args import read_training_args_bin
 from hf_sanity.rules import runs as R
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -190,6 +196,31 @@ def test_hyperparameter_churn(tmp_path):
     assert report.by_rule("seed-unfixed") == []  # different LRs: not one configuration
 
 
+def test_churn_groups_runs_by_failure_class(tmp_path):
+    """Three LRs that all fail to learn: flat at two, underfitting (it moved, by 6%) at the third."""
+    paths = churn_runs(tmp_path)
+    barely = series(start=2.4, floor=2.25, noise=0.003, seed=2, peak=1e-3)
+    write_run(paths[2], barely, config=LLAMA)
+    report = doctor(paths, use_config=False)
+    assert [f.rule for f in report.findings if f.evidence.get("run") == str(paths[2])] == ["underfitting"]
+    (churn,) = report.by_rule("hyperparameter-churn")
+    assert churn.evidence["failure_classes"] == ["not-learning"]
+    assert churn.evidence["failures"] == ["loss-flat", "underfitting"]
+    assert churn.evidence["failures_by_run"] == {
+        str(paths[0]): ["loss-flat"],
+        str(paths[1]): ["loss-flat"],
+        str(paths[2]): ["underfitting"],
+    }
+    assert "not-learning: loss-flat in 2, underfitting in 1" in churn.message
+
+
+def test_failure_classes_name_rules_of_the_catalog():
+    rules_known = catalog.load()
+    assert [s for slugs in R.FAILURE_CLASSES.values() for s in slugs if s not in rules_known] == []
+    assert R.failure_class("underfitting") == R.failure_class("loss-flat") == "not-learning"
+    assert R.failure_class("negative-loss") == "negative-loss"  # in no class: a class of its own
+
+
 def test_no_churn_across_different_setups(tmp_path):
     other = {**LLAMA, "_name_or_path": "Qwen/Qwen2.5-0.5B", "model_type": "qwen2"}
     report = doctor(churn_runs(tmp_path, configs=(LLAMA, LLAMA, other)), use_config=False)
@@ -222,7 +253,9 @@ def test_seed_unfixed(tmp_path):
     a = write_run(tmp_path / "a", series(seed=1), config=LLAMA)
     b = write_run(tmp_path / "b", series(seed=2), config=LLAMA)
     (finding,) = doctor([a, b], use_config=False).by_rule("seed-unfixed")
-    assert finding.evidence["pair"] == [str(a), str(b)] and "no recorded seed" in finding.message
+    assert finding.evidence["pair"] == [str(a), str(b)]
+    assert finding.evidence["seeds"] == {str(a): None, str(b): None}
+    assert "their seeds are unknown" in finding.message and "no recorded seed" not in finding.message
 
 
 def test_seed_unfixed_needs_the_same_recorded_fields(tmp_path):
@@ -244,7 +277,17 @@ def test_different_recorded_seeds_are_meant_to_differ(tmp_path):
     assert doctor([a, b], use_config=False).by_rule("seed-unfixed") == []
     (b / "training_args.json").write_text(json.dumps({"seed": 1}))
     (finding,) = doctor([a, b], use_config=False).by_rule("seed-unfixed")
-    assert "same seed 1" in finding.message
+    assert "same seed 1" in finding.message and "full_determinism=True" in finding.fix
+
+
+def test_model_configs_that_differ_anywhere_are_different_setups(tmp_path):
+    """Two checkpoints of one architecture told apart by their token ids only; dtype and dropout are not
+    the model's identity."""
+    a = write_run(tmp_path / "a", series(seed=1), config={**LLAMA, "eos_token_id": 2}, args={"seed": 0})
+    b = write_run(tmp_path / "b", series(seed=2), config={**LLAMA, "eos_token_id": 7}, args={"seed": 0})
+    assert doctor([a, b], use_config=False).by_rule("seed-unfixed") == []
+    (b / "config.json").write_text(json.dumps({**LLAMA, "eos_token_id": 2, "dtype": "bfloat16"}))
+    assert doctor([a, b], use_config=False).by_rule("seed-unfixed")
 
 
 # -- predictions -----------------------------------------------------------------------------------
@@ -379,6 +422,172 @@ def test_real_trainer_run(real_run):
     ]
 
 
+def test_real_trainer_run_records_its_arguments(real_run):
+    run = read_run(real_run)
+    assert str(real_run / "checkpoint-12" / "training_args.bin") in run.files
+    description = describe(run)
+    hyper = description.hyperparameters
+    assert (hyper["seed"], hyper["learning_rate"], hyper["per_device_train_batch_size"]) == (42, 1e-3, 4)
+    assert hyper["lr_scheduler_type"] == "linear"  # an enum, read as its value
+    assert "output_dir" not in description.setup and "distributed_state" not in description.setup
+
+
+@pytest.fixture(scope="module")
+def two_models(tmp_path_factory):
+    """Two tiny models of one architecture (ChatML and Llama-3 special tokens: other token ids), each trained
+    by a plain Trainer with seed=0 for 30 logged steps, a checkpoint at the end."""
+    import torch
+    from dist import tinytrain as tt
+
+    from hf_sanity.testing import tiny_setup
+
+    out = tmp_path_factory.mktemp("two-models")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for template in ("chatml", "llama3"):
+            model, tok = tiny_setup(template, "distinct")
+            tt.trainer(
+                out / template, model=model, tok=tok, max_steps=30, logging_steps=1, save_strategy="steps",
+                save_steps=30, save_only_model=True, seed=0,
+            ).train()  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    return [out / "chatml", out / "llama3"]
+
+
+@pytest.mark.clean("seed-unfixed")
+def test_two_models_trained_with_one_seed_are_not_seed_unfixed(two_models):
+    a, b = (describe(read_run(path)) for path in two_models)
+    assert a.hyperparameters["seed"] == 0 and a.hyperparameters == b.hyperparameters
+    assert R._curve_gap(a.curves, b.curves)["differs"]  # the curves differ: only the model tells them apart
+    assert a.setup["model.eos_token_id"] != b.setup["model.eos_token_id"]
+    assert doctor(two_models, use_config=False).by_rule("seed-unfixed") == []
+
+
+class TrainingArguments:  # named like the real class, so that the reader reads its fields
+    def __init__(self, payload):
+        self.seed = 7
+        self.hub_token = "hf_not_to_be_read"
+        self.payload = payload
+
+
+class MakeDir:
+    """Unpickled, it makes a directory: the shape of every malicious pickle (a callable and its arguments)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def torch_saved(path: Path, obj) -> Path:
+    """A file laid out as torch.save writes it: a zip with the pickle at <name>/data.pkl."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("training_args/data.pkl", pickle.dumps(obj, protocol=2))
+    return path
+
+
+def test_training_args_bin_runs_no_code_of_the_file(tmp_path):
+    proof = tmp_path / "proof"
+    pickle.loads(pickle.dumps(MakeDir(str(proof))))
+    assert proof.is_dir()  # the payload does run when the pickle is loaded
+    marker = tmp_path / "ran"
+    fields = read_training_args_bin(torch_saved(tmp_path / "a.bin", TrainingArguments(MakeDir(str(marker)))))
+    assert not marker.exists()
+    assert fields == {"seed": 7, "payload": str(marker)}  # the call is only recorded; the token is dropped
+    assert read_training_args_bin(torch_saved(tmp_path / "b.bin", MakeDir(str(marker)))) is None
+    assert not marker.exists()
+    (tmp_path / "c.bin").write_bytes(pickle.dumps(TrainingArguments(None)))  # not torch.save's zip
+    assert read_training_args_bin(tmp_path / "c.bin") is None
+
+
+# -- SanityCallback's report -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def nan_run(tmp_path_factory):
+    """A plain Trainer run watched by SanityCallback, a NaN in the input of its 3rd batch, a checkpoint at the
+    end: the callback names the cause, the logs only show 0.0 losses (logging_nan_inf_filter)."""
+    import torch
+    from dist import tinytrain as tt
+
+    from hf_sanity.callback import SanityCallback
+
+    out = tmp_path_factory.mktemp("nan") / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tok = tt.setup()
+        tt.trainer(
+            out, model=model, tok=tok, callbacks=[SanityCallback(use_config=False, print_findings=False)],
+            collator=tt.embeds_collator(tok, model, nan_at_batch=3), logging_steps=1, save_strategy="steps",
+            save_steps=12, save_only_model=True,
+        ).train()  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def test_doctor_reads_the_callback_report(nan_run):
+    from_curves = analyze(read_run(nan_run).curves, final=True)
+    assert [f.evidence.get("hidden_by") for f in from_curves if f.rule == "nonfinite-loss"] == [
+        "logging_nan_inf_filter"
+    ]  # the logs alone: a hidden NaN, no cause
+    written = json.loads((nan_run / "hf-sanity" / "report.json").read_text())["findings"]
+    for run in (nan_run, nan_run / "checkpoint-12"):  # the report sits in the output_dir above the checkpoint
+        report = doctor([run], use_config=False)
+        (nan,) = report.by_rule("nonfinite-loss")  # the callback's, not both
+        assert (nan.step, nan.evidence["cause"], nan.evidence["source"]) == (3, "input", "SanityCallback")
+        assert nan.evidence["run"] == str(run) and "found by SanityCallback" in nan.message
+        assert report.stats["runs"][0]["callback_findings"] == len(written)
+        assert report.exit_code == 1
+
+
+def write_callback_report(folder: Path, *findings: dict) -> Path:
+    (folder / "hf-sanity").mkdir(parents=True, exist_ok=True)
+    path = folder / "hf-sanity" / "report.json"
+    path.write_text(json.dumps({"title": "hf-sanity training", "findings": list(findings), "stats": {}}))
+    return path
+
+
+LR_TOO_LOW = {"rule": "lr-too-low", "severity": "warning", "message": "updates are 1e-9 of the weights",
+              "evidence": {"update_ratio": 1e-9}, "fix": "Raise the learning rate.", "step": 40}  # fmt: skip
+
+
+def test_a_callback_finding_the_curves_give_is_not_repeated(tmp_path):
+    spiky = series(seed=1)
+    spiky.train_loss[150] = 3 * spiky.train_loss[149]
+    run = write_run(tmp_path / "run", spiky)
+    (from_curves,) = doctor([run], use_config=False).by_rule("loss-spike")
+    write_callback_report(
+        run, from_curves.to_dict(), LR_TOO_LOW, {"rule": "loss-flat"}
+    )  # the last: malformed
+    report = doctor([run], use_config=False)
+    (spike,) = report.by_rule("loss-spike")
+    assert "source" not in spike.evidence
+    (low,) = report.by_rule("lr-too-low")
+    assert (low.evidence["source"], low.evidence["update_ratio"], low.step) == ("SanityCallback", 1e-9, 40)
+    assert rules(report) == {"loss-spike", "lr-too-low"}
+    assert rules(doctor([run], ignore="lr-too-low", use_config=False)) == {"loss-spike"}
+
+
+def test_callback_findings_count_in_the_churn(tmp_path):
+    paths = churn_runs(tmp_path)
+    write_run(paths[2], series(seed=3, peak=1e-3), config=LLAMA)  # its logs look fine ...
+    write_callback_report(paths[2], LR_TOO_LOW)  # ... the callback saw updates too small to learn
+    (churn,) = doctor(paths, use_config=False).by_rule("hyperparameter-churn")
+    assert churn.evidence["failure_classes"] == ["not-learning"]
+    assert churn.evidence["failures_by_run"][str(paths[2])] == ["lr-too-low"]
+
+
+def test_malformed_callback_report_is_a_user_error(tmp_path):
+    run = write_run(tmp_path / "run", series())
+    (run / "hf-sanity").mkdir()
+    (run / "hf-sanity" / "report.json").write_text('{"findings": [')
+    with pytest.raises(UserInputError, match=r"SanityCallback report .* malformed JSON"):
+        doctor([run], use_config=False)
+
+
 # -- the command line ------------------------------------------------------------------------------
 def doctor_cli(*args, cwd=None):
     return cli("doctor", *args, cwd=cwd, timeout=120)
@@ -404,6 +613,20 @@ def test_cli_errors_exit_1_with_plot_and_predictions(tmp_path):
     found = {f["rule"] for f in json.loads(out.read_text())["findings"]}
     assert found == {"loss-flat", "hyperparameter-churn", "eval-scores-cluster"}
     assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.slow
+def test_cli_shows_the_cause_the_callback_found(nan_run, tmp_path):
+    out = tmp_path / "report.json"
+    result = doctor_cli(nan_run, "--json", out, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "nonfinite-loss" in result.stdout and "SanityCallback" in result.stdout
+    (nan,) = [f for f in json.loads(out.read_text())["findings"] if f["rule"] == "nonfinite-loss"]
+    assert (nan["step"], nan["evidence"]["cause"], nan["evidence"]["source"]) == (
+        3,
+        "input",
+        "SanityCallback",
+    )
 
 
 @pytest.mark.slow

@@ -1,10 +1,11 @@
 """`doctor()`: a post-mortem of finished runs, read from what Trainer left on disk.
 
 Per run (see `hf_sanity.measure.runs` for what a RUN is and what is read): the curve detectors on its
-``log_history``, with the vocabulary size from a ``config.json`` beside it. Across runs: the "runs"
+``log_history``, with the vocabulary size from a ``config.json`` beside it, and the findings SanityCallback
+wrote while it trained (``output_dir/hf-sanity/report.json``). Across runs: the "runs"
 detectors, which compare what each run says about its setup and hyperparameters. With ``predictions=``:
-the prediction rules on a JSONL of ``{"prediction", "label"}`` / ``{"score"}`` rows. Nothing is unpickled
-and nothing is written into the run folders.
+the prediction rules on a JSONL of ``{"prediction", "label"}`` / ``{"score"}`` rows. No code of the run's
+files runs (``training_args.bin`` is read inert) and nothing is written into the run folders.
 """
 
 from __future__ import annotations
@@ -28,6 +29,52 @@ def _with_run(finding: Finding, run: Run, several: bool) -> Finding:
     if several:
         finding.message = f"{run.label}: {finding.message}"
     return finding
+
+
+CALLBACK = "SanityCallback"
+NOT_EVIDENCE = {"run", "source", "report", "rank"}  # what marks a finding's origin, not what it found
+
+
+def _from_callback(run: Run) -> list[Finding]:
+    """The findings SanityCallback wrote while the run trained, marked as such."""
+    out = []
+    for data in run.callback_findings:
+        evidence = {"source": CALLBACK, "report": str(run.callback_report), **data["evidence"]}
+        if "example" in data:  # a token view, written as plain text
+            evidence["example"] = str(data["example"])
+        out.append(
+            Finding(
+                rule=data["rule"],
+                severity=data["severity"],
+                message=f"{data['message']} (found by {CALLBACK} during training)",
+                evidence=evidence,
+                fix=data["fix"],
+                step=data.get("step"),
+            )
+        )
+    return out
+
+
+def _merge(from_curves: list[Finding], from_callback: list[Finding]) -> list[Finding]:
+    """One run's findings: its curves', then what SanityCallback found while it trained. The callback saw
+    every step, the logs only every logging_steps; so its finding of a rule the curves also give replaces
+    theirs when it carries evidence they lack (a non-finite loss's cause and module, where the logs show a
+    hidden 0.0), and is left out when it carries nothing more."""
+    by_rule: dict[str, list[Finding]] = {}
+    for finding in from_curves:
+        by_rule.setdefault(finding.rule, []).append(finding)
+    replaced: set[int] = set()  # ids of the curve findings a callback finding replaces
+    added = []
+    for found in from_callback:
+        same = (
+            by_rule.get(found.rule, []) if found.rule != "internal-error" else []
+        )  # a broken check: its own
+        if not same:
+            added.append(found)
+        elif set(found.evidence) - {key for f in same for key in f.evidence} - NOT_EVIDENCE:
+            replaced |= {id(f) for f in same}
+            added.append(found)
+    return [f for f in from_curves if id(f) not in replaced] + added
 
 
 def _failures(findings: Iterable[Finding], selection: Selection) -> frozenset[str]:
@@ -70,7 +117,8 @@ def doctor(
     several = len(loaded) > 1
     per_run: list[list[Finding]] = []
     for run in loaded:
-        per_run.append([_with_run(f, run, several) for f in analyze(run.curves, final=True)])
+        found = _merge(analyze(run.curves, final=True), _from_callback(run))
+        per_run.append([_with_run(f, run, several) for f in found])
 
     run_set = RunSet(
         descriptions=[describe(run) for run in loaded],
@@ -96,6 +144,7 @@ def doctor(
             "evaluations": len(run.curves.eval_steps),
             "vocab_size": run.curves.vocab_size,
             "side_files": run.files,
+            "callback_findings": len(run.callback_findings) if run.callback_report is not None else None,
         }
         for run in loaded
     ]

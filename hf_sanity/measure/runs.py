@@ -1,9 +1,13 @@
-"""A finished run as Trainer left it on disk, read without unpickling anything, and what it says about itself.
+"""A finished run as Trainer left it on disk, read without running any code of its files, and what it says
+about itself.
 
 A RUN is a ``trainer_state.json``, a checkpoint folder that holds one, or a Trainer ``output_dir`` (its own
 ``trainer_state.json``, written by ``trainer.save_state()``, or the one of its latest ``checkpoint-*``,
-whichever has more steps). Beside the state, ``config.json`` gives the model's identity and vocabulary and a
-``training_args.json`` / ``args.json`` the arguments. Nothing is written into the run folders.
+whichever has more steps). Beside the state (in its folder, then for a checkpoint in the output_dir above):
+``config.json`` gives the model's identity and vocabulary; the arguments come from the ``training_args.bin``
+Trainer saves (read inert, see :mod:`hf_sanity.measure.training_args`) and a ``training_args.json`` /
+``args.json`` twin, which wins where both give a field. Where SanityCallback watched the run, the findings
+of its ``output_dir/hf-sanity/report.json``. Nothing is written into the run folders.
 """
 
 from __future__ import annotations
@@ -15,10 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from hf_sanity.errors import UserInputError
+from hf_sanity.findings import SEVERITIES
 from hf_sanity.measure.curves import Curves
+from hf_sanity.measure.training_args import read_training_args_bin
 
 STATE = "trainer_state.json"
 ARGS_FILES = ("training_args.json", "args.json")
+ARGS_BIN = "training_args.bin"
+CALLBACK_REPORT = Path("hf-sanity") / "report.json"  # where SanityCallback writes its report in output_dir
+FINDING_FIELDS = {"rule": str, "severity": str, "message": str, "evidence": dict, "fix": str}
 RUN_HELP = "pass a trainer_state.json, a checkpoint folder or a Trainer output_dir"
 
 
@@ -33,6 +42,8 @@ class Run:
     model_config: dict[str, Any] = field(default_factory=dict)
     args: dict[str, Any] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)  # the side files that were read
+    callback_report: Path | None = None  # SanityCallback's report.json, when it watched this run
+    callback_findings: list[dict[str, Any]] = field(default_factory=list)  # the findings it holds, as written
 
 
 # -- reading runs ----------------------------------------------------------------------------------
@@ -46,7 +57,7 @@ def read_json(path: Path, what: str) -> Any:
     except json.JSONDecodeError as exc:
         raise UserInputError(
             f"cannot read {what} {path}: malformed JSON ({exc.msg} at line {exc.lineno}); "
-            "restore the file Trainer wrote or remove it"
+            "restore the file as it was written or remove it"
         ) from None
 
 
@@ -115,36 +126,74 @@ def _vocab_size(config: dict[str, Any]) -> int | None:
     return None
 
 
+def _read_args(folders: list[Path], files: list[str]) -> dict[str, Any]:
+    """The training arguments: the first training_args.bin, overlaid by the first JSON args file."""
+    pickled: dict[str, Any] = {}
+    written: dict[str, Any] = {}
+    for folder in folders:
+        if not pickled and (folder / ARGS_BIN).is_file():
+            pickled = read_training_args_bin(folder / ARGS_BIN) or {}
+            if pickled:
+                files.append(str(folder / ARGS_BIN))
+        for name in ARGS_FILES:
+            if not written and (folder / name).is_file():
+                data = read_json(folder / name, "training arguments")
+                if isinstance(data, dict):
+                    written = data
+                    files.append(str(folder / name))
+    return {**pickled, **written}
+
+
+def _read_callback_report(folders: list[Path]) -> tuple[Path | None, list[dict[str, Any]]]:
+    """SanityCallback's report beside the run and its well-formed findings (a finding of another shape, from
+    another version, is left out rather than guessed at)."""
+    for folder in folders:
+        path = folder / CALLBACK_REPORT
+        if path.is_file():
+            data = read_json(path, "SanityCallback report")
+            found = data.get("findings") if isinstance(data, dict) else None
+            findings = [
+                f
+                for f in (found if isinstance(found, list) else [])
+                if isinstance(f, dict)
+                and all(isinstance(f.get(key), kind) for key, kind in FINDING_FIELDS.items())
+                and f["severity"] in SEVERITIES
+                and (f.get("step") is None or type(f["step"]) is int)
+            ]
+            return path, findings
+    return None, []
+
+
 def read_run(path: str | Path) -> Run:
-    """Read one RUN: its trainer state and the config.json / training_args.json / args.json beside it."""
+    """Read one RUN: its trainer state, the config.json beside it, its training arguments and the report of
+    the SanityCallback that watched it."""
     state_path = find_state(path)
     state = read_json(state_path, "trainer state")
     if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
         raise UserInputError(f"{state_path} has no log_history list, so it is not a {STATE}; {RUN_HELP}")
     model_config: dict[str, Any] = {}
-    args: dict[str, Any] = {}
     files: list[str] = []
-    for folder in _side_files(state_path):
+    folders = _side_files(state_path)
+    for folder in folders:
         config_path = folder / "config.json"
         if not model_config and config_path.is_file():
             data = read_json(config_path, "model config")
             if isinstance(data, dict):
                 model_config = data
                 files.append(str(config_path))
-        for name in ARGS_FILES:
-            args_path = folder / name
-            if not args and args_path.is_file():
-                data = read_json(args_path, "training arguments")
-                if isinstance(data, dict):
-                    args = data
-                    files.append(str(args_path))
+    args = _read_args(folders, files)
+    callback_report, callback_findings = _read_callback_report(folders)
+    if callback_report is not None:
+        files.append(str(callback_report))
     curves = Curves.from_log_history(state["log_history"], vocab_size=_vocab_size(model_config))
     if not curves.train_loss and not curves.eval_loss:
         raise UserInputError(
             f"{state_path} logs no loss (log_history has no 'loss' nor 'eval_loss' entry); "
             "train with logging_steps set so that at least one step is logged"
         )
-    return Run(str(path), state_path, state, curves, model_config, args, files)
+    return Run(
+        str(path), state_path, state, curves, model_config, args, files, callback_report, callback_findings
+    )
 
 
 # -- predictions -----------------------------------------------------------------------------------
@@ -188,8 +237,8 @@ def read_predictions(path: str | Path) -> list[dict[str, Any]]:
 # -- what a run says about itself ------------------------------------------------------------------
 # A run's readable description is split in two. HYPERPARAMETERS are the knobs people turn between runs
 # of one setup; everything else that is readable (the model's identity from config.json, the other fields
-# of training_args.json / args.json) is the SETUP. BOOKKEEPING fields (where a run writes, how it is
-# named or reported) are neither. Runs "differ only in hyperparameters" when no setup field readable in
+# of the training arguments) is the SETUP. BOOKKEEPING fields (where a run writes, how it is named, logged,
+# evaluated or reported) are neither. Runs "differ only in hyperparameters" when no setup field readable in
 # both differs: a field one run does not record is unknown and does not separate them, so bare
 # trainer_state.json files passed together are taken as one setup (the evidence lists what was compared).
 HYPERPARAMETERS = frozenset(
@@ -199,22 +248,33 @@ HYPERPARAMETERS = frozenset(
         "num_train_epochs", "epochs", "max_steps", "per_device_train_batch_size", "train_batch_size",
         "batch_size", "gradient_accumulation_steps", "seed", "data_seed", "full_determinism",
         "label_smoothing_factor", "neftune_noise_alpha", "lora_r", "r", "lora_alpha", "lora_dropout",
-        "dropout", "bf16", "fp16", "tf32", "gradient_checkpointing", "logging_steps", "eval_steps",
-        "save_steps", "eval_strategy", "save_strategy", "logging_strategy", "peak_learning_rate",
+        "dropout", "bf16", "fp16", "tf32", "mixed_precision", "gradient_checkpointing", "logging_steps",
+        "eval_steps", "save_steps", "eval_strategy", "save_strategy", "logging_strategy", "peak_learning_rate",
     }
 )  # fmt: skip
 BOOKKEEPING_PREFIXES = (
-    "output_dir", "logging_dir", "run_name", "report_to", "hub_", "push_to_hub", "overwrite_output_dir",
-    "resume_from_checkpoint", "disable_tqdm", "local_rank", "dataloader_", "logging_first_step",
-    "save_total_limit", "_", "per_device_eval_batch_size", "eval_batch_size", "ddp_", "fsdp",
+    "output_dir", "logging_", "log_", "run_name", "project", "trackio_", "report_to", "hub_", "push_to_hub",
+    "overwrite_output_dir", "resume_from_checkpoint", "disable_tqdm", "local_rank", "dataloader_", "save_",
+    "eval_", "per_device_eval_batch_size", "prediction_loss_only", "include_", "batch_eval_metrics",
+    "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "ignore_data_skip",
+    "restore_callback_states", "skip_memory_metrics", "do_train", "do_eval", "do_predict", "debug",
+    "distributed_state", "deepspeed_plugin", "_", "ddp_", "fsdp",
 )  # fmt: skip
-# Fields of config.json that identify the model; the rest (dtype, transformers_version, ...) does not.
-MODEL_IDENTITY = (
-    "_name_or_path", "model_type", "architectures", "vocab_size", "hidden_size", "num_hidden_layers",
-    "num_attention_heads", "intermediate_size",
+# Fields of config.json that do not tell one model from another: written by the library for this run (its
+# version, the dtype the weights were saved in, the cache switch). The rest is the model's identity (two
+# checkpoints of one architecture differ in their token ids, rope, ...), but dropout is a hyperparameter.
+CONFIG_NOT_IDENTITY = frozenset(
+    {
+        "transformers_version", "dtype", "torch_dtype", "use_cache", "_attn_implementation",
+        "attn_implementation", "_commit_hash", "output_attentions", "output_hidden_states", "return_dict",
+    }
 )  # fmt: skip
 # Fields of trainer_state.json that are hyperparameters.
 STATE_HYPERPARAMETERS = ("train_batch_size", "max_steps", "num_train_epochs", "logging_steps", "eval_steps")
+
+
+def _is_dropout(key: str) -> bool:
+    return "dropout" in key or key.endswith("_pdrop")
 
 
 @dataclass
@@ -234,9 +294,10 @@ def describe(run: Any) -> RunDescription:
     setup and hyperparameters."""
     setup: dict[str, Any] = {}
     hyper: dict[str, Any] = {}
-    for key in MODEL_IDENTITY:
-        if key in run.model_config:
-            setup[f"model.{key}"] = run.model_config[key]
+    for key, value in run.model_config.items():
+        if key in CONFIG_NOT_IDENTITY:
+            continue
+        (hyper if _is_dropout(key) else setup)[f"model.{key}"] = value
     for key, value in run.args.items():
         if key in HYPERPARAMETERS:
             hyper[key] = value

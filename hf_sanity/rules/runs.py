@@ -12,9 +12,10 @@ import numpy as np
 from hf_sanity.catalog import define
 from hf_sanity.findings import Finding
 from hf_sanity.measure.curves import Curves
-from hf_sanity.measure.runs import RunDescription, RunSet, canonical
+from hf_sanity.measure.runs import ARGS_BIN, ARGS_FILES, RunDescription, RunSet, canonical
 from hf_sanity.numbers import median, noise
 
+ARGS_NAMES = (ARGS_BIN, *ARGS_FILES)
 SEED_MIN_COMMON = 10  # common logged steps needed to compare two curves
 SEED_REL = 0.01  # curves differ when the median |difference| at common steps is >= 1% of the level ...
 SEED_NOISE = 0.5  # ... and >= half the curves' own step-to-step noise sigma
@@ -26,6 +27,24 @@ PREDICTIONS_MIN = 20  # rows needed to judge an accuracy
 SCORES_MIN = 10  # scores needed to judge their spread
 SCORES_CLUSTER = 0.9  # >= 90% of the scores on their two most common values (one, for a 2-value scale)
 
+# Failure classes, for hyperparameter-churn: a hyperparameter change moves a broken run from one symptom to
+# its neighbour (a flat loss at one LR, underfitting at the next), so runs are grouped by what kind of failure
+# they show, not by the exact slugs. A slug in no class is a class of its own.
+FAILURE_CLASSES: dict[str, tuple[str, ...]] = {
+    "not-learning": (
+        "loss-flat", "underfitting", "loss-plateau-prior", "lr-too-low", "lr-zero", "predictions-frozen",
+    ),
+    "diverging": ("nonfinite-loss", "nonfinite-grad", "loss-spike", "loss-oscillation", "grad-explosion"),
+    "train-eval-gap": ("overfitting", "memorizing", "val-below-train"),
+}  # fmt: skip
+_CLASS_OF = {slug: name for name, slugs in FAILURE_CLASSES.items() for slug in slugs}
+_CLASSES_TEXT = "; ".join(f"{name}: {', '.join(slugs)}" for name, slugs in FAILURE_CLASSES.items())
+
+
+def failure_class(slug: str) -> str:
+    return _CLASS_OF.get(slug, slug)
+
+
 SEED_UNFIXED = define(
     "seed-unfixed",
     severity="warning",
@@ -34,8 +53,11 @@ SEED_UNFIXED = define(
     detects="Runs with one configuration (the same readable setup and hyperparameters, the same fields "
     "recorded, the peak LR read from the logs included) whose train losses, at the steps both logged "
     f"({SEED_MIN_COMMON}+), differ by a median >= {SEED_REL:.0%} of the level and >= {SEED_NOISE:g}x their own "
-    "step-to-step noise sigma (numerical noise alone stays far below both). Runs whose recorded seeds "
-    "differ are not compared.",
+    "step-to-step noise sigma (numerical noise alone stays far below both). The seed and the other arguments "
+    "are read from training_args.bin (inert: no code of the file runs) and a training_args.json / args.json; "
+    "runs whose recorded seeds differ are not compared, runs whose model configs differ are different setups. "
+    "The message says whether the seed was the same (then the cause is unrecorded data or weights, or "
+    "nondeterministic kernels) or is unknown.",
     fix="Set the seed (TrainingArguments(seed=..., data_seed=...)) and enable full determinism when comparing runs.",
 )
 
@@ -44,12 +66,13 @@ HYPERPARAMETER_CHURN = define(
     severity="error",
     stage="runs",
     symptom="Days spent tuning hyperparameters, every run failing the same way.",
-    detects=f"{CHURN_MIN_RUNS}+ runs that differ only in hyperparameters and show the same failure (the same "
-    "non-empty set of error/warning slugs). Hyperparameters are the knobs of TrainingArguments/LoRA "
-    "(learning rate, schedule, warmup, batch size, epochs, seed, rank, ...) and the peak LR of the logs; "
-    "the setup is everything else readable: the model's identity in config.json and the other fields of a "
-    "training_args.json or args.json beside the state. training_args.bin is never unpickled; a field one run "
-    "does not record does not separate it from the others.",
+    detects=f"{CHURN_MIN_RUNS}+ runs that differ only in hyperparameters and fail the same way: each shows an "
+    f"error/warning of one failure class ({_CLASSES_TEXT}; a slug in no class is a class of its own), "
+    "whichever slug of it (a flat loss at one LR, underfitting at the next). Hyperparameters are the knobs of "
+    "TrainingArguments/LoRA (learning rate, schedule, warmup, batch size, epochs, seed, rank, ...) and the peak "
+    "LR of the logs; the setup is everything else readable: the model's identity in config.json and the other "
+    "fields of the training arguments beside the state (training_args.bin, read inert, and a "
+    "training_args.json or args.json). A field one run does not record does not separate it from the others.",
     fix="Stop tuning: it is a pipeline bug. Run `hf-sanity diagnose` on the setup.",
 )
 
@@ -106,32 +129,48 @@ def _differing(items: list[RunDescription]) -> dict[str, list[Any]]:
     return out
 
 
+def _class_counts(name: str, slugs: Counter) -> str:
+    """ "not-learning: loss-flat in 2, underfitting in 1"; a slug in no class: "negative-loss in 3"."""
+    counts = ", ".join(f"{slug} in {slugs[slug]}" for slug in sorted(slugs) if failure_class(slug) == name)
+    return counts if name in slugs else f"{name}: {counts}"
+
+
 def hyperparameter_churn(runs: list[RunDescription], failures: list[frozenset[str]]) -> list[Finding]:
-    """Three or more runs of one setup that fail the same way (same set of error/warning slugs)."""
+    """Three or more runs of one setup that each fail with a slug of the same failure class."""
     findings = []
     for members in _group(runs, lambda r: r.setup):
-        by_failure: dict[frozenset[str], list[int]] = {}
+        by_class: dict[str, list[int]] = {}
         for i in members:
-            if failures[i]:
-                by_failure.setdefault(failures[i], []).append(i)
-        for failure, same in by_failure.items():
-            if len(same) < CHURN_MIN_RUNS:
-                continue
+            for name in sorted({failure_class(slug) for slug in failures[i]}):
+                by_class.setdefault(name, []).append(i)
+        # Classes shown by the very same runs make one finding (runs both flat and spiking: one churn).
+        by_members: dict[tuple[int, ...], list[str]] = {}
+        for name, same in by_class.items():
+            if len(same) >= CHURN_MIN_RUNS:
+                by_members.setdefault(tuple(same), []).append(name)
+        for same, classes in by_members.items():
             items = [runs[i] for i in same]
+            per_run = {
+                runs[i].label: sorted(s for s in failures[i] if failure_class(s) in classes) for i in same
+            }
+            slugs = Counter(slug for found in per_run.values() for slug in found)
             differing = _differing(items)
             compared = sorted({k for item in items for k in item.setup})
+            how = "; ".join(_class_counts(name, slugs) for name in classes)
             shown = "; ".join(
                 f"{key}: {', '.join(str(v) for v in values)}" for key, values in list(differing.items())[:3]
             )
             findings.append(
                 HYPERPARAMETER_CHURN.finding(
-                    f"{len(items)} runs of one setup fail the same way ({', '.join(sorted(failure))}) "
+                    f"{len(items)} runs of one setup fail the same way ({how}) "
                     + (f"across different hyperparameters ({shown})" if differing else "with no readable "
                        "hyperparameter telling them apart")
                     + ": stop tuning, run `hf-sanity diagnose`",
                     evidence={
                         "runs": [item.label for item in items],
-                        "failures": sorted(failure),
+                        "failure_classes": classes,
+                        "failures": sorted(slugs),
+                        "failures_by_run": per_run,
                         "differing_hyperparameters": differing,
                         "setup_fields_compared": compared or "none readable (no config.json or args file)",
                     },
@@ -178,20 +217,31 @@ def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
             continue
         a, b, gap = max(pairs, key=lambda p: p[2]["gap"] / p[2]["level"])
         seeds = {item.label: item.hyperparameters.get("seed") for item in (runs[i] for i in members)}
-        known = [s for s in seeds.values() if s is not None]
-        why = (
-            f"with the same seed {known[0]} (data order or kernels are not deterministic)"
-            if known and len(known) == len(seeds)
-            else "and no recorded seed"
-        )
+        seed = runs[members[0]].hyperparameters.get("seed")  # one configuration: the same seed, or none read
+        differ = f"their train losses differ by {gap['gap'] / gap['level']:.1%} of the level at the median common step"
+        if gap["noise"] > 0:
+            differ += f" ({gap['gap'] / gap['noise']:.1f}x the step-to-step noise)"
+        if seed is not None:
+            message = (
+                f"{a.label} and {b.label} have one readable configuration and the same seed {seed}, yet {differ}: "
+                "something the files do not record differs (the data, the initial weights) or the kernels "
+                "are not deterministic"
+            )
+            fix = (
+                f"The seed is fixed ({seed}): set TrainingArguments(full_determinism=True) for deterministic "
+                "kernels, and check that both runs read the same data and start from the same weights."
+            )
+        else:
+            message = (
+                f"{a.label} and {b.label} have one readable configuration but {differ}; their seeds are unknown "
+                f"(none of {', '.join(ARGS_NAMES)} beside the state records one), so an unfixed seed is one "
+                "possible cause"
+            )
+            fix = None
         findings.append(
             SEED_UNFIXED.finding(
-                f"{a.label} and {b.label} have one configuration {why} but their train losses differ by "
-                f"{gap['gap'] / gap['level']:.1%} of the level at the median common step "
-                f"({gap['gap'] / gap['noise']:.1f}x the step-to-step noise)"
-                if gap["noise"] > 0
-                else f"{a.label} and {b.label} have one configuration {why} but their train losses differ by "
-                f"{gap['gap'] / gap['level']:.1%} of the level at the median common step",
+                message,
+                fix=fix,
                 evidence={
                     "runs": [runs[i].label for i in members],
                     "pair": [a.label, b.label],
