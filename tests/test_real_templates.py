@@ -29,6 +29,7 @@ from hf_sanity.testing import (
     tool_conversations,
 )
 
+pytestmark = pytest.mark.slow  # real vocabularies of up to 152k tokens: `make test-fast` leaves them out
 TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 SMALL = TinyConfig(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
