@@ -108,9 +108,8 @@ def search_lr(pipeline: Pipeline, steps: int, threshold: float, weights: list[fl
     tried: dict[int, LRTrial] = {}
     rung = FIRST_RUNG
     while True:
-        allowed = (
-            steps if not tried else min(steps, budget - spent)
-        )  # the first run always gets a full budget
+        # the first run always gets a full budget, the next ones what is left of the search's
+        allowed = steps if not tried else min(steps, budget - spent)
         if allowed < max(1, SHORTEST_RUN * steps):
             break
         trial, search.error = trial_run(

@@ -138,7 +138,8 @@ def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[
         broken = gradient_path_cause(path)
         to_train = path.loss_error is None and math.isfinite(loss0) and loss0 > threshold
         if to_train and broken is None and pipeline.lr_search:
-            del model, learner  # every run of the search starts from the original weights, on its own copy
+            # every run of the search starts from the original weights on its own copy: free the probe's first
+            del model, learner, trained
             search = search_lr(pipeline, steps, threshold, weights)
             path.loss_error = search.error
             reported = search.reported()

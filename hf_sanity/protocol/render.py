@@ -96,7 +96,8 @@ class ProtocolReport(Report):
 def overfit_text(stats: dict[str, Any]) -> Text:
     text = Text("overfit  ", style="bold")
     searched = stats.get("lr_search")
-    how = f" (searched: {len(searched['tried'])} LRs tried)" if searched else ""
+    count = len(searched["tried"]) if searched else 0
+    how = f" (searched: {count} LR{'s' if count != 1 else ''} tried)" if searched else ""
     text.append(f"loss on {stats['examples']} examples, lr={stats['lr']:.3g}{how}: ")
     text.append(fmt(stats["loss_start"], 4))
     text.append(f" {sparkline(stats['losses'])} ", style="cyan")

@@ -384,7 +384,7 @@ def overfit_cause(run: OverfitRun) -> Cause | None:
             "loss does not reach near zero",
             f"the gradient path is intact but no learning rate brings the loss near zero ({run.threshold:.3g}): "
             f"{len(tried)} LRs tried ({lr_span(tried)}), the best loss {min(t.best for t in tried):.3g} "
-            f"(from {run.initial:.3g}) at lr={run.lr:g}{extra}",
+            f"(from {run.initial:.3g}) at lr={run.lr:.3g}{extra}",
             "The examples cannot be memorised by this setup: labels that do not follow from the inputs "
             "(shuffled, misaligned, or changing from step to step), or an adapter with too little capacity or "
             "on the wrong modules (raise the rank, target more modules or the output head). Rerun with more "
