@@ -64,9 +64,8 @@ OVERFIT_FAILED = define(
     "the sixth before by 5% of the way left to near zero; the next LR is higher while every run's loss still "
     "fell (by 2 standard errors), lower once one diverges or plateaus or oscillates. The search stops at the "
     "first run that reaches near zero, within 3 step budgets in all (the sweep included). The loss stalls "
-    "(not-converged) when no LR "
-    "tried reaches near zero; the evidence lists each LR tried with its best loss. An LR given with --lr "
-    "is used as is, with no search.",
+    "(not-converged) when no LR tried reaches near zero; the evidence lists each LR tried with its best "
+    "loss. An LR given with --lr is used as is, with no search.",
     fix="Fix the broken part of the gradient path named in the evidence before tuning anything.",
 )
 
@@ -311,13 +310,10 @@ class OverfitRun:
     lr: float  # the LR of ``losses``
     examples: int
     vocab_size: int | None = None
-    lr_source: str = (
-        "given"  # given | search (``tried`` holds its runs) | default (none given, none searched)
-    )
+    # given | search (``tried`` holds its runs) | default (none given and none searched: the first step decided)
+    lr_source: str = "given"
     tried: list[LRTrial] = field(default_factory=list)
-    sweep_diverges_at: float | None = (
-        None  # where the search's LR range test diverged (None: not up to its end)
-    )
+    sweep_diverges_at: float | None = None  # where the search's range test diverged; None: not up to its end
 
     @property
     def searched(self) -> bool:
@@ -383,7 +379,8 @@ def overfit_cause(run: OverfitRun) -> Cause | None:
             "not-converged",
             "loss does not reach near zero",
             f"the gradient path is intact but no learning rate brings the loss near zero ({run.threshold:.3g}): "
-            f"{len(tried)} LRs tried ({lr_span(tried)}), the best loss {min(t.best for t in tried):.3g} "
+            f"{len(tried)} LR{'s' if len(tried) > 1 else ''} tried ({lr_span(tried)}), the best loss "
+            f"{min(t.best for t in tried):.3g} "
             f"(from {run.initial:.3g}) at lr={run.lr:.3g}{extra}",
             "The examples cannot be memorised by this setup: labels that do not follow from the inputs "
             "(shuffled, misaligned, or changing from step to step), or an adapter with too little capacity or "
