@@ -58,7 +58,11 @@ LoraTargetOpt = Annotated[
 ExamplesOpt = Annotated[int, typer.Option("--n", help="Examples to overfit (2-10).")]
 StepsOpt = Annotated[int, typer.Option(help="Step budget of the overfit.")]
 LrOpt = Annotated[
-    float | None, typer.Option(help="Learning rate (default: 1e-3 with an adapter, 1e-4 full fine-tuning).")
+    float | None,
+    typer.Option(
+        help="Overfit learning rate, used as is (default: searched, an LR range test then runs at the LRs it "
+        "suggests, until one memorises the examples)."
+    ),
 ]
 
 

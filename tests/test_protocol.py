@@ -195,9 +195,15 @@ def test_optimizer_over_a_subset_of_the_params(model, tok, tmp_path):
     assert "not in the optimizer" in finding.message
 
 
+def no_search_ran(report) -> bool:
+    """The cause came from the first step: no LR was searched, only the short confirmation run followed."""
+    stats = report.stats["overfit"]
+    return stats["lr_search"] is None and stats["lr_chosen_by"] == "default" and stats["steps_run"] <= 20
+
+
 def test_optimizer_built_before_the_adapter_holds_none_of_its_params():
     report = overfit(**broken_setup())
-    assert cause(report) == "params-not-in-optimizer"
+    assert cause(report) == "params-not-in-optimizer" and no_search_ran(report)
     path = report.stats["overfit"]["gradient_path"]
     assert path["in_optimizer"] == 0 and path["trainable"] > 0 and path["optimizer_frozen"] > 0
 
@@ -209,7 +215,7 @@ def test_detached_loss(model, tok, tmp_path):
             return loss.detach().requires_grad_(True)  # backward() runs, and reaches nothing
 
     report = overfit(trainer=make_trainer(model, tok, tmp_path, cls=DetachingTrainer))
-    assert cause(report) == "loss-not-connected"
+    assert cause(report) == "loss-not-connected" and no_search_ran(report)
     path = report.stats["overfit"]["gradient_path"]
     assert path["loss_grad_fn"] is None and path["loss_requires_grad"] is True
     assert report.stats["overfit"]["loss_final"] == pytest.approx(report.stats["overfit"]["loss_start"])
@@ -241,7 +247,7 @@ def test_labels_all_masked_by_a_wrong_response_template(model, tok, tmp_path):
     )
     collator = CompletionOnlyCollator(tok, "### Answer:")  # a Llama-2-era template on ChatML data
     report = overfit(trainer=make_trainer(model, tok, tmp_path, collator=collator, train=rows))
-    assert cause(report) == "labels-masked"
+    assert cause(report) == "labels-masked" and no_search_ran(report)
     assert report.stats["overfit"]["gradient_path"]["supervised_tokens"] == 0
     assert report.stats["overfit"]["gradient_path"]["label_positions"] > 0
 
@@ -262,9 +268,95 @@ def test_optimizer_step_that_updates_nothing(model, tok, tmp_path):
 
     trainer = make_trainer(model, tok, tmp_path, optimizer=LoggingAdamW(model.parameters(), lr=1e-2))
     report = overfit(trainer=trainer, steps=50)
-    assert cause(report) == "no-update"
+    assert cause(report) == "no-update" and no_search_ran(report)
     assert report.stats["overfit"]["gradient_path"]["updated"] == 0
     assert report.stats["overfit"]["gradient_path"]["optimizer"] == "LoggingAdamW"
+
+
+# -- the overfit LR --------------------------------------------------------------------------------
+def assert_searched_and_reached(stats, steps):
+    """The LR was searched, the run shown is the search's last and reached near zero, within 3 step budgets."""
+    search = stats["lr_search"]
+    assert stats["passed"] and stats["lr_chosen_by"] == "search"
+    assert stats["lr"] == pytest.approx(search["tried"][-1]["lr"], rel=1e-3)
+    assert search["tried"][-1]["ended"] == "near zero" and stats["loss_final"] <= stats["near_zero"]
+    assert search["steps"] <= search["step_limit"] == 3 * steps
+
+
+def test_clean_full_fine_tune_overfits_with_the_default_options(model, tok):
+    """The tiny model's full fine-tune stalls at the old fixed default (lr=1e-4: 6.9 -> ~3 in 300 steps)."""
+    report = overfit(model=model, tokenizer=tok, dataset=demo_conversations(16))
+    assert not report.has_errors, report.summary()
+    stats = report.stats["overfit"]
+    assert_searched_and_reached(stats, 300)
+    assert stats["gradient_path"]["grads"]["nonzero"] == stats["gradient_path"]["trainable"] == 21
+    assert stats["lr"] > 1e-3  # well above the old default: the one the search found and reports
+    assert report.stats["setup"]["lr"] == stats["lr"] and report.stats["setup"]["lr_search"] is True
+    [item] = [i for i in report.stats["checklist"] if i["item"] == "the loss reaches near zero"]
+    assert item["status"] == "passed" and f"lr={stats['lr']:.3g}" in item["detail"]
+
+
+def test_lora_adapter_overfits_with_the_default_options(model, tok):
+    """With 100 steps the old adapter default (lr=1e-3) does not get there (it needs ~200); the search does."""
+    lora = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "lm_head"]}
+    report = overfit(model=model, tokenizer=tok, dataset=demo_conversations(16), lora=lora, steps=100)
+    assert not report.has_errors, report.summary()
+    stats = report.stats["overfit"]
+    assert_searched_and_reached(stats, 100)
+    assert report.stats["setup"]["adapter"] == "LORA"
+
+
+def test_a_given_lr_is_used_as_is(model, tok):
+    report = overfit(model=model, tokenizer=tok, dataset=demo_conversations(8), lr=1e-4, steps=50)
+    stats = report.stats["overfit"]
+    assert stats["lr"] == 1e-4 and stats["lr_chosen_by"] == "given" and stats["lr_search"] is None
+    assert stats["steps_run"] == 50 and cause(report) == "not-converged"
+    [finding] = report.by_rule("overfit-failed")
+    assert finding.evidence["lr"] == 1e-4 and "lrs_tried" not in finding.evidence
+    assert "Rerun without --lr" in finding.fix
+
+
+class ShufflingTrainer(Trainer):
+    """Labels shuffled across the examples at every step: no LR can make the model memorise them."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs["labels"]
+        inputs = {**inputs, "labels": labels[torch.randperm(labels.shape[0], device=labels.device)]}
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def test_labels_that_cannot_be_memorised_fail_after_a_wide_lr_search(model, tok, tmp_path):
+    report = overfit(trainer=make_trainer(model, tok, tmp_path, cls=ShufflingTrainer), steps=100)
+    assert cause(report) == "not-converged"
+    [finding] = report.by_rule("overfit-failed")
+    stats = report.stats["overfit"]
+    tried = finding.evidence["lrs_tried"]  # [lr, best loss] of every run, in the order they ran
+    assert len(tried) >= 3 and max(lr for lr, _ in tried) >= 10 * min(lr for lr, _ in tried)
+    assert all(best > stats["near_zero"] for _, best in tried)
+    assert finding.evidence["lr_chosen_by"] == "search"
+    assert any(lr == pytest.approx(finding.evidence["lr"], rel=0.01) for lr, _ in tried)  # the best run's
+    assert f"{len(tried)} LRs tried" in finding.message and "cannot be memorised" in finding.fix
+    assert stats["lr_search"]["steps"] <= 3 * 100
+    assert stats["gradient_path"]["grads"]["nonzero"] == 21  # the gradient path itself is fine
+
+
+def test_diagnose_gets_past_overfit_to_the_empty_loss_mask(model, tok):
+    """A third of the rows carry no supervised token: the others still memorise at the LR the search picks,
+    and layer 3's mask rules name the rows."""
+    data = token_rows(tok, 12)
+    rows = [
+        {"input_ids": ids, "labels": [-100] * len(ids) if i % 3 == 0 else labels}
+        for i, (ids, labels) in enumerate(zip(data["input_ids"], data["labels"]))
+    ]
+    report = diagnose(model=model, tokenizer=tok, dataset=rows, write_repro=False)
+    stats = report.stats
+    assert stats["overfit"]["passed"] and stats["overfit"]["lr_chosen_by"] == "search"
+    assert stats["broken_layer"] == "3. shapes and masks" and stats["cause"] == "empty-loss-mask"
+    [finding] = report.by_rule("empty-loss-mask")
+    assert finding.severity == "error" and finding.evidence["count"] == 3  # rows 0, 3 and 6 of the 8
+    assert [i["status"] for i in stats["checklist"] if i["layer"] in (1, 2)] == ["passed"] * 8
+    [masks] = [i for i in stats["checklist"] if i["layer"] == 3 and i["item"].startswith("masks")]
+    assert masks["status"] == "failed" and "empty-loss-mask" in masks["detail"]
 
 
 # -- layers ----------------------------------------------------------------------------------------

@@ -7,10 +7,12 @@ import math
 
 import pytest
 
+from hf_sanity.protocol.lr_search import FIRST_RUNG, Search, next_rung
 from hf_sanity.protocol.render import sparkline
 from hf_sanity.rules.protocol import (
     GradientPath,
     LRSweep,
+    LRTrial,
     OverfitRun,
     PrecisionRun,
     check_lr_range,
@@ -19,7 +21,9 @@ from hf_sanity.rules.protocol import (
     divergence_index,
     gradient_path_cause,
     near_zero_threshold,
+    on_pace,
     overfit_cause,
+    still_falling,
 )
 
 HEALTHY = dict(
@@ -97,6 +101,73 @@ def test_overfit_verdicts():
     # near zero at step 0 with no label carrying loss is not a pass (SFTTrainer's loss is 0 on such batches)
     [finding] = check_overfit(run([0.0], supervised_tokens=0))
     assert finding.evidence["cause"] == "labels-masked" and finding.severity == "error"
+
+
+# -- the overfit's LR search -----------------------------------------------------------------------
+SLOW = [6.9 - 0.01 * i for i in range(100)]  # falls steadily, far too slowly to get near zero in the budget
+WOBBLE = [6.9, 3.0] + [
+    2.0 + 0.5 * (-1) ** i for i in range(98)
+]  # fast at first, then oscillates on a plateau
+FAST = [6.9 * 0.9**i for i in range(40)]
+
+
+def trial(losses, lr=1e-3, window=20) -> LRTrial:
+    return LRTrial(lr=lr, losses=list(losses), threshold=0.35, window=window)
+
+
+def test_a_run_s_trend():
+    assert still_falling(SLOW, 20) and not on_pace(SLOW, 20, 0.35)  # falls, too slowly to be worth more steps
+    assert not still_falling(WOBBLE, 20) and not on_pace(WOBBLE, 20, 0.35)
+    assert still_falling(FAST, 20) and on_pace(FAST, 20, 0.35)
+    assert still_falling(SLOW[:30], 20) and on_pace(
+        SLOW[:30], 20, 0.35
+    )  # shorter than two windows: no verdict
+    assert not trial(SLOW).too_high and trial(WOBBLE).too_high  # too low an LR / too high
+    assert trial([6.9, 5.0, 1.0, 30.0]).too_high and trial([6.9, 5.0, math.nan]).too_high  # diverged
+    assert trial(FAST).reached and not trial(SLOW).reached
+
+
+def test_the_next_lr_is_higher_while_every_run_was_too_low_else_lower():
+    assert next_rung({FIRST_RUNG: trial(SLOW)}) == FIRST_RUNG - 1  # a higher LR (rung k: top / sqrt(10)**k)
+    assert next_rung({FIRST_RUNG: trial(WOBBLE)}) == FIRST_RUNG + 1
+    assert next_rung({2: trial(SLOW), 1: trial(WOBBLE)}) == 3  # bracketed: below the lowest tried
+    assert next_rung({0: trial(SLOW)}) == 1  # nothing above where the range test diverges
+    search = Search(tried=[trial(WOBBLE, lr=1e-2), trial(SLOW, lr=1e-3), trial([6.9, math.inf], lr=1e-1)])
+    assert search.reported().lr == 1e-2  # the lowest loss among the runs that ended finite
+    search.tried.append(trial(FAST, lr=3e-3))
+    assert search.reported().lr == 3e-3  # the one that reached near zero
+
+
+def searched(trials, **changes) -> OverfitRun:
+    best = min(trials, key=lambda t: t.best)
+    return OverfitRun(
+        path=path(**changes),
+        losses=best.losses,
+        threshold=0.35,
+        steps=100,
+        lr=best.lr,
+        examples=8,
+        vocab_size=1000,
+        lr_source="search",
+        tried=trials,
+        sweep_diverges_at=0.3,
+    )
+
+
+def test_overfit_verdicts_after_an_lr_search():
+    run = searched([trial(SLOW, lr=1e-2), trial(WOBBLE, lr=3e-2), trial(SLOW, lr=3e-3)])
+    [finding] = check_overfit(run)
+    assert finding.evidence["cause"] == "not-converged" and finding.evidence["lr_chosen_by"] == "search"
+    assert finding.evidence["lrs_tried"] == [[0.01, 5.91], [0.03, 1.5], [0.003, 5.91]]
+    assert finding.evidence["lr"] == 3e-2 and finding.evidence["sweep_diverges_at"] == 0.3
+    assert "3 LRs tried (3.0e-03 to 3.0e-02)" in finding.message and "cannot be memorised" in finding.fix
+    assert check_overfit(searched([trial(SLOW), trial(FAST, lr=3e-3)])) == []
+    nonfinite = searched([trial([6.9, math.nan], lr=1e-2), trial([6.9, 5.0, math.inf], lr=3e-3)])
+    assert overfit_cause(nonfinite).key == "loss-nonfinite" and "every LR the search tried" in (
+        overfit_cause(nonfinite).message
+    )
+    # a broken gradient path is named as before, whatever the search
+    assert overfit_cause(searched([trial(SLOW)], updated=0)).key == "no-update"
 
 
 def test_divergence_index():

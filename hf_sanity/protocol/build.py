@@ -26,8 +26,9 @@ from hf_sanity.protocol.optimizers import adamw, remap_optimizer
 from hf_sanity.protocol.options import MIN_EXAMPLES, ProtocolOptions
 from hf_sanity.protocol.pipeline import DEFAULT_MAX_GRAD_NORM, Learner, NullOptimizer, Pipeline, _cpu
 
-# Overfit learning rates when none is given: a few times the usual training LR (the test only has to memorise
-# a handful of examples, fast), for an adapter and for full fine-tuning. A trainer's own LR is used when larger.
+# Where the overfit starts when no LR is given (its first step, which measures the gradient path, runs at it;
+# then the LR is searched): a few times the usual training LR, for an adapter and for full fine-tuning. A
+# trainer's own LR is used when larger.
 DEFAULT_LR_ADAPTER = 1e-3
 DEFAULT_LR_FULL = 1e-4
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "position_ids", "token_type_ids")
@@ -188,6 +189,7 @@ def from_objects(
         model_ref=ref,
         adapter=adapter_dict(model),
         protected=[p for p in (_local_dir(ref),) if p is not None],
+        lr_search=opts.lr is None,
     )
 
 
@@ -286,6 +288,7 @@ def from_trainer(trainer, *, options: ProtocolOptions | None = None) -> Pipeline
         model_ref=model_ref_of(original),
         adapter=adapter_dict(original),
         protected=[p for p in (_local_dir(model_ref_of(original)),) if p is not None],
+        lr_search=opts.lr is None,
     )
 
 

@@ -15,10 +15,11 @@ MIN_EXAMPLES, MAX_EXAMPLES = 2, 10
 class ProtocolOptions:
     """How the protocol samples and trains the examples.
 
-    ``n``: examples to overfit (2-10); ``steps``: the overfit's step budget; ``lr``: the overfit learning rate
-    (default: 1e-3 with an adapter, 1e-4 full fine-tuning, or the setup's own when larger); ``max_len``: the
-    training max_length (truncation keeps the start); ``loss_on``: ``completion`` (labels on completions only)
-    or ``all``; ``format``: the dataset format (default: detected from the columns).
+    ``n``: examples to overfit (2-10); ``steps``: the overfit's step budget (per LR tried when the LR is
+    searched, at most 3 budgets in all); ``lr``: the overfit learning rate, used as is (default: searched, see
+    `hf_sanity.protocol.lr_search`); ``max_len``: the training max_length (truncation keeps the start);
+    ``loss_on``: ``completion`` (labels on completions only) or ``all``; ``format``: the dataset format
+    (default: detected from the columns).
     """
 
     n: int = 8

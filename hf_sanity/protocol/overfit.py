@@ -14,12 +14,22 @@ import time
 from typing import Any
 
 from hf_sanity import catalog
-from hf_sanity.measure.tensors import model_device, to_device
 from hf_sanity.numbers import fmt
 from hf_sanity.protocol.build import build
+from hf_sanity.protocol.loop import (
+    clip_grads,
+    first_line,
+    forward_loss,
+    micro_weights,
+    optimizer_params,
+    signature,
+    train,
+)
+from hf_sanity.protocol.lr_search import Search, search_lr
 from hf_sanity.protocol.options import ProtocolOptions
 from hf_sanity.protocol.pipeline import Learner, Pipeline, label_positions, supervised_count
 from hf_sanity.rules.protocol import (
+    LR_SEARCH_BUDGETS,
     GradientPath,
     OverfitRun,
     gradient_path_cause,
@@ -30,59 +40,6 @@ from hf_sanity.selection import Selection
 
 CONFIRM_STEPS = 20  # steps run to show the curve when the gradient path is already known to be broken
 MAX_NAMES = 10
-
-
-def micro_weights(batches: list[dict]) -> list[float]:
-    """Each micro-batch's share of the supervised tokens: the mean loss over all examples is their weighted sum."""
-    counts = [supervised_count(b) for b in batches]
-    if any(c is None for c in counts) or sum(counts) == 0:
-        return [1.0 / len(batches)] * len(batches)
-    total = sum(counts)
-    return [c / total for c in counts]
-
-
-def forward_loss(learner: Learner, batches: list[dict], weights: list[float]):
-    """(combined loss, the first micro-batch's loss as returned): the returned one is what grad_fn is read from."""
-    device = model_device(learner.model)
-    first = None
-    total = None
-    for batch, weight in zip(batches, weights):
-        loss = learner.loss(to_device(batch, device))
-        if not hasattr(loss, "requires_grad"):
-            raise TypeError(f"the loss is a {type(loss).__name__}, not a tensor")
-        if loss.numel() != 1:
-            loss = loss.mean()
-        first = loss if first is None else first
-        term = loss * weight if len(batches) > 1 else loss
-        total = term if total is None else total + term
-    return total, first
-
-
-def optimizer_params(optimizer) -> list:
-    return [p for group in getattr(optimizer, "param_groups", []) for p in group["params"]]
-
-
-def _clip(params: list, max_norm: float | None) -> None:
-    import torch
-
-    with_grad = [p for p in params if p.grad is not None]
-    if max_norm and with_grad:
-        torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def _signature(p) -> tuple[float, float]:
-    """Two numbers that change when a tensor does (no copy of it is made)."""
-    import torch
-
-    data = p.detach()
-    return float(torch.sum(data, dtype=torch.float64)), float(
-        torch.linalg.vector_norm(data, dtype=torch.float64)
-    )
 
 
 def probe(pipeline: Pipeline, learner: Learner, weights: list[float]) -> tuple[GradientPath, float]:
@@ -119,7 +76,7 @@ def probe(pipeline: Pipeline, learner: Learner, weights: list[float]) -> tuple[G
         loss, first = forward_loss(learner, pipeline.batches, weights)
         loss_value = float(loss.detach().float())
     except Exception as exc:
-        path.loss_error = _first_line(exc)
+        path.loss_error = first_line(exc)
         return path, loss_value
     path.loss = loss_value
     path.loss_requires_grad = bool(first.requires_grad)
@@ -131,7 +88,7 @@ def probe(pipeline: Pipeline, learner: Learner, weights: list[float]) -> tuple[G
         try:
             loss.backward()
         except Exception as exc:
-            path.loss_error = f"backward failed: {_first_line(exc)}"
+            path.loss_error = f"backward failed: {first_line(exc)}"
             return path, loss_value
     trained = [(n, p) for n, p in trainable if id(p) in held_ids]
     silent = []
@@ -148,46 +105,25 @@ def probe(pipeline: Pipeline, learner: Learner, weights: list[float]) -> tuple[G
             path.grad_nonzero += 1
     path.no_grad_names = silent[:MAX_NAMES]
     if path.grad_nonzero:
-        before = {id(p): _signature(p) for _, p in trained}
-        _clip(held, pipeline.max_grad_norm)
+        before = {id(p): signature(p) for _, p in trained}
+        clip_grads(held, pipeline.max_grad_norm)
         optimizer.step()
-        path.updated = sum(1 for _, p in trained if _signature(p) != before[id(p)])
+        path.updated = sum(1 for _, p in trained if signature(p) != before[id(p)])
     return path, loss_value
 
 
-def train(
-    pipeline: Pipeline,
-    learner: Learner,
-    weights: list[float],
-    losses: list[float],
-    steps: int,
-    threshold: float,
-) -> None:
-    """Continue training after the probe's step; ``losses[i]`` is the loss after i updates. Stops once the loss
-    is near zero or non-finite."""
-    held = optimizer_params(learner.optimizer)
-    for step in range(1, steps + 1):
-        learner.optimizer.zero_grad(set_to_none=True)
-        for p in learner.model.parameters():
-            p.grad = None
-        loss, _ = forward_loss(learner, pipeline.batches, weights)
-        value = float(loss.detach().float())
-        losses.append(value)
-        if not math.isfinite(value) or value <= threshold or step == steps:
-            return
-        if loss.requires_grad:
-            loss.backward()
-        _clip(held, pipeline.max_grad_norm)
-        learner.optimizer.step()
-
-
 def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[str, Any]]:
-    """Train a working copy on the examples; the measurements and their stats. The user's model is untouched."""
+    """Train a working copy on the examples; the measurements and their stats. The user's model is untouched.
+
+    The first step is the probe, at ``pipeline.lr``. A broken gradient path is named from it and only confirmed
+    by a short run; an intact one trains on at the given LR or, with ``pipeline.lr_search``, at the LRs the
+    search tries (:mod:`hf_sanity.protocol.lr_search`), and ``pipeline.lr`` becomes the one it reports."""
     import torch
 
     from hf_sanity.untouched import preserved_rng
 
     started = time.perf_counter()
+    search = None
     with preserved_rng():
         torch.manual_seed(0)
         model = pipeline.working_copy()
@@ -195,20 +131,33 @@ def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[
         weights = micro_weights(pipeline.batches)
         held = {id(p) for p in optimizer_params(learner.optimizer)}
         trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in held]
-        initial = {n: _signature(p) for n, p in trained}
+        initial = {n: signature(p) for n, p in trained}
         path, loss0 = probe(pipeline, learner, weights)
         threshold = near_zero_threshold(loss0, pipeline.vocab_size)
         losses = [loss0]
         broken = gradient_path_cause(path)
-        budget = min(steps, CONFIRM_STEPS) if broken is not None else steps
-        if path.loss_error is None and math.isfinite(loss0) and loss0 > threshold:
-            try:
-                train(pipeline, learner, weights, losses, budget, threshold)
-            except Exception as exc:  # a later step broke (after the probe's passed): report it as measured
-                path.loss_error = f"step {len(losses)}: {_first_line(exc)}"
-        if path.updated:
-            path.never_updated = [n for n, p in trained if _signature(p) == initial[n]]
-        del model, learner
+        to_train = path.loss_error is None and math.isfinite(loss0) and loss0 > threshold
+        if to_train and broken is None and pipeline.lr_search:
+            # every run of the search starts from the original weights on its own copy: free the probe's first
+            del model, learner, trained
+            search = search_lr(pipeline, steps, threshold, weights)
+            path.loss_error = search.error
+            reported = search.reported()
+            if reported is not None and reported.losses:
+                losses = reported.losses
+                pipeline.lr = reported.lr
+                if path.updated:
+                    path.never_updated = reported.never_updated
+        else:
+            budget = min(steps, CONFIRM_STEPS) if broken is not None else steps
+            if to_train:
+                try:
+                    train(pipeline, learner, weights, losses, budget, threshold)
+                except Exception as exc:  # a later step broke (the probe's passed): reported as measured
+                    path.loss_error = f"step {len(losses)}: {first_line(exc)}"
+            if path.updated:
+                path.never_updated = [n for n, p in trained if signature(p) == initial[n]]
+            del model, learner
     run = OverfitRun(
         path=path,
         losses=losses,
@@ -217,11 +166,43 @@ def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[
         lr=pipeline.lr,
         examples=pipeline.examples,
         vocab_size=pipeline.vocab_size,
+        lr_source="search" if search else "default" if pipeline.lr_search else "given",
+        tried=search.tried if search else [],
+        sweep_diverges_at=search.sweep_diverges_at if search else None,
     )
-    return run, overfit_stats(run, pipeline, time.perf_counter() - started)
+    return run, overfit_stats(run, pipeline, time.perf_counter() - started, search)
 
 
-def overfit_stats(run: OverfitRun, pipeline: Pipeline, seconds: float) -> dict[str, Any]:
+def search_stats(search: Search, steps: int) -> dict[str, Any]:
+    """The LR search as measured: the range test's divergence and every run, in the order they ran."""
+
+    def ended(trial) -> str:
+        if trial.reached:
+            return "near zero"
+        return (
+            "too high (diverged, plateaued or oscillating)" if trial.too_high else "too low (still falling)"
+        )
+
+    return {
+        "sweep_diverges_at": search.sweep_diverges_at,
+        "sweep_steps": search.sweep_steps,
+        "tried": [
+            {
+                "lr": float(f"{t.lr:.4g}"),
+                "steps": t.steps,
+                "best_loss": round(t.best, 5) if math.isfinite(t.best) else str(t.best),
+                "ended": ended(t),
+            }
+            for t in search.tried
+        ],
+        "steps": search.steps,
+        "step_limit": LR_SEARCH_BUDGETS * steps,
+    }
+
+
+def overfit_stats(
+    run: OverfitRun, pipeline: Pipeline, seconds: float, search: Search | None = None
+) -> dict[str, Any]:
     cause = overfit_cause(run)
     path = run.path
     return {
@@ -234,6 +215,8 @@ def overfit_stats(run: OverfitRun, pipeline: Pipeline, seconds: float) -> dict[s
         "steps_run": max(len(run.losses) - 1, 0),
         "step_budget": run.steps,
         "lr": run.lr,
+        "lr_chosen_by": run.lr_source,
+        "lr_search": search_stats(search, run.steps) if search else None,
         "examples": run.examples,
         "losses": [round(x, 5) if math.isfinite(x) else str(x) for x in run.losses],
         "gradient_path": {
@@ -329,8 +312,10 @@ def path_checklist(stats: dict[str, Any], layer: int = 1) -> list[dict[str, Any]
     reached = stats["reached_at_step"]
     loss_detail = (
         f"{fmt(stats['loss_start'], 4)} -> {fmt(stats['loss_final'], 4)} in {stats['steps_run']} steps "
-        f"(near zero: {stats['near_zero']})"
+        f"at lr={stats['lr']:.3g} (near zero: {stats['near_zero']})"
     )
+    if stats["lr_search"]:
+        loss_detail += f"; LR searched: {len(stats['lr_search']['tried'])} tried"
     item(
         "the loss reaches near zero",
         "passed" if stats["passed"] and reached is not None else "failed",

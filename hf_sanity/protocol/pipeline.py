@@ -37,7 +37,7 @@ class Pipeline:
     tokenizer: Any
     batches: list[dict]  # the examples as collated batches (CPU tensors), usually one
     examples: int
-    lr: float  # the overfit learning rate
+    lr: float  # the overfit LR: the given one, or (lr_search) where the search starts, then the one it reports
     configured_lr: float | None  # the LR the user trains with, where known
     binder: Callable[[Any, float], Learner] = field(repr=False)
     source: str = "objects"  # trainer | objects | paths
@@ -50,6 +50,7 @@ class Pipeline:
     command: list[str] | None = None  # the command line that built it
     protected: list[Path] = field(default_factory=list)  # folders nothing may be written into
     dropouts_off: int | None = None  # dropouts that were on in the model and are off in its working copies
+    lr_search: bool = False  # no overfit LR was given: overfit searches one (hf_sanity.protocol.lr_search)
 
     def working_copy(self, dtype=None):
         """A deep copy of the model in train mode with regularisation off (optionally cast to ``dtype``)."""
@@ -89,6 +90,7 @@ class Pipeline:
             "batches": len(self.batches),
             "optimizer": self.optimizer_name,
             "lr": self.lr,
+            "lr_search": self.lr_search,
             "configured_lr": self.configured_lr,
             "max_grad_norm": self.max_grad_norm,
             "trainable_params": sum(p.numel() for p in params if p.requires_grad),

@@ -95,7 +95,10 @@ class ProtocolReport(Report):
 
 def overfit_text(stats: dict[str, Any]) -> Text:
     text = Text("overfit  ", style="bold")
-    text.append(f"loss on {stats['examples']} examples, lr={stats['lr']:g}: ")
+    searched = stats.get("lr_search")
+    count = len(searched["tried"]) if searched else 0
+    how = f" (searched: {count} LR{'s' if count != 1 else ''} tried)" if searched else ""
+    text.append(f"loss on {stats['examples']} examples, lr={stats['lr']:.3g}{how}: ")
     text.append(fmt(stats["loss_start"], 4))
     text.append(f" {sparkline(stats['losses'])} ", style="cyan")
     text.append(fmt(stats["loss_final"], 4))
@@ -265,7 +268,8 @@ def overfit_png(run, path: str | Path | None = None) -> bytes:
     )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nat/token)")
-    ax.set_title(f"overfit {run.examples} examples, lr={run.lr:g}", fontsize=10, loc="left")
+    how = " (searched)" if run.searched else ""
+    ax.set_title(f"overfit {run.examples} examples, lr={run.lr:.3g}{how}", fontsize=10, loc="left")
     ax.legend(fontsize=8, loc="best")
     return _png(figure, path)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from hf_sanity import catalog
 from hf_sanity.measure.tensors import forward_kwargs, model_device, to_device
-from hf_sanity.protocol.overfit import forward_loss, micro_weights, optimizer_params
+from hf_sanity.protocol.loop import clip_grads, forward_loss, micro_weights, optimizer_params
 from hf_sanity.protocol.pipeline import Pipeline
 from hf_sanity.rules.protocol import LRSweep, PrecisionRun, check_precision
 from hf_sanity.selection import Selection
@@ -206,9 +206,7 @@ def run_lr_range(pipeline: Pipeline, lrs: list[float] | None = None) -> tuple[LR
                 break
             if loss.requires_grad:
                 loss.backward()
-            with_grad = [p for p in held if p.grad is not None]
-            if pipeline.max_grad_norm and with_grad:
-                torch.nn.utils.clip_grad_norm_(with_grad, pipeline.max_grad_norm)
+            clip_grads(held, pipeline.max_grad_norm)
             learner.optimizer.step()
         del model, learner
     sweep = LRSweep(

@@ -7,9 +7,16 @@ user's model and hands them here. Thresholds are the named constants below, quot
 * *near zero* (overfit): the loss on the handful of examples falls to 0.1 nat/token (every supervised token
   predicted with ~90% probability, geometric mean) or to 5% of its step-0 value, whichever is larger; the
   step-0 value is capped at chance, ln(V), so a broken init that starts far above chance cannot lower the bar.
-* *divergence* (LR range): the loss is non-finite, or above both 4x its best value so far (fastai's
-  ``lr_find`` stop rule) and its best value plus a quarter of its starting value (so oscillations around a
-  memorised, near-zero loss do not count).
+* *divergence* (LR range, and the overfit's LR search): the loss is non-finite, or above both 4x its best value
+  so far (fastai's ``lr_find`` stop rule) and its best value plus a quarter of its starting value (so
+  oscillations around a memorised, near-zero loss do not count).
+* *the overfit LR*, when none is given: after the LR range test on the same examples, runs from the same
+  weights at LRs half a decade apart, the first a decade below where the sweep diverges. A run's trend is
+  read over windows of a sixth of the step budget: it stops once a window's mean loss is not below the one
+  before by 5% of the way left to near zero (too slow to get there), and its loss still falls when that
+  difference is at least 2 standard errors. The next LR is higher while every run's loss still fell at its
+  end (too low an LR), lower once one diverges or stops falling (plateaus or oscillates). The search stops
+  at the first run that reaches near zero, or once 3 step budgets are spent, the sweep included.
 * *precision tolerance*: 8 unit roundoffs of the half format relative to the float32 loss (bf16: 3.1%,
   fp16: 0.39%), plus 0.02 nat: a half-precision forward pass rounds at every op, and a few roundoffs of
   relative error on the mean loss is its normal noise; more means a module lost range or precision.
@@ -29,6 +36,11 @@ NEAR_ZERO_FRACTION = 0.05
 DIVERGE_RATIO = 4.0
 DIVERGE_FLOOR = 0.25  # of the starting loss
 SUGGEST_BELOW = 10.0  # the suggested LR is an order of magnitude below divergence
+LR_SEARCH_BUDGETS = 3  # the overfit's LR search trains at most this many step budgets, its sweep included
+LR_SEARCH_RUNG = 10**0.5  # the LRs it tries are half a decade apart
+LR_SEARCH_WINDOW = 1 / 6  # of the step budget: a search run's loss trend is read over windows this long
+LR_SEARCH_PACE = 0.05  # a window must cut this share of the way left to near zero, or the run stops
+LR_SEARCH_SIGNIFICANCE = 2.0  # standard errors: the loss still falls when a window's mean is this far below
 PRECISION_ROUNDOFFS = 8
 PRECISION_ATOL = 0.02
 UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -45,7 +57,15 @@ OVERFIT_FAILED = define(
     "which of them the optimizer holds, the loss's grad_fn, every parameter's .grad after one backward and "
     "whether one optimizer step changes them. The first broken link is named: labels all masked, no "
     "trainable params, params not in the optimizer, loss not connected to the parameters being updated, no "
-    "gradient reaching them, an optimizer step that updates nothing; with the path intact, the loss stalls.",
+    "gradient reaching them, an optimizer step that updates nothing; these are named from the first step, "
+    "without any LR search. With the path intact and no --lr, the LR is searched: an LR range test on the "
+    "same examples, then runs from the same weights at LRs half a decade apart, the first a decade below "
+    "where the sweep diverges. A run stops once its mean loss over a sixth of the step budget is not below "
+    "the sixth before by 5% of the way left to near zero; the next LR is higher while every run's loss still "
+    "fell (by 2 standard errors), lower once one diverges or plateaus or oscillates. The search stops at the "
+    "first run that reaches near zero, within 3 step budgets in all (the sweep included). The loss stalls "
+    "(not-converged) when no LR tried reaches near zero; the evidence lists each LR tried with its best "
+    "loss. An LR given with --lr is used as is, with no search.",
     fix="Fix the broken part of the gradient path named in the evidence before tuning anything.",
 )
 
@@ -206,17 +226,98 @@ def near_zero_threshold(initial_loss: float, vocab_size: int | None) -> float:
     return max(NEAR_ZERO_NATS, NEAR_ZERO_FRACTION * max(start, 0.0))
 
 
+def window_means(losses: Sequence[float], window: int) -> tuple[float, float, float] | None:
+    """The mean loss over the last ``window`` steps, over the window before, and the standard error of their
+    difference; None while the run is shorter than two windows."""
+    if window < 2 or len(losses) < 2 * window:
+        return None
+    recent, before = list(losses[-window:]), list(losses[-2 * window : -window])
+    means = [sum(w) / window for w in (recent, before)]
+    variances = [sum((x - m) ** 2 for x in w) / (window - 1) for w, m in zip((recent, before), means)]
+    return means[0], means[1], math.sqrt(sum(variances) / window)
+
+
+def on_pace(losses: Sequence[float], window: int, threshold: float) -> bool:
+    """Whether the loss falls fast enough to be worth more steps: the last window's mean is below the one
+    before by ``LR_SEARCH_PACE`` of the way that was left to near zero (True while too short to tell)."""
+    means = window_means(losses, window)
+    if means is None:
+        return True
+    recent, before, _ = means
+    return recent < before - LR_SEARCH_PACE * max(before - threshold, 0.0)
+
+
+def still_falling(losses: Sequence[float], window: int) -> bool:
+    """Whether the loss still falls at all, however slowly: the last window's mean is
+    ``LR_SEARCH_SIGNIFICANCE`` standard errors below the one before (not a plateau, not an oscillation).
+    True while too short to tell."""
+    means = window_means(losses, window)
+    if means is None:
+        return True
+    recent, before, error = means
+    return recent < before - LR_SEARCH_SIGNIFICANCE * error
+
+
+@dataclass
+class LRTrial:
+    """One run of the overfit's LR search: the loss on the examples after each update at ``lr``."""
+
+    lr: float
+    losses: list[float]
+    threshold: float  # near zero
+    window: int = 0  # steps over which the run's trend is read (``on_pace``, ``still_falling``); 0: not read
+    never_updated: list[str] | None = None  # optimizer tensors still at their initial value after the run
+
+    @property
+    def best(self) -> float:
+        finite = [x for x in self.losses if math.isfinite(x)]
+        return min(finite) if finite else float("nan")
+
+    @property
+    def steps(self) -> int:
+        return max(len(self.losses) - 1, 0)
+
+    @property
+    def reached(self) -> bool:
+        return any(x <= self.threshold for x in self.losses)
+
+    @property
+    def ended_finite(self) -> bool:
+        return bool(self.losses) and math.isfinite(self.losses[-1])
+
+    @property
+    def too_high(self) -> bool:
+        """Whether the LR looks too high: the run ended on a diverging loss, or its loss no longer falls at all
+        (it plateaus or oscillates). A run whose loss still falls at its end, too slowly, had too low an LR."""
+        if len(self.losses) < 2:
+            return False
+        start, last = self.losses[0], self.losses[-1]
+        before = [x for x in self.losses[:-1] if math.isfinite(x)]
+        if diverging(last, min(before, default=math.inf), start):
+            return True
+        return not still_falling(self.losses, self.window)
+
+
 @dataclass
 class OverfitRun:
-    """The overfit measurements: the gradient path, then the loss on the examples at each step."""
+    """The overfit measurements: the gradient path, then the loss on the examples at each step (of the LR
+    search's reported run when the LR was searched)."""
 
     path: GradientPath
     losses: list[float]
     threshold: float
     steps: int  # the step budget
-    lr: float
+    lr: float  # the LR of ``losses``
     examples: int
     vocab_size: int | None = None
+    # given | search (``tried`` holds its runs) | default (none given and none searched: the first step decided)
+    lr_source: str = "given"
+    tried: list[LRTrial] = field(default_factory=list)
+    sweep_diverges_at: float | None = None  # where the search's range test diverged; None: not up to its end
+
+    @property
+    def searched(self) -> bool:
+        return self.lr_source == "search"
 
     @property
     def initial(self) -> float:
@@ -258,24 +359,48 @@ def overfit_cause(run: OverfitRun) -> Cause | None:
             "Build the optimizer over every trainable parameter (after attaching the adapter), or let the Trainer "
             "create it.",
         )
+    tried = run.tried if run.searched else []
     if run.losses and not math.isfinite(run.losses[-1]):
+        where = (
+            f"at every LR the search tried ({lr_span(tried)})"
+            if len(tried) > 1
+            else f"after {len(run.losses) - 1} steps at lr={run.lr:g}"
+        )
         return Cause(
             "loss-nonfinite",
             "loss became non-finite",
-            f"the loss became non-finite after {len(run.losses) - 1} steps at lr={run.lr:g}",
+            f"the loss became non-finite {where}",
             "Lower the learning rate (see the LR range test) and check the precision (diagnose's layer 5).",
         )
     stalled = path.never_updated or []
     extra = f"; {len(stalled)} tensors in the optimizer never changed (e.g. {stalled[0]})" if stalled else ""
+    if tried:
+        return Cause(
+            "not-converged",
+            "loss does not reach near zero",
+            f"the gradient path is intact but no learning rate brings the loss near zero ({run.threshold:.3g}): "
+            f"{len(tried)} LR{'s' if len(tried) > 1 else ''} tried ({lr_span(tried)}), the best loss "
+            f"{min(t.best for t in tried):.3g} "
+            f"(from {run.initial:.3g}) at lr={run.lr:.3g}{extra}",
+            "The examples cannot be memorised by this setup: labels that do not follow from the inputs "
+            "(shuffled, misaligned, or changing from step to step), or an adapter with too little capacity or "
+            "on the wrong modules (raise the rank, target more modules or the output head). Rerun with more "
+            "--steps to rule out the budget.",
+        )
     return Cause(
         "not-converged",
         "loss does not reach near zero",
         f"the gradient path is intact but the loss only went from {run.initial:.3g} to {run.best:.3g} in "
         f"{len(run.losses) - 1} steps at lr={run.lr:g} (near zero: {run.threshold:.3g}){extra}",
-        "Rerun with a larger --lr (x10) or more --steps. If it still stalls, the examples cannot be memorised: "
-        "labels that do not follow from the inputs (shuffled or misaligned), or an adapter with too little "
-        "capacity or on the wrong modules.",
+        "Rerun without --lr (overfit then searches the learning rate) or with more --steps. If it still "
+        "stalls, the examples cannot be memorised: labels that do not follow from the inputs (shuffled or "
+        "misaligned), or an adapter with too little capacity or on the wrong modules.",
     )
+
+
+def lr_span(tried: Sequence[LRTrial]) -> str:
+    rates = [t.lr for t in tried]
+    return f"{min(rates):.1e} to {max(rates):.1e}" if len(rates) > 1 else f"{rates[0]:.1e}"
 
 
 # The measurements each cause is shown with (beyond the loss curve's).
@@ -335,8 +460,15 @@ def check_overfit(run: OverfitRun) -> list[Finding]:
         "near_zero": round(run.threshold, 4),
         "steps_run": max(len(run.losses) - 1, 0),
         "lr": run.lr,
+        "lr_chosen_by": run.lr_source,
         "examples": run.examples,
     }
+    if run.searched and run.tried:
+        evidence["lrs_tried"] = [
+            [float(f"{t.lr:.3g}"), round(t.best, 4) if math.isfinite(t.best) else str(t.best)]
+            for t in run.tried
+        ]
+        evidence["sweep_diverges_at"] = run.sweep_diverges_at
     for key in CAUSE_EVIDENCE.get(cause.key, CONVERGENCE_EVIDENCE):
         if measured[key] is not None and measured[key] != []:
             evidence[key] = measured[key]
@@ -365,6 +497,14 @@ class LRSweep:
         return top / SUGGEST_BELOW
 
 
+def diverging(loss: float, best: float, start: float) -> bool:
+    """Whether ``loss`` has diverged, given the best loss before it and the starting one (see the module
+    docstring)."""
+    if not math.isfinite(loss):
+        return True
+    return math.isfinite(start) and loss > max(DIVERGE_RATIO * best, best + DIVERGE_FLOOR * start)
+
+
 def divergence_index(losses: Sequence[float]) -> int | None:
     """The first step at which the sweep's loss diverges (see the module docstring), or None."""
     if not losses:
@@ -372,9 +512,7 @@ def divergence_index(losses: Sequence[float]) -> int | None:
     start = losses[0]
     best = math.inf
     for i, loss in enumerate(losses):
-        if not math.isfinite(loss):
-            return i
-        if i > 0 and math.isfinite(start) and loss > max(DIVERGE_RATIO * best, best + DIVERGE_FLOOR * start):
+        if not math.isfinite(loss) or (i > 0 and diverging(loss, best, start)):
             return i
         best = min(best, loss)
     return None
