@@ -21,7 +21,6 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from hf_sanity.rules.training.base import TrainingSetup
 from hf_sanity.selection import resolve
 from hf_sanity.training import first_batch, memory, replay
 from hf_sanity.training.instrument import Instruments, find_trainer, move_before_reporters
@@ -76,7 +75,7 @@ class SanityCallback(TrainerCallback):
     def _reset(self) -> None:
         self.sink = FindingSink(self.selection, abort_on=self.abort_on, print_findings=self.print_findings)
         self.trainer = self.model = self.sampler = self.exchange = None
-        self.monitors = MonitorSet(self.sink, TrainingSetup())
+        self.monitors = MonitorSet(self.sink)
         self.recorder, self.early, self.history = Recorder(), EarlyFlags(), StepHistory()
         self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch()
         self._step = self._micro = self._reads = 0
@@ -100,7 +99,7 @@ class SanityCallback(TrainerCallback):
             optimizer = optimizer or getattr(self.trainer, "optimizer", None)
             self.sampler = StepSampler(self.trainer, self.model, optimizer, args, state, sink.wants)
             self.exchange = RankExchange(sink.rank, sink.world_size, replicated=not self.sampler.sharded)
-            self.monitors = MonitorSet(sink, TrainingSetup(self.sampler.warmup_steps, sink.world_size))
+            self.monitors = MonitorSet(sink, self.sampler.training_setup(sink.world_size))
             self.monitors.feed(0, self.sampler.setup_values())
             self.instruments.install(self.trainer, self.model, self)
             move_before_reporters(self.trainer, self)
@@ -245,7 +244,7 @@ class SanityCallback(TrainerCallback):
                 self.monitors.feed(step, values)
         if records:
             self._memory_check(now)
-        self.held.release(now, step_complete=weights_step is None)
+        self.held.release(now)
         if self.sink.stop_pending and control is not None and self.sink.world_size == 1:
             self._stop(control)
 
@@ -273,7 +272,10 @@ class SanityCallback(TrainerCallback):
         with self.sink.guard("curves"):
             from hf_sanity.drivers.curves import analyze
 
-            curves = self.history.curves(state.log_history, vocab_size=vocab_size(self.model))
+            per_step = self.sink.world_size == 1
+            curves = self.history.curves(
+                state.log_history, vocab_size=vocab_size(self.model), per_step=per_step
+            )
             found = analyze(curves, final=final, online=True, ran=self.monitors.ran)
             for finding in found:
                 finding.step = state.global_step if finding.step is None else finding.step

@@ -90,6 +90,9 @@ class Rule:
     # Rules that must pass first: when one of them finds an error on the same input, this rule's detectors
     # are skipped (they would measure nonsense or crash), and the report says so once (`checks-skipped`).
     needs: tuple[str, ...] = ()
+    # Rules whose finding explains this one's symptom on the same run: when one of them fired, this one is
+    # not reported (a diverged run also "underfits"; a loss scaled by the accumulation factor sits "above eval").
+    explained_by: tuple[str, ...] = ()
     detectors: list[Detector] = field(default_factory=list, repr=False)
 
     def detector(
@@ -168,9 +171,11 @@ def define(
     detects: str,
     fix: str,
     needs: tuple[str, ...] = (),
+    explained_by: tuple[str, ...] = (),
 ) -> Rule:
     """Declare a rule. Each slug is declared exactly once. ``needs``: rules that must pass before this one
-    can measure anything meaningful (see :attr:`Rule.needs`)."""
+    can measure anything meaningful (:attr:`Rule.needs`); ``explained_by``: rules whose finding explains this
+    one's symptom (:attr:`Rule.explained_by`)."""
     if severity not in SEVERITIES:
         raise ValueError(f"{slug}: severity must be one of {SEVERITIES}")
     if stage not in STAGES:
@@ -178,9 +183,8 @@ def define(
     if slug in _RULES:
         raise ValueError(f"rule {slug!r} is declared twice ({_RULES[slug].module})")
     caller = sys._getframe(1).f_globals.get("__name__", "")  # inspect.stack() reads source: seconds
-    rule = Rule(
-        slug, severity, stage, symptom.strip(), detects.strip(), fix.strip(), module=caller, needs=needs
-    )
+    rule = Rule(slug, severity, stage, symptom.strip(), detects.strip(), fix.strip(), module=caller)
+    rule.needs, rule.explained_by = tuple(needs), tuple(explained_by)
     _RULES[slug] = rule
     return rule
 
@@ -371,6 +375,18 @@ def run_all(
             )
         )
     return out
+
+
+def explained(finding: Finding, fired: Iterable[str]) -> bool:
+    """Whether a rule in ``fired`` explains ``finding``'s symptom (see :attr:`Rule.explained_by`)."""
+    rule = load().get(finding.rule)
+    return rule is not None and any(slug in rule.explained_by for slug in fired)
+
+
+def without_explained(findings: list[Finding]) -> list[Finding]:
+    """``findings`` without those another of them explains."""
+    fired = {f.rule for f in findings}
+    return [f for f in findings if not explained(f, fired)]
 
 
 def _dependency_order(slugs: set[str]) -> list[str]:

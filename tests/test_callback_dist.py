@@ -74,3 +74,23 @@ def test_a_clean_two_process_run_is_silent_and_runs_every_online_detector(ddp_ru
     assert main["steps"] == 8 and main["findings"] == []
     online = {d.name for d in catalog.detectors("step") + catalog.detectors("curve", online=True)}
     assert sorted(online - set(main["ran"])) == []  # every online detector was fed what it reads
+
+
+@pytest.mark.parametrize(("seed", "batch"), [(1, 2), (1, 4), (2, 2), (2, 4)])
+@pytest.mark.clean("curves", "training")
+def test_clean_two_process_runs_are_silent_at_several_seeds_and_batch_sizes(ddp_runs, seed, batch):
+    """The curve detectors judge the loss the user sees (the mean over ranks that Trainer logs), not one rank's
+    batch-to-batch noise: no loss-oscillation on a run whose logged loss falls steadily."""
+    run = ddp_runs / f"clean-s{seed}-b{batch}"
+    assert findings(run / "hf-sanity" / "report.json") == []
+    logged = [
+        h["loss"] for h in json.loads((run / "trainer_state.json").read_text())["log_history"] if "loss" in h
+    ]
+    assert logged[-1] < logged[0]  # it learned: silence is not blindness
+
+
+@pytest.mark.planted("loss-diverged")
+def test_a_learning_rate_far_too_high_under_ddp_is_caught(ddp_runs):
+    report = json.loads((ddp_runs / "hot" / "hf-sanity" / "report.json").read_text())
+    diverged = [f for f in report["findings"] if f["rule"] == "loss-diverged"]
+    assert diverged and diverged[0]["evidence"]["cause"] == "lr-too-high"

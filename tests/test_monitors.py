@@ -345,3 +345,38 @@ def test_nonfinite_fix_follows_the_cause():
 
     assert set(FIX_BY_CAUSE) == set(CAUSES) - {"unknown"}
     assert "log_softmax" in FIX_BY_CAUSE["unsafe-math"] and "bf16" in FIX_BY_CAUSE["precision-overflow"]
+
+
+# -- causes of a blow-up, and a network a divergence killed ----------------------------------------------
+def test_blowup_causes_from_numbers():
+    from hf_sanity.rules.training.divergence import blowup_cause
+
+    losses = [(s, 3.0 - 0.01 * s) for s in range(1, 30)]
+    assert blowup_cause(12, warmup_steps=10, ratios=[], lrs=[], losses=losses)[0] == "warmup-ended"
+    assert blowup_cause(20, warmup_steps=0, ratios=[(19, 0.5)], lrs=[], losses=losses)[0] == "lr-too-high"
+    rising = [(s, 1e-4 * s) for s in range(15, 21)]
+    assert (
+        blowup_cause(20, warmup_steps=0, ratios=[(19, 1e-3)], lrs=rising, losses=losses)[0] == "lr-too-high"
+    )
+    spiked = [*losses[:19], (20, 40.0)]
+    assert blowup_cause(20, warmup_steps=0, ratios=[(19, 1e-3)], lrs=[], losses=spiked)[0] == "bad-batch"
+    assert blowup_cause(20, warmup_steps=0, ratios=[(19, 1e-3)], lrs=[], losses=losses)[0] == "unknown"
+
+
+def test_a_flat_loss_after_a_divergence_is_blamed_on_the_divergence_not_the_gradient_path():
+    """SGD at a huge LR: the loss explodes, activations saturate, gradients become exactly 0 and the loss sits
+    at chance. The optimizer then "updates nothing", but the road is the LR, not the gradient path."""
+    monitor = UpdateMonitor(vocab_size=1000)
+    records = [(1, {"loss": 6.9, "updated": True}), (2, {"loss": 6.8, "updated": True}),
+               (3, {"loss": 6.8, "updated": True}), (4, {"loss": 900.0, "updated": True})]  # fmt: skip
+    records += [(s, {"loss": math.log(1000), "updated": False, "n_trainable": 5, "n_with_grad": 5})
+                for s in range(5, 15)]  # fmt: skip
+    (finding,) = feed(monitor, records)
+    assert finding.evidence["cause"] == "diverged" and finding.evidence["measured_cause"] == "no-update"
+    assert finding.evidence["diverged_at_step"] == 4 and "lower the learning rate" in finding.fix
+
+
+def test_a_run_that_learned_then_levelled_off_is_not_flat():
+    losses = [6.9 * math.exp(-s / 5) + 0.5 for s in range(60)]
+    monitor = UpdateMonitor(vocab_size=1000)
+    assert feed(monitor, [(s, {"loss": v, "update_ratio": 1e-3}) for s, v in enumerate(losses, 1)]) == []

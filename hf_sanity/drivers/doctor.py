@@ -117,7 +117,7 @@ def doctor(
     several = len(loaded) > 1
     per_run: list[list[Finding]] = []
     for run in loaded:
-        found = _merge(analyze(run.curves, final=True), _from_callback(run))
+        found = catalog.without_explained(_merge(analyze(run.curves, final=True), _from_callback(run)))
         per_run.append([_with_run(f, run, several) for f in found])
 
     run_set = RunSet(

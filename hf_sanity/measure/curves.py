@@ -212,3 +212,22 @@ def ln_vocab(curves: Curves) -> float | None:
 
 def eval_points(curves: Curves) -> tuple[np.ndarray, np.ndarray]:
     return finite_points(curves.eval_steps, curves.eval_loss)
+
+
+def is_flat(loss: np.ndarray, *, rel: float, swing: float, min_points: int) -> bool:
+    """The loss does not move: the medians of the first points and of each third lie within ``rel`` of each
+    other, and the typical step-to-step swing stays below ``swing`` of the level (large swings around one
+    level are an oscillation, not a flat loss)."""
+    n = len(loss)
+    if n < min_points:
+        return False
+    third = n // 3
+    levels = [
+        median(loss[: head_points(n)]),
+        median(loss[:third]),
+        median(loss[third : 2 * third]),
+        median(loss[2 * third :]),
+    ]
+    top = max(abs(v) for v in levels)
+    typical_swing = float(np.median(np.abs(np.diff(loss))))
+    return top > 0 and (max(levels) - min(levels)) <= rel * top and typical_swing < swing * top

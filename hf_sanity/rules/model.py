@@ -243,7 +243,7 @@ def check_init_loss(ctx):
         "examples": len(ctx.sample_indices),
     }
     # A calibrated model's loss is close to its own predictive entropy; a fresh head's is ln(V).
-    if loss > chance + max(1.0, 0.25 * chance) or loss > entropy + max(2.0, 0.5 * chance):
+    if far_above_chance(loss, chance) or loss > entropy + max(2.0, 0.5 * chance):
         yield INIT_LOSS_OFF_CHANCE.finding(
             f"step-0 loss {loss:.2f} is far above chance ln(V)={chance:.2f} (model entropy {entropy:.2f}): "
             "labels or init are wrong",
@@ -260,6 +260,11 @@ def check_init_loss(ctx):
 
 
 FAR_BELOW_FRACTION = 0.05
+
+
+def far_above_chance(loss: float, chance: float) -> bool:
+    """A step-0 loss far above ln(V): worse than a uniform guess by a nat and a quarter of ln(V)."""
+    return loss > chance + max(1.0, 0.25 * chance)
 
 
 INIT_LOSS_ABOVE_BASE = define(

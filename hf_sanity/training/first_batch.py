@@ -58,7 +58,8 @@ class FirstBatch:
             self._labels = batch["labels"]
 
     def check(self, module, args, kwargs, trainer, sink) -> dict[str, Any]:
-        """Everything the first batch tells; returns the values for the step detectors (its shapes)."""
+        """Everything the first batch tells; returns the values for the step detectors: its shapes and the
+        model's own step-0 numbers on it (None when not measured)."""
         import torch
 
         from hf_sanity.training import probe
@@ -72,7 +73,7 @@ class FirstBatch:
         self._labels = None
         self._shapes = {k: tuple(v.shape) for k, v in batch.items() if k in ALIGNED}
         step0 = None
-        if sink.wants(STEP0_RULE, "predictions-frozen"):
+        if sink.wants(STEP0_RULE, "predictions-frozen", "grad-accum-loss-scaling"):
             with sink.guard("callback-probe"):
                 self._probe_batch = probe.probe_batch(batch)
                 measured = probe.probe(module, self._probe_batch, stats=True)
@@ -90,7 +91,7 @@ class FirstBatch:
                     max_len=trainer_max_len(trainer) if trainer is not None else None, step0=step0,
                 )
             )  # fmt: skip
-        return {"shapes": dict(self._shapes)}
+        return {"shapes": dict(self._shapes), "step0": step0}
 
     def logits_pending(self, output) -> dict[str, Any] | None:
         """After the first forward: its shapes with the logits' (once)."""

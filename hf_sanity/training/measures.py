@@ -142,6 +142,8 @@ class StepSampler:
         self.warmup_steps = 0
         with contextlib.suppress(Exception):
             self.warmup_steps = int(args.get_warmup_steps(state.max_steps or 0))
+        self.accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        self.vocab_size = vocab_size(model)
         self.stale_sample = (
             spread([p for _, p in self.trainable], SAMPLED_PARAMS) if wants("stale-gradients") else []
         )
@@ -160,6 +162,12 @@ class StepSampler:
             device = params[0][1].device if params else torch.device("cpu")
             self.label_counts = torch.zeros(rows, dtype=torch.float32, device=device)
         self._snapshot = None
+
+    def training_setup(self, world_size: int):
+        """What the step detectors are built with."""
+        from hf_sanity.rules.training.base import TrainingSetup
+
+        return TrainingSetup(self.warmup_steps, world_size, self.vocab_size, self.accumulation)
 
     def setup_values(self) -> dict[str, Any]:
         """What the gradient path looks like at train begin (for no-trainable-params, optimizer-missing-params)."""

@@ -10,7 +10,8 @@ from hf_sanity.rules.training.base import Monitor, TrainingSetup
 
 
 class MonitorSet:
-    def __init__(self, sink, setup: TrainingSetup) -> None:
+    def __init__(self, sink, setup: TrainingSetup | None = None) -> None:
+        setup = setup or TrainingSetup()
         self.sink = sink
         self.monitors: list[Monitor] = [
             cls.from_setup(setup) for cls in catalog.monitors(sink.selection.enabled)

@@ -223,6 +223,9 @@ def nonfinite_facts(
     return facts
 
 
+KEEP_STEPS = 3  # = DIVERGE_STEPS of loss-diverged
+
+
 class HeldBatches:
     """The batches of the steps not read yet, so that a non-finite step can be replayed and saved. A step's
     batches are released once it has been read (the current step's once it is complete)."""
@@ -238,12 +241,14 @@ class HeldBatches:
         return batches[micro] if micro < len(batches) else None
 
     def attach(self, finding, save) -> None:
-        """A grad-explosion names the batch that preceded it: saved with ``save(batch, name)``, its file in the
-        evidence."""
-        batch = self.get(finding.step) if finding.rule == "grad-explosion" else None
+        """A blow-up names the batch at its step: saved with ``save(batch, name)``, its file in the evidence."""
+        blowup = finding.rule == "grad-explosion" or finding.evidence.get("cause") == "bad-batch"
+        batch = self.get(finding.step) if blowup and finding.step is not None else None
         if batch is not None:
-            finding.evidence["batch_file"] = save(batch, f"grad-explosion-step{finding.step}")
+            finding.evidence["batch_file"] = save(batch, f"{finding.rule}-step{finding.step}")
 
-    def release(self, now: int, *, step_complete: bool) -> None:
-        for step in [s for s in self._by_step if s < now or (s == now and step_complete)]:
+    def release(self, now: int) -> None:
+        """Forget the batches of steps read by ``now``, but for the last few: a blow-up is confirmed a few steps
+        after it started and names that step's batch (and the current step may still be running)."""
+        for step in [s for s in self._by_step if s < now - KEEP_STEPS]:
             del self._by_step[step]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from hf_sanity.catalog import guard
+from hf_sanity.catalog import explained, guard
 from hf_sanity.findings import Finding
 from hf_sanity.report import Report
 from hf_sanity.selection import Selection
@@ -58,7 +58,7 @@ class FindingSink:
     def emit(self, findings: Iterable[Finding]) -> None:
         for finding in findings:
             kept = self.selection.apply(finding)
-            if kept is None or self._duplicate(kept):
+            if kept is None or self._duplicate(kept) or explained(kept, self.counts):
                 continue
             if self.world_size > 1:
                 kept.evidence["rank"] = self.rank

@@ -55,11 +55,13 @@ class StepHistory:
             values["loss_start"] = median(start) if start else None
         return values
 
-    def curves(self, log_history: list[dict], *, vocab_size: int | None) -> Curves:
+    def curves(self, log_history: list[dict], *, vocab_size: int | None, per_step: bool = True) -> Curves:
         """The run's curves for the curve detectors: the logged ones, with the exact per-step train losses (and
-        learning rates) in place of the logged averages."""
+        learning rates) in place of the logged averages when ``per_step``. Under DDP they are not: a rank's
+        own losses are not the loss the user sees (the mean over ranks that Trainer logs), and one rank's
+        batch-to-batch noise is not an oscillation of the run."""
         curves = Curves.from_log_history(log_history, vocab_size=vocab_size)
-        if self.losses:
+        if self.losses and per_step:
             curves.train_steps = [s for s, _ in self.losses]
             curves.train_loss = [v for _, v in self.losses]
             curves.lr = [self.lr.get(s, math.nan) for s in curves.train_steps] if self.lr else []

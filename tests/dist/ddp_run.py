@@ -5,7 +5,9 @@
 * ``OUT_DIR/nan``: rank 1 alone receives a batch holding a NaN at step 3; every rank goes on (abort off).
 * ``OUT_DIR/drift``: at steps 3 and 4 each rank calls the model inside DDP directly, so no gradient is
   averaged and the replicas drift apart.
-* ``OUT_DIR/clean``: a correct run; nothing may be reported.
+* ``OUT_DIR/clean``: a correct run; nothing may be reported. ``OUT_DIR/clean-s1-b4`` (and the other seed and
+  batch-size pairs): longer correct runs at other seeds and per-device batch sizes, silent too.
+* ``OUT_DIR/hot``: AdamW at a learning rate far too high: the loss blows up (finite) and must be caught.
 
 Each run writes its report (main process only) under ``OUT_DIR/<scenario>/hf-sanity/``; each process also
 writes ``OUT_DIR/<scenario>/rank<R>.json`` with what it saw, for the test to compare.
@@ -37,6 +39,9 @@ class Drifting(Trainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
+CLEAN_LONG = [(seed, batch) for seed in (1, 2) for batch in (2, 4)]
+
+
 def run(out: Path, scenario: str) -> None:
     model, tok = tt.setup()
     callback = SanityCallback(check_every=2, sync_every=1, probe_every=4, use_config=False)
@@ -45,8 +50,16 @@ def run(out: Path, scenario: str) -> None:
         kwargs["collator"] = tt.embeds_collator(tok, model, nan_at_batch=3 if RANK == 1 else None)
     elif scenario == "drift":
         kwargs["cls"] = Drifting
+    elif scenario == "hot":
+        kwargs.update(learning_rate=50.0, max_steps=20)
+    elif scenario.startswith("clean-"):
+        seed, batch = (int(part[1:]) for part in scenario.split("-")[1:])
+        kwargs.update(seed=seed, data_seed=seed, per_device_train_batch_size=batch, max_steps=40, logging_steps=2,
+                      learning_rate=1e-3)  # fmt: skip
+        callback = SanityCallback(use_config=False)  # the defaults a user runs with
     trainer = tt.trainer(out / scenario, callbacks=[callback], model=model, tok=tok, **kwargs)
     trainer.train()
+    trainer.save_state()  # trainer_state.json: the logged (all-rank mean) loss the user sees
     seen = [{"rule": f.rule, "step": f.step, "evidence": f.evidence} for f in callback.report.findings]
     (out / scenario / f"rank{RANK}.json").write_text(
         json.dumps({"steps": trainer.state.global_step, "findings": seen, "ran": sorted(callback.monitors.ran)})
@@ -55,6 +68,6 @@ def run(out: Path, scenario: str) -> None:
 
 if __name__ == "__main__":
     target = Path(sys.argv[1])
-    for name in ("nan", "drift", "clean"):
+    for name in ("nan", "drift", "clean", "hot", *(f"clean-s{s}-b{b}" for s, b in CLEAN_LONG)):
         run(target, name)
         torch.distributed.barrier()

@@ -16,6 +16,8 @@ class TrainingSetup:
 
     warmup_steps: int = 0
     world_size: int = 1
+    vocab_size: int | None = None  # the model's embedding rows: chance is ln(V)
+    accumulation: int = 1  # gradient_accumulation_steps
 
 
 class Monitor:

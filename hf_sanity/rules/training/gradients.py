@@ -16,7 +16,8 @@ from typing import Any
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
 from hf_sanity.numbers import fmt, median
-from hf_sanity.rules.training.base import Monitor
+from hf_sanity.rules.training.base import Monitor, TrainingSetup
+from hf_sanity.rules.training.divergence import FIX_BY_CAUSE, blowup_cause
 
 NONFINITE_GRAD = define(
     "nonfinite-grad",
@@ -32,8 +33,12 @@ GRAD_EXPLOSION = define(
     severity="warning",
     stage="training",
     symptom="Loss spikes or diverges after a period of normal training.",
-    detects="The gradient norm is far above its running median (x10 by default); names the batch that preceded it.",
-    fix="Lower the learning rate or lengthen warmup, keep max_grad_norm clipping on, and inspect the named batch.",
+    detects="The gradient norm is far above its running median (x10 by default); names the batch that preceded it. "
+    "`evidence.cause` (as for loss-diverged): warmup-ended, lr-too-high (an update/weight ratio far above "
+    "healthy, or the LR still rising), bad-batch (that step's loss stands far above the steps before; the batch "
+    "is saved) or unknown.",
+    fix="Follow evidence.cause: lower the learning rate or lengthen warmup (warmup-ended, lr-too-high), inspect "
+    "and filter the saved batch (bad-batch); keep max_grad_norm clipping on.",
 )
 
 STALE_GRADIENTS = define(
@@ -59,9 +64,11 @@ class GradientMonitor(Monitor):
     rules = (NONFINITE_GRAD, GRAD_EXPLOSION, STALE_GRADIENTS)
     reads = ("grad_norm", "stale_norm")
 
-    def __init__(self, *, explosion_factor: float = EXPLOSION_FACTOR) -> None:
+    def __init__(self, *, explosion_factor: float = EXPLOSION_FACTOR, warmup_steps: int = 0) -> None:
         super().__init__()
         self.explosion_factor = explosion_factor
+        self.warmup_steps = warmup_steps
+        self.history: dict[str, list[tuple[int, float]]] = {"update_ratio": [], "lr": [], "loss": []}
         self.norms: list[float] = []  # finite norms
         self._nonfinite_run = 0
         self._stale: list[
@@ -69,8 +76,16 @@ class GradientMonitor(Monitor):
         ] = []  # (step, grad norm) of consecutive steps that began with stale grads
         self._pending_stale: dict[int, float] = {}
 
+    @classmethod
+    def from_setup(cls, setup: TrainingSetup) -> GradientMonitor:
+        return cls(warmup_steps=setup.warmup_steps)
+
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         out: list[Finding] = []
+        for key, series in self.history.items():  # what names the cause of an explosion
+            value = values.get(key)
+            if value is not None and math.isfinite(value):
+                series.append((step, float(value)))
         if values.get("stale_norm") is not None:
             self._pending_stale[step] = float(values["stale_norm"])
         norm = values.get("grad_norm")
@@ -112,11 +127,22 @@ class GradientMonitor(Monitor):
         base = median(history)
         if base <= 0 or norm <= self.explosion_factor * base:
             return []
+        cause, why = blowup_cause(
+            step,
+            warmup_steps=self.warmup_steps,
+            ratios=self.history["update_ratio"],
+            lrs=self.history["lr"],
+            losses=self.history["loss"],
+        )
         return self.fire(
             GRAD_EXPLOSION,
-            f"the gradient norm is {fmt(norm)} at step {step}, {norm / base:.0f}x its running median {fmt(base)}",
+            f"the gradient norm is {fmt(norm)} at step {step}, {norm / base:.0f}x its running median {fmt(base)} "
+            f"(cause: {cause}: {why})",
             step=step,
+            fix=FIX_BY_CAUSE[cause],
             evidence={
+                "cause": cause,
+                "why": why,
                 "grad_norm": norm,
                 "running_median": base,
                 "ratio": norm / base,

@@ -25,13 +25,19 @@ LOSS_FLAT = define(
     severity="error",
     stage="training",
     symptom="The loss does not move from step 0: nothing is being learned.",
-    detects="During training, `evidence.cause` is measured: no-grad (parameters that require grad receive none: "
-    "detached graph or missing backward), not-in-optimizer, lr-zero, frozen (nothing requires grad), "
-    "no-update (parameters unchanged by the optimizer step) or unknown. In `doctor`, a logged loss curve "
-    "that stays flat (compared with ln(V) where the vocabulary is known).",
-    fix="Fix the gradient path named by evidence.cause: keep the loss attached to the graph, build the "
+    detects="During training, whatever the cause, with `evidence.cause` measured: a broken gradient path on 5 "
+    "consecutive steps (no-grad: parameters that require grad receive none; not-in-optimizer; lr-zero; "
+    "frozen; no-update: the optimizer step changes nothing); or, with the path intact, a step loss flat at its "
+    "starting level over 20 steps after warmup (medians of the first points and of each third within 2%), "
+    "named lr-too-low (updates below 1e-4 of the weights per step; healthy AdamW moves them 1e-4..1e-2), "
+    "loss-not-learnable (updates of 1e-3 and more, yet the loss sits at half of chance ln(V) or above: the loss "
+    "or the targets cannot be learned as computed), lr-too-low-or-not-learnable (between the two) or diverged "
+    "(the loss blew up first and the network died there). "
+    "In `doctor`, a logged loss curve that stays flat (compared with ln(V) where the vocabulary is known).",
+    fix="Follow evidence.cause: fix the gradient path it names (keep the loss attached to the graph, build the "
     "optimizer over the trainable parameters, set a non-zero LR, unfreeze/attach the adapter, call "
-    "optimizer.step().",
+    "optimizer.step()); raise the LR (lr-too-low); check the loss function and the targets, then run "
+    "`hf-sanity overfit` (loss-not-learnable); lower the LR (diverged).",
 )
 
 LR_ZERO = define(
@@ -89,6 +95,19 @@ def flat_causes(values: Mapping[str, Any]) -> dict[str, bool]:
 
 
 CAUSES = ("frozen", "no-grad", "not-in-optimizer", "lr-zero", "no-update")  # most specific first
+ONLINE_FLAT_STEPS = 20  # a flat stretch of 20 step losses after warmup, at the starting level ...
+STARTING_LEVEL = 0.05  # ... (within 5% of the first steps' median) ...
+FLAT_LOW_RATIO = (
+    1e-4  # ... with updates below 1e-4 of the weights per step (under the healthy band): LR too low
+)
+HEALTHY_RATIO = 1e-3  # ... with updates of 1e-3 and more per step (well inside it): the loss is not learnable
+NOT_LEARNABLE_LEVEL = (
+    0.5  # ... when it sits at half of chance ln(V) or above (low and flat: data already known)
+)
+FLAT_REL = 0.02  # flat: the medians of the first points and of each third lie within 2% of each other ...
+FLAT_SWING = 0.10  # ... and the typical step-to-step swing is under 10% of the level
+FLAT_MIN_POINTS = 10
+
 CAUSE_TEXT = {
     "frozen": "no parameter requires grad",
     "no-grad": "no trainable parameter receives a gradient (the loss is detached from the graph, or backward "
@@ -97,7 +116,33 @@ CAUSE_TEXT = {
     "lr-zero": "the learning rate is 0",
     "no-update": "the optimizer step leaves every sampled weight unchanged",
     "unknown": "the loss is the same number at every step",
+    "lr-too-low": "the gradient path is intact but the updates move the weights imperceptibly",
+    "loss-not-learnable": "gradients and updates are healthy, yet the loss does not move",
+    "lr-too-low-or-not-learnable": "the weights move, at the low end of healthy, and the loss does not follow",
+    "diverged": "the loss blew up first and the network died there",
 }
+FIX_BY_CAUSE = {
+    "lr-too-low": "Raise the learning rate (LoRA typically 1e-4..3e-4, full fine-tune 1e-5..5e-5), or run the LR "
+    "range test (`hf-sanity diagnose`).",
+    "loss-not-learnable": "The weights move but the loss cannot follow: check the loss function (e.g. "
+    "cross_entropy applied to probabilities instead of logits: a double softmax) and that the targets follow "
+    "from the inputs; `hf-sanity overfit` tells whether a handful of examples can be learned at all.",
+    "diverged": "The divergence killed the network (saturated activations, zero gradients): lower the learning "
+    "rate or lengthen warmup and keep gradient clipping on; see loss-diverged / grad-explosion for the step.",
+    "lr-too-low-or-not-learnable": "Run `hf-sanity overfit` on a few examples: if they can be memorised at a "
+    "higher LR, raise the learning rate; if not, check the loss function (a double softmax) and the targets.",
+}
+
+
+def flat(losses: Sequence[float]) -> bool:
+    """A loss that does not move (the curve form of loss-flat; doctor's detector uses the same test)."""
+    import numpy as np
+
+    from hf_sanity.measure.curves import is_flat
+
+    return is_flat(
+        np.asarray(losses, dtype=float), rel=FLAT_REL, swing=FLAT_SWING, min_points=FLAT_MIN_POINTS
+    )
 
 
 @monitor
@@ -115,10 +160,17 @@ class UpdateMonitor(Monitor):
     )
 
     def __init__(
-        self, *, warmup_steps: int = 0, flat_steps: int = FLAT_STEPS, low_measures: int = LOW_MEASURES
+        self,
+        *,
+        warmup_steps: int = 0,
+        flat_steps: int = FLAT_STEPS,
+        low_measures: int = LOW_MEASURES,
+        vocab_size: int | None = None,
     ):
         super().__init__()
         self.warmup_steps = warmup_steps
+        self.vocab_size = vocab_size
+        self._ratios: list[tuple[int, float]] = []
         self.flat_steps = flat_steps
         self.low_measures = low_measures
         self._nonfinite_steps: set[int] = set()
@@ -128,7 +180,7 @@ class UpdateMonitor(Monitor):
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup) -> UpdateMonitor:
-        return cls(warmup_steps=setup.warmup_steps)
+        return cls(warmup_steps=setup.warmup_steps, vocab_size=setup.vocab_size)
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         out: list[Finding] = []
@@ -149,6 +201,9 @@ class UpdateMonitor(Monitor):
         loss = values.get("loss")
         if loss is not None and math.isfinite(loss):
             self._losses.append((step, float(loss)))
+        ratio = values.get("update_ratio")
+        if ratio is not None and math.isfinite(ratio):
+            self._ratios.append((step, float(ratio)))
         if values.get("loss_finite") is False:
             self._nonfinite_steps.add(step)
         if step in self._nonfinite_steps:
@@ -163,7 +218,7 @@ class UpdateMonitor(Monitor):
             run = self._runs.get(cause, [])
             if len(run) >= self.flat_steps and not self._fell(run[0], step):
                 return self._fire_flat(run[0], step, cause)
-        return self._constant_loss(step)
+        return self._constant_loss(step) or self._flat_curve(step)
 
     def _fell(self, first: int, last: int) -> bool:
         """The loss fell clearly over these steps (something else is learning: not a flat loss)."""
@@ -182,11 +237,59 @@ class UpdateMonitor(Monitor):
             return []
         return self._fire_flat(self._losses[-len(recent)][0], step, "unknown")
 
-    def _fire_flat(self, first: int, step: int, cause: str) -> list[Finding]:
+    def _flat_curve(self, step: int) -> list[Finding]:
+        """The gradient path is intact but the loss stays where it started (or where a divergence left it)."""
+        after = [(s, v) for s, v in self._losses if s > self.warmup_steps]
+        if len(after) < ONLINE_FLAT_STEPS:
+            return []
+        window = after[-ONLINE_FLAT_STEPS:]
+        if not flat([v for _, v in window]):
+            return []
+        first = window[0][0]
+        if self._diverged_before(first) is not None:
+            return self._fire_flat(first, step, "diverged")
+        start = median([v for _, v in self._losses[:3]])
+        level = median([v for _, v in window])
+        if abs(level - start) > STARTING_LEVEL * abs(start):
+            return []  # it learned, then levelled off: a plateau, not a loss that never moved
+        ratios = [r for s, r in self._ratios if s >= first]
+        if not ratios:
+            return []
+        if median(ratios) < FLAT_LOW_RATIO:
+            return self._fire_flat(first, step, "lr-too-low", update_ratio=median(ratios))
+        chance = math.log(self.vocab_size) if self.vocab_size and self.vocab_size > 1 else None
+        if chance is not None and level >= NOT_LEARNABLE_LEVEL * chance:
+            return self._fire_flat(
+                first, step, "loss-not-learnable", update_ratio=median(ratios), chance=chance
+            )
+        return []  # flat, low and moving weights: data the model already knows
+
+    def _diverged_before(self, first: int) -> int | None:
+        """The step where the loss blew up before ``first`` (None when it did not)."""
+        from hf_sanity.rules.training.divergence import START_POINTS, diverge_threshold
+
+        if len(self._losses) <= START_POINTS:
+            return None
+        start = median([v for _, v in self._losses[:START_POINTS]])
+        threshold = diverge_threshold(start, self.vocab_size)
+        return next((s for s, v in self._losses if s < first and v > threshold), None)
+
+    def _fire_flat(self, first: int, step: int, cause: str, **measured) -> list[Finding]:
+        diverged = self._diverged_before(first) if cause != "diverged" else None
+        then = None
+        if diverged is not None:  # a dead network after a blow-up: the blow-up is the cause
+            cause, then = "diverged", cause
         losses = [v for s, v in self._losses if first <= s <= step]
+        text = CAUSE_TEXT[cause]
+        if cause == "diverged":
+            at = diverged if diverged is not None else self._diverged_before(first)
+            text = f"the loss blew up at step {at} and the network died there" + (
+                f" ({CAUSE_TEXT[then]})" if then else ""
+            )
+            measured["diverged_at_step"] = at
         return self.fire(
             LOSS_FLAT,
-            f"nothing is being learned from step {first}: {CAUSE_TEXT[cause]} (steps {first}-{step})",
+            f"nothing is being learned from step {first}: {text} (steps {first}-{step})",
             step=first,
             evidence={
                 "cause": cause,
@@ -194,7 +297,10 @@ class UpdateMonitor(Monitor):
                 "confirmed_step": step,
                 "first_loss": losses[0] if losses else None,
                 "last_loss": losses[-1] if losses else None,
+                **({"measured_cause": then} if then else {}),
+                **measured,
             },
+            fix=FIX_BY_CAUSE.get(cause),
         )
 
     def _too_low(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
