@@ -1,7 +1,16 @@
-"""The loss of a model on supervised tokens, measured without training (one no-grad pass, state kept)."""
+"""The loss of a model on supervised tokens, measured without training (one no-grad pass, state kept).
+
+Only the positions that carry loss are scored: the hidden states there are taken at the model's output
+embeddings (a forward pre-hook on the LM head) and projected on the vocabulary in chunks, in the model's dtype,
+with the log-softmax and its sums in float32. ``[batch, sequence, vocabulary]`` logits never exist: with a
+152k vocabulary they are gigabytes per batch, while a chunk is a few megabytes. The LM head itself then runs on
+one position per row, so the rest of the forward (a final soft-capping, say) stays as the model defines it and
+is applied to the chunks the same way (see :func:`_finish_logits`).
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,38 +18,39 @@ import numpy as np
 
 from hf_sanity.constants import IGNORE_INDEX
 
+CHUNK_ELEMENTS = 1 << 24  # logits per chunk (16M: 64 MB in float32), whatever the vocabulary
+SCORED_TOKENS = 2048  # supervised positions scored per measurement, spread over every batch
 
-def token_loss(model, batches: Sequence[dict[str, Any]]) -> dict[str, float]:
+
+def token_loss(
+    model, batches: Sequence[dict[str, Any]], *, max_tokens: int | None = SCORED_TOKENS
+) -> dict[str, float]:
     """Mean next-token cross-entropy over supervised tokens, the model's predictive entropy there, and the
-    entropy of the label distribution."""
+    entropy of the label distribution. A mean needs no more than ``max_tokens`` positions (its error is
+    ~1% there): beyond, the positions scored are spread evenly over each batch. The transformer still runs on
+    every example; only the vocabulary projection, the costly part with a large vocabulary, is bounded."""
     import torch
-    import torch.nn.functional as F
 
-    from hf_sanity.measure.tensors import model_device, to_device
+    from hf_sanity.measure.tensors import forward_kwargs, model_device, to_device
     from hf_sanity.untouched import untouched
 
     device = model_device(model)
+    quota = -(-max_tokens // max(len(batches), 1)) if max_tokens else None
+    scorer = _SupervisedScorer(model, quota)
     total, count, entropy_sum = 0.0, 0, 0.0
     label_counts: dict[int, int] = {}
-    with untouched(model):
+    with untouched(model), scorer:
         for batch in batches:
             batch = to_device(batch, device)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            shift_logits = logits[:, :-1].float()
-            shift_labels = batch["labels"][:, 1:]
-            loss = F.cross_entropy(
-                shift_logits.reshape(-1, shift_logits.size(-1)),
-                shift_labels.reshape(-1),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
-            )
-            supervised = shift_labels != IGNORE_INDEX
-            n = int(supervised.sum())
-            log_probs = torch.log_softmax(shift_logits[supervised], dim=-1)
-            entropy_sum += float(-(log_probs.exp() * log_probs).sum())
-            total += float(loss)
+            labels = batch["labels"]
+            scorer.aim(labels)
+            output = model(**forward_kwargs(model, batch, use_cache=False))
+            loss_sum, entropy, n = scorer.result(output)
+            total += loss_sum
+            entropy_sum += entropy
             count += n
-            for token, c in zip(*torch.unique(shift_labels[supervised], return_counts=True)):
+            targets = labels[:, 1:][labels[:, 1:] != IGNORE_INDEX]
+            for token, c in zip(*torch.unique(targets, return_counts=True)):
                 label_counts[int(token)] = label_counts.get(int(token), 0) + int(c)
     probs = np.array(list(label_counts.values()), dtype=float)
     probs /= max(probs.sum(), 1)
@@ -51,3 +61,101 @@ def token_loss(model, batches: Sequence[dict[str, Any]]) -> dict[str, float]:
         "tokens": count,
         "label_entropy": entropy,
     }
+
+
+class _SupervisedScorer:
+    """Scores the supervised positions of each forward at the LM head's input, in chunks (see the module
+    docstring); falls back to the full logits when the model exposes no output embeddings."""
+
+    def __init__(self, model, quota: int | None = None) -> None:
+        self.model = model
+        self.quota = quota  # positions scored per forward at most
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.head = head if head is not None and hasattr(head, "register_forward_pre_hook") else None
+        self._handle = None
+        self._labels = None
+        self._scored: tuple[float, float, int] | None = None
+        self._inside = False
+
+    def __enter__(self):
+        if self.head is not None:
+            self._handle = self.head.register_forward_pre_hook(self._pre_head)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def aim(self, labels) -> None:
+        """The labels of the next forward (positions with a label after the shift are scored)."""
+        self._labels, self._scored = labels, None
+
+    def result(self, output) -> tuple[float, float, int]:
+        """(summed cross-entropy, summed predictive entropy, tokens) of the last forward."""
+        if self._scored is None:  # no LM head hook: score the full logits the model returned
+            from hf_sanity.measure.tensors import logits_of
+
+            logits = logits_of(output)
+            mask = self._labels[:, 1:] != IGNORE_INDEX
+            self._scored = _score(*self._spread(logits[:, :-1][mask], self._labels[:, 1:][mask]))
+        return self._scored
+
+    def _pre_head(self, module, args):
+        if self._inside or self._labels is None or not args:
+            return None
+        hidden = args[0]
+        if hidden.dim() != 3 or hidden.shape[:2] != self._labels.shape[:2]:
+            return None  # not the final projection of this batch: let it be
+        mask = self._labels[:, 1:] != IGNORE_INDEX
+        states, targets = self._spread(hidden[:, :-1][mask], self._labels[:, 1:][mask])
+        vocab = int(getattr(module, "out_features", 0) or module.weight.shape[0])
+        step = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+        loss_sum = entropy_sum = 0.0
+        self._inside = True
+        try:
+            for lo in range(0, len(states), step):
+                logits = _finish_logits(self.model, module(states[lo : lo + step]))
+                chunk_loss, chunk_entropy, _ = _score(logits, targets[lo : lo + step])
+                loss_sum += chunk_loss
+                entropy_sum += chunk_entropy
+        finally:
+            self._inside = False
+        self._scored = (loss_sum, entropy_sum, int(targets.numel()))
+        return (hidden[:, -1:],)  # the head's own call: one position per row, whose logits nobody reads
+
+    def _spread(self, rows, targets):
+        """At most ``quota`` of the positions, evenly spread (deterministic)."""
+        if self.quota is None or len(targets) <= self.quota:
+            return rows, targets
+        import torch
+
+        keep = torch.linspace(0, len(targets) - 1, self.quota, device=targets.device).round().long()
+        return rows[keep], targets[keep]
+
+
+def _score(logits, targets) -> tuple[float, float, int]:
+    import torch.nn.functional as F
+
+    if targets.numel() == 0:
+        return 0.0, 0.0, 0
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    loss = F.nll_loss(log_probs, targets, reduction="sum")
+    entropy = -(log_probs.exp() * log_probs).sum()
+    return float(loss), float(entropy), int(targets.numel())
+
+
+def _finish_logits(model, logits):
+    """What a causal LM does to the head's output before returning it: a final soft-capping (Gemma 2/3) or a
+    logit scale (Cohere), read from its config."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = getattr(text, "logit_scale", None)
+    if isinstance(scale, (int, float)) and scale not in (0, 1):
+        logits = logits * scale
+    cap = getattr(text, "final_logit_softcapping", None)
+    if isinstance(cap, (int, float)) and cap > 0 and math.isfinite(cap):
+        import torch
+
+        logits = torch.tanh(logits / cap) * cap
+    return logits

@@ -280,7 +280,10 @@ INIT_LOSS_ABOVE_BASE = define(
     needs=("vocab-size-mismatch",),
 )
 
-ABOVE_BASE_SAMPLE = 64
+ABOVE_BASE_SAMPLE = 64  # conversations compared ...
+ABOVE_BASE_TOKENS = (
+    1024  # ... on this many answer tokens each way (a difference of 0.5 nat shows at far fewer)
+)
 
 
 def _conversation(row) -> list[dict] | None:
@@ -315,8 +318,8 @@ def check_init_loss_above_base(ctx):
         plain.append((prefix + answer, [IGNORE_INDEX] * len(prefix) + answer))
     if len(templated) < 2:
         return
-    in_template = token_loss(ctx.model, ctx.batches(templated))["loss"]
-    as_text = token_loss(ctx.model, ctx.batches(plain))["loss"]
+    in_template = token_loss(ctx.model, ctx.batches(templated), max_tokens=ABOVE_BASE_TOKENS)["loss"]
+    as_text = token_loss(ctx.model, ctx.batches(plain), max_tokens=ABOVE_BASE_TOKENS)["loss"]
     if in_template > as_text + 0.5 and in_template > 1.5 * as_text:
         yield INIT_LOSS_ABOVE_BASE.finding(
             f"the answers cost {in_template:.2f} nats/token in the chat template but {as_text:.2f} as plain text",
