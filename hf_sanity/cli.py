@@ -174,7 +174,13 @@ def preflight_command(
     _quiet_libraries()
     from hf_sanity.drivers.preflight import preflight
     from hf_sanity.measure.adapters import adapter_config, adapter_state
-    from hf_sanity.measure.sources import load_config, load_dataset_ref, load_model, load_tokenizer
+    from hf_sanity.measure.sources import (
+        load_config,
+        load_dataset_ref,
+        load_generation_config,
+        load_model,
+        load_tokenizer,
+    )
 
     config = load_config(model, trust_remote_code=trust_remote_code)  # fails early on a broken model folder
     if adapter:  # an unreadable adapter fails now, not after the dataset is tokenized
@@ -199,6 +205,7 @@ def preflight_command(
     report = preflight(
         model=lambda: load_model(model, trust_remote_code=trust_remote_code),
         model_config=config,
+        generation_config=load_generation_config(model),
         tokenizer=tok,
         dataset=data,
         eval_dataset=eval_data,

@@ -115,3 +115,90 @@ def test_double_bos_on_real_templates(name):
     text_rows = [{"text": tok.apply_chat_template(rows[0]["messages"], tokenize=False)}]
     assert "double-bos" in slugs(run(tok, text_rows, select="double-bos"))
     assert run(tok, rows, select="double-bos").findings == []
+
+
+@pytest.mark.planted("stop-token-mismatch", "markers-not-atomic")
+def test_a_chatml_template_on_a_llama3_tokenizer(conversations):
+    """The turns end with '<|im_end|>' pieces the generation config never stops on, and the markers are not
+    tokens of this tokenizer: training looks right, inference never stops."""
+    from hf_sanity.testing import TinyConfig, tiny_model_for
+
+    llama = real_tokenizer("llama3-instruct")
+    model = tiny_model_for(llama, TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    llama.chat_template = build_tokenizer("chatml").chat_template
+    report = run(llama, conversations[:8], model=model, select=["stop-token-mismatch", "markers-not-atomic"])
+    stop = report.by_rule("stop-token-mismatch")[0]
+    assert stop.evidence["stop_tokens"] == ["<|eot_id|>"] and "<|im_end|>" in stop.evidence["end_of_turn"]
+    pieces = report.by_rule("markers-not-atomic")[0].evidence["markers"]
+    assert set(pieces) == {"<|im_start|>", "<|im_end|>"} and len(pieces["<|im_end|>"]) > 1
+
+
+def test_a_generation_config_that_does_not_stop_on_the_end_of_turn(conversations):
+    """A Llama-3 instruct template on the base model's tokenizer and generation config (EOS <|end_of_text|>)."""
+    from hf_sanity.testing import TinyConfig, tiny_model_for
+
+    llama = real_tokenizer("llama3-instruct")
+    model = tiny_model_for(llama, TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    llama.eos_token = "<|end_of_text|>"  # the base checkpoint's EOS
+    model.generation_config.eos_token_id = llama.convert_tokens_to_ids("<|end_of_text|>")
+    (finding,) = run(llama, conversations[:8], model=model, select="stop-token-mismatch").findings
+    assert finding.evidence["end_of_turn_id"] == llama.convert_tokens_to_ids("<|eot_id|>")
+    assert "128009" in finding.fix  # the id to add, for this tokenizer
+    model.generation_config.eos_token_id = [128001, 128009]  # what the instruct checkpoint ships
+    assert run(llama, conversations[:8], model=model, select="stop-token-mismatch").findings == []
+
+
+@pytest.mark.parametrize("name", ["tinyllama-chat", "phi3-instruct", "qwen2.5-instruct", "llama3-instruct"])
+@pytest.mark.clean("stop-token-mismatch", "markers-not-atomic")
+def test_native_templates_stop_and_their_markers_are_what_the_family_trained_on(name, conversations):
+    from hf_sanity.testing import TinyConfig, tiny_model_for
+
+    tok = real_tokenizer(name)
+    model = tiny_model_for(tok, TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    assert (
+        run(
+            tok, conversations[:8], model=model, select=["stop-token-mismatch", "markers-not-atomic"]
+        ).findings
+        == []
+    )
+
+
+@pytest.mark.planted("template-drops-content")
+def test_deepseek_r1_template_drops_the_reasoning_it_is_trained_on():
+    """DeepSeek-R1's template keeps only what follows ``</think>``: the data teaches reasoning, the model is
+    trained on answers alone. TRL's training twin keeps the reasoning, and is clean."""
+    from pathlib import Path
+
+    import trl
+
+    from hf_sanity.testing import reasoning_conversations
+
+    tok = real_tokenizer("deepseek-r1-distill")
+    rows = reasoning_conversations(8)
+    (finding,) = run(tok, rows, select="template-drops-content").findings
+    assert finding.severity == "error" and finding.evidence["examples"] == 8
+    assert finding.evidence["first_dropped"].startswith("<think>") and 0.3 < finding.evidence["fraction"] < 1
+    assert "training variant" in finding.fix
+    twin = Path(trl.__file__).parent / "chat_templates" / "deepseek_r1_distill_training.jinja"
+    tok.chat_template = twin.read_text()
+    assert run(tok, rows, select="template-drops-content").findings == []
+
+
+@pytest.mark.planted("template-drops-content")
+def test_a_template_without_tool_support_drops_the_calls():
+    from hf_sanity.testing import tool_conversations
+
+    tok = real_tokenizer("tinyllama-chat")  # its template renders `content` only
+    (finding,) = run(tok, tool_conversations(8), select="template-drops-content").findings
+    assert finding.severity == "error" and "get_weather" in finding.evidence["first_dropped"]
+
+
+@pytest.mark.parametrize(
+    "name", ["qwen2.5-instruct", "llama3-instruct", "deepseek-r1-distill", "phi3-instruct"]
+)
+@pytest.mark.clean("template-drops-content")
+def test_templates_keep_plain_conversations_whole(name, conversations):
+    assert run(real_tokenizer(name), conversations, select="template-drops-content").findings == []

@@ -40,6 +40,7 @@ def preflight(
     sample: int = 256,
     num_proc: int | None = None,
     model_config=None,
+    generation_config=None,
     select: str | Iterable[str] | None = None,
     ignore: str | Iterable[str] | None = None,
     use_config: bool = True,
@@ -48,7 +49,8 @@ def preflight(
 
     Pass ``model``/``tokenizer``/``dataset`` (objects; the CLI loads them from paths), or ``trainer=`` to
     inspect the exact batches of ``trainer.get_train_dataloader()`` after the trainer's own collator.
-    ``model`` may be a callable returning the model, so it is loaded only if a model rule needs it.
+    ``model`` may be a callable returning the model, so it is loaded only if a model rule needs it;
+    ``generation_config`` is how it will be served (the model object's own when not given).
     """
     selection = resolve(select, ignore, use_config=use_config)
     started = time.perf_counter()
@@ -76,6 +78,7 @@ def preflight(
             sample=sample,
             num_proc=num_proc,
             model_config=model_config,
+            generation_config=generation_config,
             shard=True,
         )
     from hf_sanity.measure import distributed

@@ -49,6 +49,7 @@ class Context:
         shard: bool = False,
         first_batch=None,
         init_loss: dict[str, float] | None = None,
+        generation_config=None,
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
@@ -67,6 +68,7 @@ class Context:
         # With a trainer: its first collated batch, exactly as the model receives it.
         store("first_batch", first_batch)
         store("_given_init_loss", init_loss)
+        store("_generation_config", generation_config)
         store("reencode_rows", False)
         store("_scratch_dir", None)
         # Under torchrun, scan only this process's shard and judge on rank 0 (see measure.distributed).
@@ -216,6 +218,19 @@ class Context:
         if self._model is not None:
             return self._model
         return self._model_loader() if self._model_loader is not None else None
+
+    @cached_property
+    def generation_stop_ids(self) -> frozenset[int] | None:
+        """The token ids that end generation at serving time: the generation config's ``eos_token_id`` (given,
+        or the model object's) and the tokenizer's EOS; None when no generation config is known."""
+        config = self._generation_config
+        if config is None and self._model is not None:
+            config = getattr(self._model, "generation_config", None)
+        if config is None:
+            return None
+        eos = getattr(config, "eos_token_id", None)
+        ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) | {self.tokenizer.eos_token_id}
+        return frozenset(int(i) for i in ids if i is not None)
 
     @cached_property
     def embedding_rows(self) -> int | None:

@@ -31,6 +31,40 @@ def content_markers(tokenizer, markers: TemplateMarkers) -> set[str]:
     return {t for t, i in added.items() if t in template and i not in markers.turn_marker_ids}
 
 
+def dropped_content(messages: list[dict[str, Any]], first: int, full: str) -> dict[str, Any]:
+    """What of the messages the rendered conversation does not carry, in characters: a template that strips
+    reasoning (DeepSeek-R1 keeps only what follows ``</think>``) or drops tool calls trains on less than the
+    data holds. Lines are compared stripped (templates trim whitespace), so only content that is gone counts."""
+    out = {"n_dropped_supervised": 0, "n_supervised_chars": 0, "n_dropped_other": 0, "dropped_text": ""}
+    for j, message in enumerate(messages):
+        supervised = message.get("role") == "assistant" and j >= first
+        pieces = [message["content"]] if isinstance(message.get("content"), str) else []
+        for call in message.get("tool_calls") or []:  # a call is gone when its function name is (templates
+            function = (
+                call.get("function", call) if isinstance(call, dict) else {}
+            )  # format arguments freely)
+            pieces += [str(function.get("name", ""))]
+        for piece in pieces:
+            if supervised:
+                out["n_supervised_chars"] += len(piece)
+            if not piece or piece in full:
+                continue
+            gone = [line for line in piece.splitlines() if line.strip() and not _rendered(line.strip(), full)]
+            lost = sum(len(line) for line in gone)
+            if not lost:
+                continue
+            out["n_dropped_supervised" if supervised else "n_dropped_other"] += lost
+            out["dropped_text"] = out["dropped_text"] or "\n".join(gone)[:200]
+    return out
+
+
+def _rendered(text: str, full: str) -> bool:
+    """``text`` is in the render as it is, or JSON-escaped (templates that ``tojson`` a tool result)."""
+    import json
+
+    return text in full or json.dumps(text)[1:-1] in full
+
+
 def template_kwargs(row: dict[str, Any]) -> dict[str, Any] | str:
     """What TRL passes the chat template besides the messages: the row's ``tools`` (a list of function
     schemas, or its JSON string) and its ``chat_template_kwargs`` (e.g. ``documents``, ``enable_thinking``);
@@ -111,6 +145,10 @@ MEASURES: dict[str, Any] = {
     "leak": False,
     "max_id": -1,
     "special_ids": [],  # special/added token ids the example uses
+    "n_dropped_supervised": 0,  # characters of trained messages the chat template does not render
+    "n_supervised_chars": 0,
+    "n_dropped_other": 0,  # ... of the other messages
+    "dropped_text": "",  # the first text the template dropped
 }
 
 
@@ -260,6 +298,7 @@ class Encoder:
             content=self._strays(text for _, text in texts),
             hash=stable_hash(normalize(" ".join(f"{role}: {text}" for role, text in texts))),
             leak=self._leaks(prompt_text, answers),
+            **dropped_content(messages, first, full),
         )
         return self._finish(out)
 
@@ -511,6 +550,8 @@ class Encoder:
         row["n_gp_mismatch"], row["n_gp_merge"] = out.get("gp", (0, 0))
         row["content_markers"] = out.get("content", [])
         row["text_families"] = out.get("families", [])
+        for key in ("n_dropped_supervised", "n_supervised_chars", "n_dropped_other", "dropped_text"):
+            row[key] = out.get(key, MEASURES[key])
         return row
 
     def failed(self, reason: str) -> dict[str, Any]:

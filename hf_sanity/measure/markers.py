@@ -48,6 +48,7 @@ class TemplateMarkers:
     end_of_turn: tuple[int, ...] = ()
     generation_ids: tuple[int, ...] = ()  # the generation prompt's tokens after the user's turn, at inference
     turn_marker_ids: frozenset[int] = frozenset()  # special tokens the template uses as turn/role boundaries
+    probe_render: str = ""  # the template's render of a probe exchange (its own markers, as text)
     # Tokens that may legitimately close a completion: the template's end-of-turn token and EOS.
     stop_ids: frozenset[int] = frozenset()
     whitespace_ids: frozenset[int] = field(default_factory=frozenset)
@@ -189,6 +190,7 @@ def derive_markers(tokenizer) -> TemplateMarkers:
         header_own=header_own,
         end_of_turn=tuple(eot),
         generation_ids=generation_ids,
+        probe_render=full,
         turn_marker_ids=frozenset(markers),
         stop_ids=frozenset(stop_ids),
         whitespace_ids=whitespace,

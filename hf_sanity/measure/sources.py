@@ -144,3 +144,16 @@ def load_config(ref: str, *, trust_remote_code: bool = False):
         )
     except Exception as exc:
         raise UserInputError(f"cannot read the model config of {ref!r}: {_first_line(exc)}") from None
+
+
+def load_generation_config(ref: str):
+    """The model folder's generation_config.json (how it stops when served), or None when it has none."""
+    from transformers import GenerationConfig
+
+    path = Path(os.path.expanduser(ref))
+    if looks_local(ref) and not (path / "generation_config.json").is_file():
+        return None
+    try:
+        return GenerationConfig.from_pretrained(str(path) if looks_local(ref) else ref)
+    except Exception:  # unreadable or absent (offline hub id): the stop tokens are not known
+        return None

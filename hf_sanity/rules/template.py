@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import numpy as np
@@ -254,4 +255,134 @@ def check_double_bos(ctx):
             "max_leading_bos": int(np.max(ctx.col("n_leading_bos"))),
         },
         example=ctx.view(rows[0], focus=1),
+    )
+
+
+STOP_TOKEN_MISMATCH = define(
+    "stop-token-mismatch",
+    severity="error",
+    stage="template",
+    symptom="Model never stops at inference although training taught it to end its turns: generation runs past "
+    "the answer into a new turn (the early Llama-3 endless-generation bug).",
+    detects="The token that closes an assistant turn in the training renders (derived from the chat template) is "
+    "not among the ids that stop generation: `generation_config.eos_token_id` (from the model, or its folder's "
+    "generation_config.json) and the tokenizer's EOS. Not judged when no generation config is known.",
+    fix="Add the end-of-turn token to `generation_config.eos_token_id` (and save it with the model), or serve with "
+    "`eos_token_id=[...]` including it.",
+)
+
+
+@STOP_TOKEN_MISMATCH.check(applies=lambda ctx: ctx.markers.has_template and bool(ctx.markers.end_of_turn))
+def check_stop_token(ctx):
+    stops = ctx.generation_stop_ids
+    if stops is None:
+        return
+    tok = ctx.tokenizer
+    closing = ctx.markers.end_of_turn[-1]
+    if closing in stops:
+        return
+    names = tok.convert_ids_to_tokens(sorted(stops))
+    turn_end = tok.decode(list(ctx.markers.end_of_turn))
+    yield STOP_TOKEN_MISMATCH.finding(
+        f"assistant turns end with {turn_end!r} in training, but generation stops only on {', '.join(map(repr, names))}: "
+        "the model will write its end of turn and go on",
+        evidence={
+            "end_of_turn": turn_end,
+            "end_of_turn_id": closing,
+            "stop_ids": sorted(stops),
+            "stop_tokens": names,
+        },
+        fix=f"Add {turn_end!r} (id {closing}) to `model.generation_config.eos_token_id` and save it with the model "
+        f"(e.g. `eos_token_id=[{', '.join(str(i) for i in sorted(stops | {closing}))}]`), or pass it to generate().",
+    )
+
+
+MARKERS_NOT_ATOMIC = define(
+    "markers-not-atomic",
+    severity="error",
+    stage="template",
+    symptom="Output has stray template markers or never stops: the template's turn markers are not tokens of this "
+    "tokenizer, so the model learns them as several plain tokens (a ChatML template on a Llama-3 tokenizer).",
+    detects="Each special-looking turn marker the chat template renders (`<|im_start|>`, `<start_of_turn>`, "
+    "`<｜User｜>`, ...) must be one token of the tokenizer, when the tokenizer's own family speaks in such tokens "
+    "(it has special tokens of that form). A family trained on plain-text markers (TinyLlama's Zephyr "
+    "`<|user|>`) is left alone.",
+    fix="Use the chat template that belongs to this tokenizer, or add the markers as special tokens "
+    "(`tokenizer.add_special_tokens({'additional_special_tokens': [...]})`, then `model.resize_token_embeddings` "
+    "and train the new rows).",
+)
+
+_SPECIAL_LOOKING = re.compile(r"<[|｜][^\s<>]{1,40}?[|｜]>|<(?:start|end)_of_turn>")
+
+
+@MARKERS_NOT_ATOMIC.check(applies=lambda ctx: ctx.markers.has_template)
+def check_markers_atomic(ctx):
+    tok = ctx.tokenizer
+    added = {str(t) for t in (getattr(tok, "added_tokens_decoder", {}) or {}).values()}
+    if not any(_SPECIAL_LOOKING.fullmatch(t) for t in added):
+        return  # this family writes its turn markers as plain text: several tokens is how it was trained
+    rendered = ctx.markers.probe_render
+    pieces = {}
+    for marker in sorted(set(_SPECIAL_LOOKING.findall(rendered))):
+        ids = tok(marker, add_special_tokens=False)["input_ids"]
+        if len(ids) > 1:
+            pieces[marker] = tok.convert_ids_to_tokens(ids)
+    if not pieces:
+        return
+    marker, split = next(iter(pieces.items()))
+    yield MARKERS_NOT_ATOMIC.finding(
+        f"{len(pieces)} turn markers of the chat template are not tokens of this tokenizer: {marker!r} becomes "
+        f"{len(split)} pieces {split}",
+        evidence={"markers": {k: v for k, v in pieces.items()}, "tokenizer": type(tok).__name__},
+    )
+
+
+TEMPLATE_DROPS_CONTENT = define(
+    "template-drops-content",
+    severity="error",
+    stage="template",
+    symptom="The model never learns part of what the data teaches (its reasoning, its tool calls): the chat "
+    "template deletes it while rendering, silently.",
+    detects="Each message's content (and each tool call's function name) is looked for in the rendered "
+    "conversation, line by line with whitespace stripped: what is not there was dropped by the template "
+    "(DeepSeek-R1's template keeps only what follows `</think>`; templates without tool support drop the "
+    "calls). An error when trained (assistant) content is dropped, a warning for the rest.",
+    fix="Render with a template that keeps the content: TRL's training variant of the template "
+    "(trl/chat_templates/*_training.jinja) or a format that carries it explicitly (e.g. the reasoning in the "
+    "answer text, tools in a template that supports them).",
+)
+
+
+@TEMPLATE_DROPS_CONTENT.check(applies=lambda ctx: ctx.fmt in ("messages", "prompt-completion"))
+def check_template_drops_content(ctx):
+    trained, other = ctx.col("n_dropped_supervised"), ctx.col("n_dropped_other")
+    bad = ctx.valid & ((trained > 0) | (other > 0))
+    if not bad.any():
+        return
+    rows = ctx.first(bad)
+    chars = int(ctx.col("n_supervised_chars")[ctx.valid].sum())
+    lost = int(trained[ctx.valid].sum())
+    share = lost / max(chars, 1)
+    n = int(ctx.valid.sum())
+    in_trained = bool((ctx.valid & (trained > 0)).any())
+    example = ctx.values("dropped_text")[rows[0]]
+    yield TEMPLATE_DROPS_CONTENT.finding(
+        f"the chat template drops content from {int(bad.sum())} of {n} examples"
+        + (
+            f": {share:.0%} of the trained characters ({lost:,} of {chars:,})"
+            if in_trained
+            else " (prompt side)"
+        )
+        + f"; e.g. {example[:80]!r} is not in the rendered text",
+        evidence={
+            "rows": rows,
+            "examples": int(bad.sum()),
+            "trained_chars_dropped": lost,
+            "trained_chars": chars,
+            "fraction": share,
+            "other_chars_dropped": int(other[ctx.valid].sum()),
+            "first_dropped": example,
+        },
+        example=ctx.view(rows[0]),
+        severity="error" if in_trained else "warning",
     )

@@ -244,13 +244,20 @@ def tiny_model_for(tokenizer, config: TinyConfig | None = None):
     # pad_token_id becomes the embedding's padding_idx: a zero row that never receives gradient. When pad is
     # EOS that would freeze EOS itself, so the config only names a pad that is a token of its own.
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id != tokenizer.eos_token_id else None
-    return build_model(
+    model = build_model(
         len(tokenizer),
         config,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=pad,
     )
+    # As the instruct checkpoints ship it: generation stops on EOS and on the template's end-of-turn token.
+    from hf_sanity.measure.markers import derive_markers
+
+    stops = [tokenizer.eos_token_id, *derive_markers(tokenizer).end_of_turn[-1:]]
+    stops = sorted({i for i in stops if i is not None})
+    model.generation_config.eos_token_id = stops[0] if len(stops) == 1 else stops
+    return model
 
 
 def tiny_setup(template: Template = "chatml", pad: Pad = "distinct", config: TinyConfig | None = None):
