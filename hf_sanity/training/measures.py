@@ -187,7 +187,8 @@ class StepSampler:
         self.label_counts = None
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         rows = getattr(embeddings, "num_embeddings", None)
-        self.device = local_tensor(params[0][1]).device if params else torch.device("cpu")
+        # Where batches and the module live (a ZeRO-3 partition may be offloaded to the CPU: not there).
+        self.device = params[0][1].device if params else torch.device("cpu")
         if rows and wants("loss-plateau-prior"):
             self.label_counts = torch.zeros(rows, dtype=torch.float32, device=self.device)
         self._snapshot = None

@@ -184,7 +184,7 @@ class Sharding:
 
     @property
     def kind(self) -> str:
-        """One word for the report: fsdp2, fsdp1, zero3, deepspeed, fsdp or replicated."""
+        """One word for the report: fsdp2, fsdp1, zero3, deepspeed (ZeRO-1/2), dtensor or replicated."""
         if self.counts.get(FSDP1):
             return "fsdp1"
         if self.counts.get(ZERO3):
