@@ -22,7 +22,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_sanity.selection import resolve
-from hf_sanity.training import first_batch, memory, replay
+from hf_sanity.training import first_batch, memory, replay, shards
 from hf_sanity.training.instrument import Instruments, find_trainer, move_before_reporters
 from hf_sanity.training.measures import StepSampler, train_only_modules, vocab_size
 from hf_sanity.training.monitors import MonitorSet
@@ -97,8 +97,13 @@ class SanityCallback(TrainerCallback):
             sink.output_dir = Path(args.output_dir or ".") / "hf-sanity"
             sink.annotate = lambda finding: self.held.attach(finding, sink.save_batch)
             optimizer = optimizer or getattr(self.trainer, "optimizer", None)
-            self.sampler = StepSampler(self.trainer, self.model, optimizer, args, state, sink.wants)
-            self.exchange = RankExchange(sink.rank, sink.world_size, replicated=not self.sampler.sharded)
+            self.sampler = StepSampler(
+                self.trainer, self.model, optimizer, args, state, sink.wants,
+                check_every=self.check_every, world_size=sink.world_size,
+            )  # fmt: skip
+            self.exchange = RankExchange(
+                sink.rank, sink.world_size, compared=self.sampler.sharding.replicated
+            )
             self.monitors = MonitorSet(sink, self.sampler.training_setup(sink.world_size))
             self.monitors.feed(0, self.sampler.setup_values())
             self.instruments.install(self.trainer, self.model, self)
@@ -108,7 +113,7 @@ class SanityCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step, self._micro = state.global_step + 1, 0
-        if self.sampler is not None and self.sampler.stale_sample:
+        if self.sampler is not None and self.sampler.watches_step_begin:
             with self.sink.guard("stale-gradients"):
                 self.sampler.step_begins(self.recorder, self._step)
         return control
@@ -118,7 +123,7 @@ class SanityCallback(TrainerCallback):
         with self.sink.guard("callback-gradient-path"):
             if self.sampler is not None:
                 optimizer = optimizer or getattr(self.trainer, "optimizer", None)
-                self.sampler.before_optimizer(self.recorder, step, optimizer, check_every=self.check_every)
+                self.sampler.before_optimizer(self.recorder, step, optimizer)
         with self.sink.guard("callback-early-read"):
             if self.early.nonfinite() is not None:
                 self._read(now=step, weights_step=step, control=control)
@@ -135,7 +140,12 @@ class SanityCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
-        if self.probe_every and step % self.probe_every == 0 and self.sink.wants("predictions-frozen"):
+        if (
+            self.probe_every
+            and step % self.probe_every == 0
+            and self.sink.wants("predictions-frozen")
+            and self._probes_run()
+        ):
             with self.sink.guard("predictions-frozen"), self.instruments.quiet():
                 self.first.probe(self.model, self.recorder, step)
         if step % self.check_every == 0 or control.should_log:
@@ -188,7 +198,7 @@ class SanityCallback(TrainerCallback):
 
     def grad_norm(self, norm) -> None:
         with self.sink.guard("callback-grad-norm"):
-            self.recorder.push(self._step or 1, "grad_norm", norm)
+            self.recorder.push(self._step or 1, "grad_norm", shards.plain(norm))
 
     def pre_forward(self, module, args, kwargs) -> None:
         step = self._step or 1
@@ -200,7 +210,9 @@ class SanityCallback(TrainerCallback):
                 self._autocast = replay.autocast_state(module) or False
         if not self.first.done:
             with self.sink.guard("first-batch"), self.instruments.quiet():
-                values = self.first.check(module, args, kwargs, self.trainer, self.sink)
+                values = self.first.check(
+                    module, args, kwargs, self.trainer, self.sink, probe=self._probes_run()
+                )
                 self.monitors.feed(1, values)
 
     def post_forward(self, module, output) -> None:
@@ -253,13 +265,20 @@ class SanityCallback(TrainerCallback):
         facts: dict[str, Any] = {}
         if "nonfinite-loss" not in self.sink.counts and self.sink.wants("nonfinite-loss"):
             with self.sink.guard("nonfinite-loss"), self.instruments.quiet():
-                half, sharded = (self.sampler.half, self.sampler.sharded) if self.sampler else (False, False)
+                half, skip = (
+                    (self.sampler.half, self.sampler.sharding.replay_skip) if self.sampler else (False, None)
+                )
                 facts = replay.nonfinite_facts(
                     step, micro, self.held, self.model, now=self._step, weights_step=weights_step,
-                    half=half or bool(self._autocast), autocast=self._autocast or None, sharded=sharded,
+                    half=half or bool(self._autocast), autocast=self._autocast or None, replay_skip=skip,
                     save=self.sink.save_batch,
                 )  # fmt: skip
         return facts
+
+    def _probes_run(self) -> bool:
+        """The probes' extra forward may run here. It runs on every rank at the same point (the first training
+        forward, a probe step's end): under FSDP2 that forward gathers the shards from every rank."""
+        return self.sampler is None or self.sampler.sharding.probe_skip is None
 
     def _memory_check(self, step: int) -> None:
         if self.sink.wants("memory-growth", "oom"):
@@ -297,4 +316,8 @@ class SanityCallback(TrainerCallback):
                 ctl.should_training_stop = True
 
     def _stats(self, steps: int) -> dict[str, Any]:
-        return self.sink.stats(steps=steps, reads=self._reads, transfers=self.recorder.transfers)
+        stats = self.sink.stats(steps=steps, reads=self._reads, transfers=self.recorder.transfers)
+        sharding = self.sampler.sharding if self.sampler is not None else None
+        if sharding is not None and (sharding.engine or sharding.sharded):
+            stats["sharding"] = sharding.stats()  # what ran on which layout, and what did not, with why
+        return stats

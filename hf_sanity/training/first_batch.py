@@ -57,9 +57,10 @@ class FirstBatch:
         if not self.done and "labels" in batch:
             self._labels = batch["labels"]
 
-    def check(self, module, args, kwargs, trainer, sink) -> dict[str, Any]:
+    def check(self, module, args, kwargs, trainer, sink, *, probe: bool = True) -> dict[str, Any]:
         """Everything the first batch tells; returns the values for the step detectors: its shapes and the
-        model's own step-0 numbers on it (None when not measured)."""
+        model's own step-0 numbers on it (None when not measured). Without ``probe`` no extra forward runs (a
+        layout where it is not known to be safe, see :mod:`hf_sanity.training.shards`): the token rules only."""
         import torch
 
         from hf_sanity.training import probe
@@ -73,7 +74,7 @@ class FirstBatch:
         self._labels = None
         self._shapes = {k: tuple(v.shape) for k, v in batch.items() if k in ALIGNED}
         step0 = None
-        if sink.wants(STEP0_RULE, "predictions-frozen", "grad-accum-loss-scaling"):
+        if probe and sink.wants(STEP0_RULE, "predictions-frozen", "grad-accum-loss-scaling"):
             with sink.guard("callback-probe"):
                 self._probe_batch = probe.probe_batch(batch)
                 measured = probe.probe(module, self._probe_batch, stats=True)

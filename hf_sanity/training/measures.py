@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.training import shards
+from hf_sanity.training.shards import full_numel, local_tensor, squares
 
 
 def optimizer_ids(optimizer) -> set[int] | None:
@@ -49,26 +51,37 @@ def spread(items: Sequence[Any], n: int) -> list[Any]:
     return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)]
 
 
-def snapshot(params: Sequence[Any]) -> list[Any]:
-    return [p.detach().clone() for p in params]
+def snapshot(parts: Sequence[Any]) -> list[Any]:
+    return [t.clone() for t in parts]
 
 
-def measure_update(params: Sequence[Any], before: Sequence[Any]):
-    """(median |Δw|/|w| over the tensors with a non-zero norm, whether any weight changed), as device tensors."""
+def update_squares(parts: Sequence[Any], before: Sequence[Any]):
+    """Per sampled tensor, (sum of squared changes, sum of squared old weights) over the part this rank holds:
+    a (k, 2) float32 device tensor, to be summed over ranks when the parts are shards."""
     import torch
 
-    diff = torch.stack([(p.detach().float() - old.float()).norm() for p, old in zip(params, before)])
-    norm = torch.stack([old.float().norm() for old in before])
+    return torch.stack(
+        [torch.stack([squares(now.float() - old.float()), squares(old)]) for now, old in zip(parts, before)]
+    )
+
+
+def update_ratio(sums):
+    """(median |Δw|/|w| over the tensors with a non-zero norm, whether any weight changed), as device tensors,
+    from :func:`update_squares` summed over every part of each tensor."""
+    import torch
+
+    diff, norm = sums[:, 0].sqrt(), sums[:, 1].sqrt()
     ratio = torch.where(norm > 0, diff / norm.clamp_min(1e-30), torch.full_like(diff, math.nan)).nanmedian()
     return ratio, ((diff > 0) | diff.isnan()).any()  # NaN weights did change
 
 
-def present_norm(params) -> Any:
-    """Norm of the gradients ``params`` already hold when a step begins (0.0 when they were cleared)."""
-    import torch
-
-    grads = [p.grad.detach().float() for p in params if p.grad is not None]
-    return torch.stack([g.norm() for g in grads]).norm() if grads else 0.0
+def gradient_squares(params: Sequence[Any], weights: Sequence[float]):
+    """Sum over ``params`` of weight x the squared norm of the part of its gradient this rank holds (None
+    when none holds a gradient: they were cleared)."""
+    held = [(local_tensor(p.grad), w) for p, w in zip(params, weights) if p.grad is not None]
+    if not held:
+        return None
+    return sum(w * squares(g) for g, w in held)
 
 
 def train_only_modules(model) -> int:
@@ -118,16 +131,25 @@ EARLY_MEASURE_STEPS = 10  # the update ratio is measured at every one of the fir
 class StepSampler:
     """The model-side measurements of one run, set up once at train begin: which parameters train, a few of
     them sampled for the update ratio and stale gradients, the optimizer's membership, the label counts and
-    the precision in use. Every method records into the recorder; nothing synchronises."""
+    the precision in use. Every method records into the recorder; nothing is read on the host.
 
-    def __init__(self, trainer, model, optimizer, args, state, wants) -> None:
+    On sharded parameters (see :mod:`hf_sanity.training.shards`) the update ratio and the stale-gradient norm
+    are summed over ranks by one all_reduce at a fixed point of the step (the optimizer step of a measured
+    step, the start of every step) that every rank reaches alike: the sample, the measured steps and whether
+    to reduce depend only on the model's structure and the step number, never on this rank's values."""
+
+    def __init__(
+        self, trainer, model, optimizer, args, state, wants, *, check_every: int = 10, world_size: int = 1
+    ) -> None:
         import contextlib
 
         import torch
 
         self.model = model
+        self.check_every, self.world_size = check_every, world_size
         params = list(model.named_parameters())
-        self.total_params = sum(p.numel() for _, p in params)
+        self.sharding = shards.detect(trainer, model, world_size)
+        self.total_params = sum(full_numel(p) for _, p in params)
         self.trainable = [(n, p) for n, p in params if p.requires_grad]
         accelerator = getattr(trainer, "accelerator", None)
         precision = getattr(accelerator, "mixed_precision", "no") if accelerator is not None else "no"
@@ -136,32 +158,45 @@ class StepSampler:
             p.dtype in (torch.float16, torch.bfloat16) for _, p in params[:8]
         )
         self.scaler = getattr(accelerator, "scaler", None) is not None
-        self.sharded = bool(
-            getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False)
-        )
         self.warmup_steps = 0
         with contextlib.suppress(Exception):
             self.warmup_steps = int(args.get_warmup_steps(state.max_steps or 0))
         self.accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
         self.vocab_size = vocab_size(model)
+        skipped = self.sharding.skipped
         self.stale_sample = (
-            spread([p for _, p in self.trainable], SAMPLED_PARAMS) if wants("stale-gradients") else []
+            spread([p for _, p in self.trainable], SAMPLED_PARAMS)
+            if wants("stale-gradients") and "stale-gradients" not in skipped
+            else []
         )
-        # Sharded optimizers (FSDP, DeepSpeed) hold flattened copies: membership cannot be checked by identity.
-        self.optimizer_ids = None if self.sharded else optimizer_ids(optimizer)
+        # Sharded optimizers (FSDP, DeepSpeed) may hold flattened copies: membership cannot be checked by identity.
+        # A plain loop over DTensor parameters steps the parameters themselves: there it can.
+        copies = self.sharding.engine is not None or self.sharding.kind in ("fsdp1", "zero3")
+        self.optimizer_ids = None if copies else optimizer_ids(optimizer)
         stepped = [p for _, p in self.trainable if self.optimizer_ids is None or id(p) in self.optimizer_ids]
-        small = [p for p in stepped if p.numel() <= SAMPLE_MAX_ELEMENTS] or sorted(
-            stepped, key=lambda p: p.numel()
+        # Sizes every rank agrees on (a shard's own size differs by rank): every rank samples the same tensors.
+        small = [p for p in stepped if full_numel(p) <= SAMPLE_MAX_ELEMENTS] or sorted(
+            stepped, key=full_numel
         )[:1]
-        self.update_sample = spread(small, SAMPLED_PARAMS) if wants("loss-flat", "lr-too-low") else []
+        self.update_sample = (
+            spread(small, SAMPLED_PARAMS)
+            if wants("loss-flat", "lr-too-low") and "update ratio" not in skipped
+            else []
+        )
         self.watch_path = wants("lr-zero", "lr-too-low", "loss-flat")
         self.label_counts = None
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         rows = getattr(embeddings, "num_embeddings", None)
+        # Where batches and the module live (a ZeRO-3 partition may be offloaded to the CPU: not there).
+        self.device = params[0][1].device if params else torch.device("cpu")
         if rows and wants("loss-plateau-prior"):
-            device = params[0][1].device if params else torch.device("cpu")
-            self.label_counts = torch.zeros(rows, dtype=torch.float32, device=device)
+            self.label_counts = torch.zeros(rows, dtype=torch.float32, device=self.device)
         self._snapshot = None
+        self._measuring = False
+
+    sharded = property(
+        lambda self: self.sharding.sharded, doc="Some rank holds only a part of some parameter."
+    )
 
     def training_setup(self, world_size: int):
         """What the step detectors are built with."""
@@ -179,32 +214,102 @@ class StepSampler:
         )
         return {"total_params": self.total_params, "trainable": names, "in_optimizer": inside}
 
+    @property
+    def watches_step_begin(self) -> bool:
+        return bool(self.stale_sample) or (bool(self.update_sample) and self.sharding.steps_in_backward)
+
+    def measured(self, step: int) -> bool:
+        """Whether the update ratio is measured at ``step``: the same answer on every rank."""
+        return step <= EARLY_MEASURE_STEPS or step % self.check_every == 0
+
     def step_begins(self, recorder, step: int) -> None:
-        if self.stale_sample:
-            recorder.push(step, "stale_norm", present_norm(self.stale_sample))
+        if self.update_sample and self.sharding.steps_in_backward:
+            self._start_update(step)  # DeepSpeed steps inside backward: the update is measured from here
+        if not self.stale_sample:
+            return
+        if not self._reduces(self.stale_sample):
+            present = gradient_squares(self.stale_sample, [1.0] * len(self.stale_sample))
+            recorder.push(step, "stale_norm", 0.0 if present is None else present.sqrt())
+            return
+        weights = self.sharding.weights(self.stale_sample, self.world_size)
+
+        def local():
+            present = gradient_squares(self.stale_sample, weights)
+            return self._zeros(1) if present is None else present.reshape(1)
+
+        recorder.push(step, "stale_norm", self._summed(local, 1)[0].sqrt())
 
     def batch(self, batch) -> None:
         if self.label_counts is not None and "labels" in batch:
             count_labels(self.label_counts, batch["labels"])
 
-    def before_optimizer(self, recorder, step: int, optimizer, *, check_every: int) -> None:
+    def before_optimizer(self, recorder, step: int, optimizer) -> None:
+        if self.update_sample and not self.sharding.steps_in_backward:
+            self._start_update(step)
         lr = max_lr(optimizer)
         if lr is not None:
             recorder.push(step, "lr", lr)
         if self.watch_path:
-            for key, value in gradient_path([p for _, p in self.trainable], self.optimizer_ids).items():
+            path = gradient_path([p for _, p in self.trainable], self.optimizer_ids)
+            if not self.sharding.gradients_in_params:
+                path.pop("n_with_grad")  # p.grad is not where this layout keeps gradients: 0 would be a lie
+            for key, value in path.items():
                 recorder.push(step, key, value)
-        measure = step <= EARLY_MEASURE_STEPS or step % check_every == 0
-        self._snapshot = snapshot(self.update_sample) if self.update_sample and measure else None
 
     def after_optimizer(self, recorder, step: int, *, skipped: bool) -> None:
-        if self._snapshot is not None and not skipped:
-            ratio, updated = measure_update(self.update_sample, self._snapshot)
+        if not self._measuring:
+            return
+        self._measuring = False
+        before, self._snapshot = self._snapshot, None
+
+        reduce = self._reduces(self.update_sample)
+        weights = self.sharding.weights(self.update_sample, self.world_size) if reduce else None
+
+        def local():
+            if before is None:
+                raise RuntimeError("no snapshot of the sampled weights was taken before the optimizer step")
+            sums = update_squares([local_tensor(p) for p in self.update_sample], before)
+            return sums * sums.new_tensor(weights).unsqueeze(1) if weights is not None else sums
+
+        k = len(self.update_sample)
+        sums = self._summed(local, 2 * k).reshape(k, 2) if reduce else local()
+        if not skipped:
+            ratio, updated = update_ratio(sums)
             recorder.push(step, "update_ratio", ratio)
             recorder.push(step, "updated", updated)
-        self._snapshot = None
 
     def push_label_entropy(self, recorder, step: int) -> None:
         """The entropy of the labels seen so far (for loss-plateau-prior), recorded at ``step``."""
         if self.label_counts is not None:
             recorder.push(step, "label_entropy", label_entropy(self.label_counts))
+
+    # -- sums over ranks -----------------------------------------------------------------------------
+    def _start_update(self, step: int) -> None:
+        # Decided before anything that may fail: after_optimizer's all_reduce must follow on every rank.
+        self._measuring = self.measured(step)
+        self._snapshot = None
+        if self._measuring:
+            self._snapshot = snapshot([local_tensor(p) for p in self.update_sample])
+
+    def _reduces(self, params: Sequence[Any]) -> bool:
+        """Some of ``params`` is sharded across more than one rank: its norm needs every rank's part."""
+        return self.world_size > 1 and any(self.sharding.is_sharded(p) for p in params)
+
+    def _zeros(self, n: int):
+        import torch
+
+        return torch.zeros(n, dtype=torch.float32, device=self.device)
+
+    def _summed(self, local, n: int):
+        """``local()`` (``n`` sums of squares, weighted by :meth:`Sharding.weights`) summed over ranks. The
+        all_reduce runs even when ``local()`` fails on this rank (NaN sent in its place, the error raised after
+        it): a collective one rank skips would hang the others."""
+        error = None
+        try:
+            mine = local().reshape(-1).float()
+        except Exception as exc:  # raised again once the collective is done
+            mine, error = self._zeros(n).fill_(math.nan), exc
+        total = shards.all_sum(mine, world_size=self.world_size)
+        if error is not None:
+            raise error
+        return total

@@ -172,11 +172,15 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def memory_breakdown(model, optimizer) -> dict[str, Any]:
-    """Bytes held by parameters, gradients and optimizer state, and the allocator's view where there is one."""
+    """Bytes this rank holds in parameters, gradients and optimizer state (its shards only, under FSDP or
+    ZeRO-3), and the allocator's view where there is one."""
     import torch
 
+    from hf_sanity.training.shards import local_tensor
+
     def nbytes(tensors) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+        held = (local_tensor(t) for t in tensors if isinstance(t, torch.Tensor))
+        return sum(t.numel() * t.element_size() for t in held)
 
     params = list(model.parameters()) if model is not None else []
     out: dict[str, Any] = {

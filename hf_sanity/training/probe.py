@@ -36,8 +36,10 @@ def probe(model, batch: Mapping[str, Any], *, stats: bool = False) -> dict[str, 
     import torch
     import torch.nn.functional as F
 
+    from hf_sanity.training.shards import kept_sharded
+
     labels = batch.get("labels")
-    with untouched(model):
+    with untouched(model), kept_sharded(model):
         output = model(**forward_kwargs(model, batch, use_cache=False))
         logits = logits_of(output)
         out: dict[str, Any] = {"logits_shape": tuple(logits.shape) if logits is not None else None}

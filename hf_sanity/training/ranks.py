@@ -1,6 +1,9 @@
 """The collectives of SanityCallback under DDP: one checksum per parameter (for `ranks-diverged`) and the
 findings each rank has not sent yet, exchanged every few steps. Every rank must call them at the same steps,
 in the same order: a collective one rank skips hangs the others.
+
+Only parameters every rank holds in full are compared: a shard of an FSDP or ZeRO-3 parameter differs from the
+other ranks' shards by design (see :mod:`hf_sanity.training.shards`).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hf_sanity.findings import Finding
+from hf_sanity.training.shards import collective_device, local_tensor
 
 
 def world() -> tuple[int, int]:
@@ -27,8 +31,9 @@ def checksums(params: Sequence[Any]):
 
     if not params:
         return torch.zeros(0, dtype=torch.float64, device="cpu")
-    device = params[0].device
-    return torch.stack([p.detach().sum(dtype=torch.float64).to(device) for p in params])
+    values = [local_tensor(p) for p in params]  # a replicated DTensor: its local value is the whole
+    device = values[0].device
+    return torch.stack([v.sum(dtype=torch.float64).to(device) for v in values])
 
 
 def all_max_min(vector, flags):
@@ -42,23 +47,23 @@ def all_max_min(vector, flags):
     return packed[:n], -packed[n : 2 * n], packed[2 * n :]
 
 
-def collective_device():
-    """Where this process group's collectives run: the current CUDA device for NCCL, else the CPU."""
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 class RankExchange:
     """One exchange every ``sync_every`` steps: a single all_reduce carries every parameter's checksum range
     (max and min over ranks), how many findings each rank has not sent and whether one is an error; an
     all_gather_object follows only when some rank has something new, and the main process merges it."""
 
-    def __init__(self, rank: int, world_size: int, *, replicated: bool) -> None:
-        self.rank, self.world_size, self.replicated = rank, world_size, replicated
+    def __init__(self, rank: int, world_size: int, *, compared: Sequence[str] | None = None) -> None:
+        self.rank, self.world_size = rank, world_size
+        # Fixed at train begin (None: every parameter): FSDP2 swaps gathered plain tensors in for its sharded
+        # parameters around a forward, and the vector must have the same length on every rank at every sync.
+        self.names = list(compared) if compared is not None else None
+
+    def compared(self, model) -> list[tuple[str, Any]]:
+        """The parameters every rank holds in full, in the same order on every rank."""
+        if self.names is None:
+            return list(model.named_parameters())
+        params = dict(model.named_parameters())
+        return [(n, params[n]) for n in self.names]
 
     def sync(self, step: int, model, sink, feed: Callable[[int, dict[str, Any]], None]) -> bool:
         """Exchange at ``step`` (every rank, same steps, same order); True when some rank asks to stop."""
@@ -68,13 +73,12 @@ class RankExchange:
         device = collective_device()
         vector = torch.zeros(0, dtype=torch.float64, device=device)
         names: list[str] = []
-        if self.replicated and model is not None and sink.wants("ranks-diverged"):
-            named = list(model.named_parameters())
-            names = [n for n, _ in named]
+        if model is not None and sink.wants("ranks-diverged"):
+            names = self.names if self.names is not None else [n for n, _ in model.named_parameters()]
             # Same length on every rank whatever happens: a collective of mismatched sizes would hang.
-            vector = torch.full((len(named),), math.nan, dtype=torch.float64, device=device)
+            vector = torch.full((len(names),), math.nan, dtype=torch.float64, device=device)
             with sink.guard("ranks-diverged"):
-                vector = checksums([p for _, p in named]).to(device)
+                vector = checksums([p for _, p in self.compared(model)]).to(device)
         flags = torch.tensor(
             [len(sink.unsent), float(sink.errors_unsent or sink.stop_pending)], device=device
         )

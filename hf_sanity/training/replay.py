@@ -198,11 +198,12 @@ def _fp32_finite(model, kwargs: dict[str, Any], limit: int) -> bool | None:
 
 def nonfinite_facts(
     step: int, micro: list[float], held, model, *, now: int, weights_step: int | None, half: bool, autocast,
-    sharded: bool, save,
+    replay_skip: str | None, save,
 ) -> dict[str, Any]:  # fmt: skip
     """The facts of a non-finite step for :func:`hf_sanity.rules.training.loss.classify`: the offending batch
-    (saved with ``save(batch, name)``), then its replay on the model, unless the model is sharded (a one-rank
-    forward would deadlock) or its weights went non-finite since (the values were read at step ``now``)."""
+    (saved with ``save(batch, name)``), then its replay on the model, unless ``replay_skip`` says why not (a
+    sharded model: a one-rank forward would deadlock, see :mod:`hf_sanity.training.shards`) or its weights went
+    non-finite since (the values were read at step ``now``)."""
     import math
 
     facts: dict[str, Any] = {"half_precision": half}
@@ -212,10 +213,8 @@ def nonfinite_facts(
         facts["replay_skipped"] = "the batch is no longer held"
         return facts
     facts["batch_file"] = save(batch, f"nonfinite-loss-step{step}")
-    skip = None
-    if sharded or model is None:
-        skip = "sharded model (FSDP/DeepSpeed): a one-rank forward would deadlock"
-    elif weights_step != step and not weights_finite(model):
+    skip = replay_skip or (None if model is not None else "no model")
+    if skip is None and weights_step != step and not weights_finite(model):
         skip = f"the weights are non-finite by step {now} (read later than step {step})"
     facts.update(diagnose(batch, None if skip else model, half_precision=half, autocast=autocast, skip=skip))
     if not skip:
