@@ -42,10 +42,10 @@ TokenizerOpt = Annotated[str | None, typer.Option(help="Tokenizer folder or hub 
 SplitOpt = Annotated[str, typer.Option(help="Dataset split to use.")]
 MaxLenOpt = Annotated[int | None, typer.Option(help="Training max_length (truncation keeps the start).")]
 LossOnOpt = Annotated[str, typer.Option(help="completion (labels on completions only) or all.")]
-FormatOpt = Annotated[
-    str | None,
-    typer.Option("--format", help="messages, prompt-completion, text or tokens (default: detect)."),
-]
+FORMAT_HELP = (
+    "messages, sharegpt, prompt-completion, alpaca, text or tokens (default: detected from the columns)."
+)
+FormatOpt = Annotated[str | None, typer.Option("--format", help=FORMAT_HELP)]
 TrustOpt = Annotated[bool, typer.Option(help="Allow custom model/tokenizer code.")]
 AdapterConfigOpt = Annotated[
     Path | None, typer.Option(help="A LoRA adapter_config.json (or its folder) to attach, as in training.")
@@ -139,9 +139,13 @@ def preflight_command(
     loss_on: Annotated[
         str, typer.Option(help="completion (labels on completions only) or all.")
     ] = "completion",
-    format: Annotated[
+    format: FormatOpt = None,
+    alpaca_template: Annotated[
         str | None,
-        typer.Option("--format", help="messages, prompt-completion, text or tokens (default: detect)."),
+        typer.Option(
+            help="Alpaca rows: chat (the chat template renders instruction+input, then output) or text (the "
+            "Alpaca prompt, for base models). Default: chat when the tokenizer has a chat template."
+        ),
     ] = None,
     sample: Annotated[int, typer.Option(help="Examples for the model-side checks.")] = 256,
     num_proc: Annotated[int | None, typer.Option(help="Processes for tokenization.")] = None,
@@ -157,7 +161,7 @@ def preflight_command(
 
     # Bad options fail in a blink, before transformers is imported or anything is loaded.
     resolve(select, ignore)
-    check_options(loss_on=loss_on, max_len=max_len, sample=sample)
+    check_options(loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template)
     if format is not None:
         from hf_sanity.measure.formats import FORMATS
 
@@ -201,6 +205,7 @@ def preflight_command(
         max_len=max_len,
         loss_on=loss_on,
         format=format,
+        alpaca_template=alpaca_template,
         adapter=adapter,
         inference_tokenizer=inference_tok,
         sample=sample,

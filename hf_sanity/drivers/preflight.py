@@ -9,7 +9,7 @@ from hf_sanity import catalog
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.context import Context
 from hf_sanity.measure.encode import EncodeOptions
-from hf_sanity.measure.formats import detect_format
+from hf_sanity.measure.formats import check_alpaca_template, detect_format
 from hf_sanity.report import Report
 from hf_sanity.selection import Selection, resolve
 
@@ -35,6 +35,7 @@ def preflight(
     max_len: int | None = None,
     loss_on: str = "completion",
     format: str | None = None,
+    alpaca_template: str | None = None,
     adapter: str | None = None,
     inference_tokenizer=None,
     sample: int = 256,
@@ -49,6 +50,9 @@ def preflight(
     Pass ``model``/``tokenizer``/``dataset`` (objects; the CLI loads them from paths), or ``trainer=`` to
     inspect the exact batches of ``trainer.get_train_dataloader()`` after the trainer's own collator.
     ``model`` may be a callable returning the model, so it is loaded only if a model rule needs it.
+    ``format``: the dataset format (default: detected from the columns; ShareGPT and Alpaca rows are read as
+    the tools that use them build them); ``alpaca_template``: ``chat`` or ``text`` for Alpaca rows (default:
+    chat when the tokenizer has a chat template).
     """
     selection = resolve(select, ignore, use_config=use_config)
     started = time.perf_counter()
@@ -59,7 +63,7 @@ def preflight(
     else:
         if tokenizer is None or dataset is None:
             raise UserInputError("preflight needs a tokenizer and a dataset (or trainer=...)")
-        check_options(loss_on=loss_on, max_len=max_len, sample=sample)
+        check_options(loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template)
         fmt = detect_format(dataset.column_names, format)
         # `model` may be a function that loads the model, so that only a model rule pays for loading it.
         is_loader = callable(model) and not hasattr(model, "forward")
@@ -67,7 +71,7 @@ def preflight(
             tokenizer=tokenizer,
             dataset=dataset,
             fmt=fmt,
-            options=EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len),
+            options=EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len, alpaca_template=alpaca_template),
             model=None if is_loader else model,
             model_loader=model if is_loader else None,
             eval_dataset=eval_dataset,
@@ -96,14 +100,24 @@ def preflight(
         max_len=ctx.options.max_len,
         seconds=round(time.perf_counter() - started, 2),
     )
+    # The format as given, what it was read as, and how (ShareGPT roles, JSON columns, the Alpaca template).
+    if trainer is None:
+        report.stats.update(ctx.encoder.layout.describe(ctx.dataset))
     if size > 1:
         report.stats["processes"] = size
         return distributed.broadcast(report)
     return report
 
 
-def check_options(*, loss_on: str = "completion", max_len: int | None = None, sample: int = 256) -> None:
+def check_options(
+    *,
+    loss_on: str = "completion",
+    max_len: int | None = None,
+    sample: int = 256,
+    alpaca_template: str | None = None,
+) -> None:
     """Preflight's numbers and choices, checked before anything is loaded."""
+    check_alpaca_template(alpaca_template)
     if loss_on not in ("completion", "all"):
         raise UserInputError(f"--loss-on must be 'completion' or 'all', got {loss_on!r}")
     if max_len is not None and max_len <= 0:

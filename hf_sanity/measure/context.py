@@ -20,6 +20,7 @@ import numpy as np
 
 from hf_sanity.measure.encode import EncodeOptions, Encoder
 from hf_sanity.measure.families import own_families
+from hf_sanity.measure.formats import conversation_of, read_as
 from hf_sanity.measure.losses import token_loss
 from hf_sanity.measure.markers import Span, TemplateMarkers, derive_markers
 from hf_sanity.measure.tensors import pad_batches, pad_id
@@ -53,7 +54,9 @@ class Context:
         store = super().__setattr__
         store("tokenizer", tokenizer)
         store("dataset", dataset)
-        store("fmt", fmt)
+        # The rules read what TRL reads: a ShareGPT dataset is `messages`, an Alpaca one `prompt-completion`.
+        store("fmt", read_as(fmt))
+        store("source_format", fmt)
         store("options", options or EncodeOptions(fmt=fmt))
         store("_model", model)
         store("_model_loader", model_loader)
@@ -166,6 +169,11 @@ class Context:
     def valid(self) -> np.ndarray:
         """Rows that encoded (no ``error``)."""
         return self.col("error") == ""
+
+    def conversation(self, index: int) -> list[dict] | None:
+        """Row ``index`` as the messages the chat template renders (None for plain text or a broken row)."""
+        row = self.encoder.layout.to_trl(self.dataset[int(index)])
+        return conversation_of(row) if isinstance(row, dict) else None
 
     def row(self, index: int) -> dict[str, Any]:
         if self.reencode_rows:  # distributed: rank 0 holds measurements only; encode the one row shown

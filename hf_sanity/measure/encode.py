@@ -16,7 +16,7 @@ from typing import Any
 
 from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.families import FAMILY_OF, NO_TEMPLATE
-from hf_sanity.measure.formats import conversation_problem, text_problem
+from hf_sanity.measure.formats import USER_TEXTS, Layout, conversation_problem, text_problem
 from hf_sanity.measure.markers import Span, TemplateMarkers, boundary_ids, derive_markers, find_sequence
 
 
@@ -78,10 +78,11 @@ def normalize(text: str) -> str:
 
 @dataclass
 class EncodeOptions:
-    fmt: str
+    fmt: str  # as detected (formats.FORMATS); ShareGPT and Alpaca rows are converted to what TRL reads
     loss_on: str = "completion"  # or "all"
     max_len: int | None = None
     min_leak_chars: int = 20
+    alpaca_template: str | None = None  # "chat" or "text"; default: chat when the tokenizer has a template
 
 
 # Every column the encoder writes, with its empty value (for rows that cannot be encoded).
@@ -124,6 +125,10 @@ class Encoder:
         self.tokenizer = tokenizer
         self.options = options
         self.markers = markers or derive_markers(tokenizer)
+        self.layout = Layout.of(
+            options.fmt, has_template=self.markers.has_template, alpaca_template=options.alpaca_template
+        )
+        self.fmt = self.layout.read_as  # what the rows are, once converted
         specials = {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
         specials |= {str(t) for t in tokenizer.all_special_tokens}
         strays = sorted(
@@ -136,23 +141,33 @@ class Encoder:
     # -- public ------------------------------------------------------------------------------------
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         size = len(next(iter(batch.values())))
-        rows = [{key: values[i] for key, values in batch.items()} for i in range(size)]
-        if self.options.fmt in ("messages", "prompt-completion"):
-            encoded = self.encode_conversations(rows)
-        else:
-            encoded = [self.encode(row) for row in rows]
+        encoded = self.encode_rows([{key: values[i] for key, values in batch.items()} for i in range(size)])
         return {key: [e[key] for e in encoded] for key in MEASURES}
 
     def encode(self, row: dict[str, Any]) -> dict[str, Any]:
-        fmt = self.options.fmt
-        try:
-            if fmt in ("messages", "prompt-completion"):
-                return self.encode_conversations([row])[0]
-            if fmt == "text":
-                return self.encode_text(row.get("text"))
-            return self.encode_tokens(row.get("input_ids"), row.get("labels"), row.get("attention_mask"))
-        except Exception as exc:  # the template or tokenizer rejected this row: a data problem
-            return self.failed(f"{type(exc).__name__}: {exc}")
+        return self.encode_rows([row])[0]
+
+    def encode_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Rows as given (any format of ``formats.FORMATS``) in, one encoded row each out."""
+        converted = [self.layout.to_trl(row) for row in rows]
+        out: list[dict[str, Any]] = [self.failed(r) if isinstance(r, str) else {} for r in converted]
+        readable = [k for k, r in enumerate(converted) if isinstance(r, dict)]
+        if self.fmt in ("messages", "prompt-completion"):
+            for k, encoded in zip(readable, self.encode_conversations([converted[k] for k in readable])):
+                out[k] = encoded
+            return out
+        for k in readable:
+            row = converted[k]
+            try:
+                if self.fmt == "text":
+                    out[k] = self.encode_text(row.get("text"))
+                else:
+                    out[k] = self.encode_tokens(
+                        row.get("input_ids"), row.get("labels"), row.get("attention_mask")
+                    )
+            except Exception as exc:  # the tokenizer rejected this row: a data problem
+                out[k] = self.failed(f"{type(exc).__name__}: {exc}")
+        return out
 
     # -- conversations -----------------------------------------------------------------------------
     # Where each completion starts comes from the chat template: the conversation up to that turn, rendered
@@ -170,7 +185,8 @@ class Encoder:
             return
         agree = 0
         for row in rows:
-            conversation = self._conversation(row)
+            row = self.layout.to_trl(row)
+            conversation = self._conversation(row) if isinstance(row, dict) else None
             if not isinstance(conversation, tuple):
                 continue
             messages, first, kwargs = conversation
@@ -191,7 +207,7 @@ class Encoder:
         """(messages, index of the first supervised message, template kwargs), a failure dict, or None for
         plain-text prompt/completion rows. The messages are passed to the template as they are (tool calls,
         names, reasoning fields included) with the row's ``tools`` and ``chat_template_kwargs``, as TRL does."""
-        if self.options.fmt == "messages":
+        if self.fmt == "messages":
             messages, first = row.get("messages"), 0
         else:
             prompt, completion = row.get("prompt"), row.get("completion")
@@ -218,7 +234,9 @@ class Encoder:
             try:
                 conversation = self._conversation(row)
                 if conversation is None:
-                    out[k] = self.encode_prompt_completion(row.get("prompt"), row.get("completion"))
+                    out[k] = self.encode_prompt_completion(
+                        row.get("prompt"), row.get("completion"), user_texts=row.get(USER_TEXTS)
+                    )
                 elif isinstance(conversation, dict):
                     out[k] = conversation
                 else:
@@ -310,9 +328,10 @@ class Encoder:
             return None
         return [span for span, i in zip(located, turns) if i >= first]
 
-    def encode_prompt_completion(self, prompt, completion) -> dict[str, Any]:
+    def encode_prompt_completion(self, prompt, completion, *, user_texts=None) -> dict[str, Any]:
         """Plain-text prompt/completion, as TRL does: the completion starts where prompt and
-        prompt+completion tokenizations diverge; EOS appended."""
+        prompt+completion tokenizations diverge; EOS appended. ``user_texts``: (prompt, completion) as the user
+        wrote them, where a template (Alpaca's) wrote the prompt around them."""
         problem = text_problem(prompt, "prompt") or text_problem(completion, "completion")
         if problem:
             return self.failed(problem)
@@ -325,11 +344,12 @@ class Encoder:
         spans = [self._close(ids, start, len(ids))]
         labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
         out = self.measure(ids, labels, spans, user_labels=False)
+        own_prompt, own_completion = user_texts or (prompt, completion)
         out.update(
             gp=(0, int(start < len(prompt_ids))),  # the text is a prefix: only tokens can merge
-            content=self._strays([prompt, completion]),
+            content=self._strays([own_prompt, own_completion]),
             hash=stable_hash(normalize(prompt + " " + completion)),
-            leak=self._leaks(prompt, [completion]),
+            leak=self._leaks(own_prompt, [own_completion]),
         )
         return self._finish(out)
 

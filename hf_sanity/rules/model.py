@@ -278,14 +278,6 @@ INIT_LOSS_ABOVE_BASE = define(
 ABOVE_BASE_SAMPLE = 64
 
 
-def _conversation(row) -> list[dict] | None:
-    if isinstance(row.get("messages"), list):
-        return row["messages"]
-    if isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
-        return row["prompt"] + row["completion"]
-    return None
-
-
 @INIT_LOSS_ABOVE_BASE.check(
     applies=lambda ctx: ctx.has_model and ctx.fmt in ("messages", "prompt-completion")
 )
@@ -295,7 +287,7 @@ def check_init_loss_above_base(ctx):
     tok = ctx.tokenizer
     templated, plain = [], []
     for i in ctx.sample_indices[:ABOVE_BASE_SAMPLE]:
-        messages = _conversation(ctx.dataset[int(i)])
+        messages = ctx.conversation(i)
         spans = ctx.spans(i)
         if not messages or not spans or messages[-1].get("role") != "assistant":
             continue

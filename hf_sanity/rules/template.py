@@ -73,10 +73,7 @@ def _inference_parity(ctx):
     mismatched, first = [], None
     checked = 0
     for i in ctx.sample_indices:
-        row = ctx.dataset[int(i)]
-        messages = row.get("messages") or (
-            row["prompt"] + row["completion"] if isinstance(row.get("prompt"), list) else None
-        )
+        messages = ctx.conversation(i)
         if not messages:
             continue
         checked += 1
@@ -180,9 +177,8 @@ def _generation_prompt_fix(ctx, row: int, extra: str) -> str:
     and the rendering drops it, the template is the culprit; otherwise the data lacks it."""
     contents = ""
     if ctx.dataset is not None and ctx.fmt in ("messages", "prompt-completion"):
-        raw = ctx.dataset[int(row)]
-        messages = raw.get("messages") or (raw.get("prompt") or []) + (raw.get("completion") or [])
-        if isinstance(messages, list):
+        messages = ctx.conversation(row)
+        if messages:
             contents = " ".join(str(m.get("content") or "") for m in messages if isinstance(m, dict))
     if extra and extra in contents:
         return (
