@@ -147,6 +147,13 @@ def preflight_command(
             "Alpaca prompt, for base models). Default: chat when the tokenizer has a chat template."
         ),
     ] = None,
+    task: Annotated[
+        str,
+        typer.Option(
+            help="generative, or extractive when answers quote the prompt (extractive QA, RAG with "
+            "citations): the answer in the prompt is then not label-leakage."
+        ),
+    ] = "generative",
     sample: Annotated[int, typer.Option(help="Examples for the model-side checks.")] = 256,
     num_proc: Annotated[int | None, typer.Option(help="Processes for tokenization.")] = None,
     trust_remote_code: TrustOpt = False,
@@ -161,7 +168,7 @@ def preflight_command(
 
     # Bad options fail in a blink, before transformers is imported or anything is loaded.
     resolve(select, ignore)
-    check_options(loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template)
+    check_options(loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template, task=task)
     if format is not None:
         from hf_sanity.measure.formats import FORMATS
 
@@ -206,6 +213,7 @@ def preflight_command(
         loss_on=loss_on,
         format=format,
         alpaca_template=alpaca_template,
+        task=task,
         adapter=adapter,
         inference_tokenizer=inference_tok,
         sample=sample,

@@ -9,6 +9,7 @@ import sys
 import datasets
 
 from hf_sanity.drivers.preflight import preflight
+from hf_sanity.testing.data import CAPITALS
 
 
 def run(tokenizer, rows, *, select=None, **kwargs):
@@ -44,3 +45,19 @@ def assert_one_line_error(result, *needles) -> None:
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def extractive_qa(n: int = 30) -> list[dict]:
+    """Extractive QA rows: a long context of several facts, a question, and the fact that answers it quoted."""
+    facts = [
+        f"The capital of {country} is {capital}, a city of many bridges." for country, capital in CAPITALS
+    ]
+    rows = []
+    for i in range(n):
+        context = " ".join(facts[(i + k) % len(facts)] for k in range(8))
+        country = CAPITALS[(i + 3) % len(CAPITALS)][0]
+        rows.append({
+            "prompt": f"Context: {context}\nQuestion ({i}): quote the sentence about {country}.\nAnswer:",
+            "completion": " " + facts[(i + 3) % len(facts)],
+        })  # fmt: skip
+    return rows

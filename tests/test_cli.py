@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error, cli, extractive_qa
 from hf_sanity.testing import demo_conversations, tiny_model_dir
 
 pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
@@ -138,3 +138,26 @@ def test_missing_adapter_folder(model_dir, data_file, tmp_path):
         cli("preflight", "--model", model_dir, "--dataset", data_file, "--adapter", str(tmp_path / "nope")),
         "is not a folder",
     )
+
+
+def _jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+@pytest.mark.planted("label-leakage")
+def test_task_extractive_turns_label_leakage_off(model_dir, tmp_path):
+    rows = extractive_qa(20)
+    rows[5] = {**rows[5], "prompt": rows[5]["prompt"] + rows[5]["completion"]}  # the answer pasted at the end
+    data = _jsonl(tmp_path / "qa.jsonl", rows)
+    out = tmp_path / "r.json"
+    result = cli(
+        "preflight", "--model", model_dir, "--dataset", data, "--select", "label-leakage", "--json", out
+    )
+    (finding,) = json.loads(out.read_text())["findings"]
+    assert finding["evidence"]["rows"] == [5] and finding["evidence"]["quoted_spans"] == 19, result.stdout
+    result = cli("preflight", "--model", model_dir, "--dataset", data, "--select", "label-leakage",
+                 "--task", "extractive", "--json", out)  # fmt: skip
+    assert result.returncode == 0 and json.loads(out.read_text())["findings"] == [], result.stdout
+    assert_one_line_error(cli("preflight", "--model", model_dir, "--dataset", data, "--task", "quoting"),
+                          "--task must be one of generative, extractive")  # fmt: skip

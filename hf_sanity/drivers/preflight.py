@@ -14,6 +14,9 @@ from hf_sanity.report import Report
 from hf_sanity.selection import Selection, resolve
 
 PREFLIGHT_STAGES = ("data", "tokens", "template", "model", "trainer")
+# What the completions are: written by the model (generative), or quoted from the prompt (extractive QA, RAG
+# with citations), where the answer appearing in the prompt is the point (label-leakage is off).
+TASKS = ("generative", "extractive")
 
 
 def run_checks(
@@ -36,6 +39,7 @@ def preflight(
     loss_on: str = "completion",
     format: str | None = None,
     alpaca_template: str | None = None,
+    task: str = "generative",
     adapter: str | None = None,
     inference_tokenizer=None,
     sample: int = 256,
@@ -52,7 +56,8 @@ def preflight(
     ``model`` may be a callable returning the model, so it is loaded only if a model rule needs it.
     ``format``: the dataset format (default: detected from the columns; ShareGPT and Alpaca rows are read as
     the tools that use them build them); ``alpaca_template``: ``chat`` or ``text`` for Alpaca rows (default:
-    chat when the tokenizer has a chat template).
+    chat when the tokenizer has a chat template); ``task``: ``extractive`` when the answers quote the prompt
+    (extractive QA, RAG with citations).
     """
     selection = resolve(select, ignore, use_config=use_config)
     started = time.perf_counter()
@@ -63,7 +68,9 @@ def preflight(
     else:
         if tokenizer is None or dataset is None:
             raise UserInputError("preflight needs a tokenizer and a dataset (or trainer=...)")
-        check_options(loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template)
+        check_options(
+            loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template, task=task
+        )
         fmt = detect_format(dataset.column_names, format)
         # `model` may be a function that loads the model, so that only a model rule pays for loading it.
         is_loader = callable(model) and not hasattr(model, "forward")
@@ -81,6 +88,7 @@ def preflight(
             num_proc=num_proc,
             model_config=model_config,
             shard=True,
+            task=task,
         )
     from hf_sanity.measure import distributed
 
@@ -103,6 +111,8 @@ def preflight(
     # The format as given, what it was read as, and how (ShareGPT roles, JSON columns, the Alpaca template).
     if trainer is None:
         report.stats.update(ctx.encoder.layout.describe(ctx.dataset))
+        if task != "generative":
+            report.stats["task"] = task
     if size > 1:
         report.stats["processes"] = size
         return distributed.broadcast(report)
@@ -115,9 +125,12 @@ def check_options(
     max_len: int | None = None,
     sample: int = 256,
     alpaca_template: str | None = None,
+    task: str = "generative",
 ) -> None:
     """Preflight's numbers and choices, checked before anything is loaded."""
     check_alpaca_template(alpaca_template)
+    if task not in TASKS:
+        raise UserInputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
     if loss_on not in ("completion", "all"):
         raise UserInputError(f"--loss-on must be 'completion' or 'all', got {loss_on!r}")
     if max_len is not None and max_len <= 0:

@@ -50,6 +50,7 @@ class Context:
         shard: bool = False,
         first_batch=None,
         init_loss: dict[str, float] | None = None,
+        task: str = "generative",
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
@@ -58,6 +59,8 @@ class Context:
         store("fmt", read_as(fmt))
         store("source_format", fmt)
         store("options", options or EncodeOptions(fmt=fmt))
+        # "extractive": answers quote the prompt on purpose (extractive QA, RAG with citations).
+        store("task", task)
         store("_model", model)
         store("_model_loader", model_loader)
         store("eval_dataset", eval_dataset)

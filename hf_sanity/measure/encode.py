@@ -109,7 +109,10 @@ MEASURES: dict[str, Any] = {
     "content_markers": [],
     "text_families": [],
     "hash": 0,
-    "leak": False,
+    # An answer (20+ characters, normalized) found verbatim in the text before it: its length over that text's
+    # (0.0: none found), and how many characters of that text follow it (-1: none found).
+    "leak": 0.0,
+    "leak_after": -1,
     "max_id": -1,
     "special_ids": [],  # special/added token ids the example uses
 }
@@ -270,14 +273,18 @@ class Encoder:
             spans, gp_mismatch = self._exact_spans(messages, first, full, ids, offsets, kwargs)
         labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
         texts = [(m["role"], text_of(m)) for m in messages]
-        prompt_text = " ".join(text for role, text in texts if role != "assistant")
-        answers = [text for j, (role, text) in enumerate(texts) if role == "assistant" and j >= first]
+        # Each trained answer against what the model reads before it (the other speakers' turns so far).
+        answers = [
+            (" ".join(t for r, t in texts[:j] if r != "assistant"), text)
+            for j, (role, text) in enumerate(texts)
+            if role == "assistant" and j >= first
+        ]
         out = self.measure(ids, labels, spans, user_labels=False)
         out.update(
             gp=gp_mismatch,
             content=self._strays(text for _, text in texts),
             hash=stable_hash(normalize(" ".join(f"{role}: {text}" for role, text in texts))),
-            leak=self._leaks(prompt_text, answers),
+            leak=self._leaks(answers),
         )
         return self._finish(out)
 
@@ -349,7 +356,7 @@ class Encoder:
             gp=(0, int(start < len(prompt_ids))),  # the text is a prefix: only tokens can merge
             content=self._strays([own_prompt, own_completion]),
             hash=stable_hash(normalize(prompt + " " + completion)),
-            leak=self._leaks(own_prompt, [own_completion]),
+            leak=self._leaks([(own_prompt, own_completion)]),
         )
         return self._finish(out)
 
@@ -454,11 +461,23 @@ class Encoder:
             found.update(self._stray_re.findall(text))
         return sorted(found)
 
-    def _leaks(self, prompt: str, answers: list[str]) -> bool:
-        prompt = normalize(prompt)
-        return any(
-            len(a) >= self.options.min_leak_chars and a in prompt for a in (normalize(x) for x in answers)
-        )
+    def _leaks(self, answers: list[tuple[str, str]]) -> tuple[float, int]:
+        """For (text before, answer) pairs: the largest answer/text length ratio among the answers found
+        verbatim in their text before, and the fewest characters of that text after one (see ``MEASURES``).
+        label-leakage tells a quoted span of a long context from an answer pasted into the prompt by them."""
+        ratio, after = 0.0, -1
+        for before, answer in answers:
+            answer = normalize(answer)
+            if len(answer) < self.options.min_leak_chars:
+                continue
+            before = normalize(before)
+            at = before.rfind(answer)
+            if at < 0:
+                continue
+            tail = len(before) - at - len(answer)
+            ratio = max(ratio, len(answer) / len(before))
+            after = tail if after < 0 else min(after, tail)
+        return ratio, after
 
     def measure(
         self, ids: list[int], labels: list[int], spans: list[Span], *, user_labels: bool, located: bool = True
@@ -530,6 +549,7 @@ class Encoder:
         row.update({k: v for k, v in out.items() if k in MEASURES})
         row["n_gp_mismatch"], row["n_gp_merge"] = out.get("gp", (0, 0))
         row["content_markers"] = out.get("content", [])
+        row["leak"], row["leak_after"] = out.get("leak", (0.0, -1))
         row["text_families"] = out.get("families", [])
         return row
 
