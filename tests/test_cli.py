@@ -1,5 +1,6 @@
 """The command line as a user meets it: exit codes, one-line errors, JSON output."""
 
+import csv
 import json
 
 import pytest
@@ -161,3 +162,36 @@ def test_task_extractive_turns_label_leakage_off(model_dir, tmp_path):
     assert result.returncode == 0 and json.loads(out.read_text())["findings"] == [], result.stdout
     assert_one_line_error(cli("preflight", "--model", model_dir, "--dataset", data, "--task", "quoting"),
                           "--task must be one of generative, extractive")  # fmt: skip
+
+
+def test_sharegpt_alpaca_and_json_strings_from_files(model_dir, tmp_path):
+    """The formats people have, from the files they have them in: ShareGPT JSONL, Alpaca JSONL, a CSV whose
+    `messages` cells are JSON strings; each is read, and the report says how."""
+    rows = demo_conversations(24)
+    sharegpt = [{"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                                    "value": m["content"]} for m in r["messages"]]} for r in rows]  # fmt: skip
+    alpaca = [{"instruction": f"{r['messages'][-2]['content']} ({i})", "input": "",
+               "output": r["messages"][-1]["content"]} for i, r in enumerate(rows)]  # fmt: skip
+    table = tmp_path / "train.csv"
+    with table.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerows([["messages"], *([json.dumps(r["messages"])] for r in rows)])
+    out = tmp_path / "r.json"
+    cases = [
+        (_jsonl(tmp_path / "sharegpt.jsonl", sharegpt), [], {"format": "sharegpt", "read_as": "messages"}),
+        (_jsonl(tmp_path / "sharegpt.jsonl", sharegpt), ["--format", "sharegpt"], {"roles": {
+            "gpt": "assistant", "human": "user", "system": "system"}}),
+        (_jsonl(tmp_path / "alpaca.jsonl", alpaca), [], {"format": "alpaca", "alpaca_template": "chat"}),
+        (_jsonl(tmp_path / "alpaca.jsonl", alpaca), ["--alpaca-template", "text"], {"alpaca_template": "text"}),
+        (str(table), [], {"format": "messages", "json_columns": ["messages"]}),
+    ]  # fmt: skip
+    for data, options, stats in cases:
+        result = cli("preflight", "--model", model_dir, "--dataset", data, "--select", "data,tokens",
+                     "--json", out, *options)  # fmt: skip
+        report = json.loads(out.read_text())
+        assert result.returncode == 0 and report["findings"] == [], result.stdout + result.stderr
+        assert stats.items() <= report["stats"].items(), report["stats"]
+    assert_one_line_error(
+        cli("preflight", "--model", model_dir, "--dataset", str(table), "--alpaca-template", "md"),
+        "--alpaca-template must be 'chat' or 'text'",
+    )
