@@ -191,7 +191,9 @@ def preflight_command(
             )
         adapter_config(adapter)
         adapter_state(adapter)
-    tok = load_tokenizer(tokenizer or model, trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(
+        tokenizer or model, trust_remote_code=trust_remote_code, kind="tokenizer" if tokenizer else "model"
+    )
     data = load_dataset_ref(dataset, split)
     eval_data = None
     if eval_dataset:
@@ -199,7 +201,7 @@ def preflight_command(
     elif eval_split:
         eval_data = load_dataset_ref(dataset, eval_split)
     inference_tok = (
-        load_tokenizer(inference_tokenizer, trust_remote_code=trust_remote_code)
+        load_tokenizer(inference_tokenizer, trust_remote_code=trust_remote_code, kind="inference tokenizer")
         if inference_tokenizer
         else None
     )

@@ -2,6 +2,7 @@
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -194,4 +195,37 @@ def test_sharegpt_alpaca_and_json_strings_from_files(model_dir, tmp_path):
     assert_one_line_error(
         cli("preflight", "--model", model_dir, "--dataset", str(table), "--alpaca-template", "md"),
         "--alpaca-template must be 'chat' or 'text'",
+    )
+
+
+def test_a_typo_in_the_model_path_says_so(model_dir, data_file, tmp_path):
+    """Not a folder here, and not fetchable as a hub id: said in words, not the hub library's disk cache."""
+    result = cli("preflight", "--model", "my-modle", "--dataset", data_file, cwd=tmp_path)
+    assert_one_line_error(result, "model 'my-modle': there is no file or folder", "HF_HUB_OFFLINE is set")
+    assert "outgoing traffic" not in result.stderr
+    result = cli("preflight", "--model", model_dir, "--tokenizer", "org/tokenizr", "--dataset", data_file)
+    assert_one_line_error(result, "tokenizer 'org/tokenizr': there is no file or folder")
+
+
+def test_a_model_folder_without_tokenizer_files_points_to_tokenizer(model_dir, data_file, tmp_path):
+    import shutil
+
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(model_dir) / name, folder / name)
+    result = cli("preflight", "--model", folder, "--dataset", data_file)
+    assert_one_line_error(
+        result, "model folder", "has no tokenizer files (tokenizer.json", "pass --tokenizer"
+    )
+    result = cli("preflight", "--model", folder, "--tokenizer", model_dir, "--dataset", data_file)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_malformed_jsonl_names_the_line(model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    rows = [json.dumps(r) for r in demo_conversations(4)]
+    bad.write_text("\n".join([*rows[:2], '{"messages": [oops]}', *rows[2:]]) + "\n")
+    assert_one_line_error(
+        cli("preflight", "--model", model_dir, "--dataset", bad), "line 3 is not valid JSON (Expecting value"
     )
