@@ -229,3 +229,19 @@ def test_malformed_jsonl_names_the_line(model_dir, tmp_path):
     assert_one_line_error(
         cli("preflight", "--model", model_dir, "--dataset", bad), "line 3 is not valid JSON (Expecting value"
     )
+
+
+def test_one_long_row_under_a_large_max_len(model_dir, tmp_path):
+    """The truncated-completion message of one very long row: how many rows exceed max_len and what dropping
+    or raising costs, never a suggestion to "raise" max_len to less than it is."""
+    rows = demo_conversations(24)
+    rows.append({"messages": [{"role": "user", "content": "Count."},
+                              {"role": "assistant", "content": " ".join(["one two three"] * 600)}]})  # fmt: skip
+    data = _jsonl(tmp_path / "long.jsonl", rows)
+    result = cli("preflight", "--model", model_dir, "--dataset", data, "--max-len", "1024",
+                 "--select", "truncated-completion")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr  # one row of 25 is a warning
+    text = " ".join(result.stdout.split())
+    assert "max_len=1,024 cuts into the completion of 1 of 25 examples (4.0%)" in text
+    assert "Drop or split the 1 example longer than max_len" in text and "or raise max_len to" in text
+    assert "Raise max_len to the suggested value" not in text and "keeps 99%" not in text
