@@ -18,6 +18,8 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Click's plain help: typer's rich option table cuts option names at 80 columns (`--inference-toke…`).
+    rich_markup_mode=None,
     help="Sanity checks for Hugging Face fine-tuning: finds the silent bugs before and during training.",
 )
 console = Console()

@@ -25,9 +25,12 @@ def above_info(report) -> list[str]:
     return [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"]
 
 
-def cli(*args, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`hf-sanity ARGS...` in a fresh process, as a user runs it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the tiny models are overhead-bound; one thread is steadier
+def cli(
+    *args, cwd=None, timeout: int = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`hf-sanity ARGS...` in a fresh process, as a user runs it (``env``: variables to set for it)."""
+    # The tiny models are overhead-bound; one thread is steadier.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "hf_sanity.cli", *map(str, args)],
         capture_output=True,

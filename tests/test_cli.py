@@ -245,3 +245,19 @@ def test_one_long_row_under_a_large_max_len(model_dir, tmp_path):
     assert "max_len=1,024 cuts into the completion of 1 of 25 examples (4.0%)" in text
     assert "Drop or split the 1 example longer than max_len" in text and "or raise max_len to" in text
     assert "Raise max_len to the suggested value" not in text and "keeps 99%" not in text
+
+
+@pytest.mark.parametrize("command", ["preflight", "doctor", "overfit", "diagnose", "rules"])
+def test_help_is_readable_at_80_columns(command):
+    """Every option name in full, no line past the terminal: `--inference-toke…` helps nobody."""
+    import typer
+
+    from hf_sanity.cli import app
+
+    click_command = typer.main.get_command(app).commands[command]
+    names = [name for param in click_command.params for name in (*param.opts, *param.secondary_opts)]
+    result = cli(command, "--help", env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    words = set(result.stdout.replace(",", " ").split())
+    assert [name for name in names if name.startswith("-") and name not in words] == []
+    assert max(map(len, result.stdout.splitlines())) <= 80 and "…" not in result.stdout
