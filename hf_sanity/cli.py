@@ -72,8 +72,15 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _finish(report, json_path: Path | None, html_path: Path | None = None) -> None:
+def _finish(
+    report, json_path: Path | None, html_path: Path | None = None, rows_path: Path | None = None
+) -> None:
+    if rows_path is not None:
+        report.write_rows(rows_path)
+        report.stats["rows_file"] = str(rows_path)
     console.print(report)
+    if rows_path is not None:
+        console.print(f"[dim]offending rows written to {rows_path}[/dim]")
     if json_path is not None:
         report.write_json(json_path)
         console.print(f"[dim]report written to {json_path}[/dim]")
@@ -161,6 +168,13 @@ def preflight_command(
     trust_remote_code: TrustOpt = False,
     json: JsonOpt = None,
     html: HtmlOpt = None,
+    rows_out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write every offending row index per rule as JSON {rule: [rows]}, for dataset.filter "
+            "(the report lists the first ten); split-leakage's rows index the eval split."
+        ),
+    ] = None,
     select: SelectOpt = None,
     ignore: IgnoreOpt = None,
 ) -> None:
@@ -225,7 +239,7 @@ def preflight_command(
         select=select,
         ignore=ignore,
     )
-    _finish(report, json, html)
+    _finish(report, json, html, rows_out)
 
 
 @app.command("demo")

@@ -261,3 +261,22 @@ def test_help_is_readable_at_80_columns(command):
     words = set(result.stdout.replace(",", " ").split())
     assert [name for name in names if name.startswith("-") and name not in words] == []
     assert max(map(len, result.stdout.splitlines())) <= 80 and "…" not in result.stdout
+
+
+def test_rows_out_lists_every_offending_row_with_the_users_umask(model_dir, data_file, tmp_path):
+    import os
+
+    rows_file, report_file = tmp_path / "rows.json", tmp_path / "report.json"
+    previous = os.umask(0o002)  # the child process inherits it
+    try:
+        result = cli("preflight", "--model", model_dir, "--dataset", data_file, "--max-len", "12",
+                     "--rows-out", rows_file, "--json", report_file)  # fmt: skip
+    finally:
+        os.umask(previous)
+    assert result.returncode == 1, result.stdout + result.stderr
+    rows, report = json.loads(rows_file.read_text()), json.loads(report_file.read_text())
+    truncated = next(f for f in report["findings"] if f["rule"] == "truncated-completion")
+    assert len(rows["truncated-completion"]) == truncated["evidence"]["cut"] > 10  # the report shows ten
+    assert rows["truncated-completion"][:10] == truncated["evidence"]["rows"]
+    assert report["stats"]["rows_file"] == str(rows_file)
+    assert {p.stat().st_mode & 0o777 for p in (rows_file, report_file)} == {0o664}

@@ -118,3 +118,16 @@ def test_a_later_turn_quoting_the_answer_is_not_leakage(chatml):
         {"role": "assistant", "content": "Yes, that is right."},
     ]
     assert run(chatml, [{"messages": messages}], select="label-leakage").findings == []
+
+
+def test_findings_carry_every_offending_row(chatml, conversations):
+    """The evidence lists ten rows; the finding keeps them all, for `--rows-out` and dataset.filter."""
+    rows = [dict(r) for r in conversations[:40]]
+    broken = list(range(0, 40, 3))  # 14 rows
+    for i in broken:
+        rows[i] = {"messages": []}
+    rows += [conversations[1], conversations[2], conversations[1]]  # rows 40-42 repeat rows 1, 2, 1
+    report = run(chatml, rows, select=["bad-input-values", "duplicate-examples"])
+    bad = report.by_rule("bad-input-values")[0]
+    assert bad.evidence["rows"] == broken[:10] and bad.rows == broken
+    assert report.offending_rows() == {"bad-input-values": broken, "duplicate-examples": [40, 41, 42]}

@@ -33,6 +33,7 @@ def check_bad_input_values(ctx):
         f"{int(bad.sum())} of {len(errors)} rows cannot be trained on as they are "
         f"(row {rows[0]}: {errors[rows[0]]})",
         evidence={"rows": rows, "count": int(bad.sum()), "reasons": dict(reasons.most_common(5))},
+        rows=bad,
     )
 
 
@@ -51,6 +52,7 @@ def check_duplicates(ctx):
     hashes = ctx.col("hash")[ctx.valid]
     rows = np.flatnonzero(ctx.valid)
     _, first_index, counts = np.unique(hashes, return_index=True, return_counts=True)
+    repeats = np.delete(rows, first_index)  # every row that repeats an earlier one: the rows to drop
     duplicates = len(hashes) - len(first_index)
     if duplicates == 0:
         return
@@ -68,6 +70,7 @@ def check_duplicates(ctx):
             "pairs": pairs,
             "largest_group": int(counts.max()),
         },
+        rows=repeats,
     )
 
 
@@ -96,6 +99,7 @@ def check_split_leakage(ctx):
     yield SPLIT_LEAKAGE.finding(
         f"{int(overlap.sum())} of {n} eval examples ({overlap.sum() / n:.1%}) also appear in the train split",
         evidence={"overlap": int(overlap.sum()), "fraction": float(overlap.sum() / n), "eval_rows": rows},
+        rows=overlap,  # rows of the eval split
     )
 
 
@@ -142,4 +146,5 @@ def check_label_leakage(ctx):
             "rows": rows,
         },
         example=ctx.view(rows[0]),
+        rows=pasted,
     )

@@ -70,6 +70,7 @@ def check_truncated_completion(ctx):
         example=ctx.view(rows[0], focus=max_len - 1),
         severity="error" if fraction >= ERROR_FRACTION else "warning",
         fix=f"{first[0].upper()}{first[1:]}, or {second}.",
+        rows=cut,
     )
 
 
@@ -140,4 +141,5 @@ def check_context_beyond_window(ctx):
             "longest": int(lengths.max()),
             "rows": ctx.first(beyond),
         },
+        rows=beyond,
     )

@@ -64,6 +64,7 @@ def check_vocab_size(ctx):
                 "rows": bad_rows,
             },
             example=ctx.view(bad_rows[0], focus=int(np.argmax(ctx.row(bad_rows[0])["input_ids"]))),
+            rows=beyond,
         )
     elif tokenizer_size > rows:
         yield VOCAB_SIZE_MISMATCH.finding(

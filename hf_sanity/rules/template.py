@@ -37,13 +37,15 @@ def _foreign_markers(ctx):
     foreign = {family: n for family, n in counts.items() if family not in ctx.own_families}
     if not foreign:
         return
-    rows = [i for i, fams in families.items() if set(fams) - ctx.own_families][:10]
+    foreign_rows = [i for i, fams in families.items() if set(fams) - ctx.own_families]
+    rows = foreign_rows[:10]
     family, n = max(foreign.items(), key=lambda kv: kv[1])
     yield TEMPLATE_MISMATCH.finding(
         f"{n} of {len(families)} examples carry {family} chat markers, but the tokenizer's template renders "
         f"{', '.join(sorted(ctx.own_families))}",
         evidence={"foreign_formats": foreign, "template_formats": sorted(ctx.own_families), "rows": rows},
         example=ctx.view(rows[0]),
+        rows=foreign_rows if ctx.fmt == "text" else None,  # tokens data is judged on a sample only
     )
 
 
@@ -156,6 +158,7 @@ def check_generation_prompt(ctx):
             evidence=evidence,
             example=ctx.view(rows[0], focus=spans[0].start if spans else None),
             severity="warning",
+            rows=bad,
             fix="The model never sees the inference prompt's last tokens as they are tokenized at inference. End "
             "the generation prompt on a token boundary (a chat template whose turns continue the prompt with a "
             "separate token), or build training sequences from the prompt's own tokens plus the completion's "
@@ -169,6 +172,7 @@ def check_generation_prompt(ctx):
         evidence=evidence,
         example=ctx.view(rows[0], focus=spans[0].start if spans else None),
         fix=_generation_prompt_fix(ctx, rows[0], extra),
+        rows=bad,
     )
 
 
@@ -219,6 +223,7 @@ def check_stray_markers(ctx):
         f"(most common: {counts.most_common(1)[0][0]!r})",
         evidence={"count": len(hits), "markers": dict(counts.most_common(8)), "rows": rows},
         example=ctx.view(rows[0]),
+        rows=sorted(hits),
     )
 
 
@@ -250,4 +255,5 @@ def check_double_bos(ctx):
             "max_leading_bos": int(np.max(ctx.col("n_leading_bos"))),
         },
         example=ctx.view(rows[0], focus=1),
+        rows=doubled,
     )
