@@ -217,3 +217,20 @@ def test_sharegpt_csv_of_json_strings(chatml, conversations, tmp_path):
     assert report.findings == []
     assert report.stats["json_columns"] == ["conversations"]
     assert report.stats["roles"] == {"gpt": "assistant", "human": "user", "system": "system"}
+
+
+def test_tool_conversations_from_a_csv_are_rendered_with_their_tools():
+    """A CSV holds the messages (with their tool calls) and the `tools` column as JSON text: both decoded, the
+    tools passed to the chat template, exactly as TRL renders the same rows."""
+    tok = real_tokenizer("qwen2.5-instruct")
+    rows = tool_conversations(6, tools_as_json=True)
+    as_csv = [{"messages": json.dumps(r["messages"]), "tools": r["tools"]} for r in rows]
+    report = run(tok, as_csv, select=["data", "tokens"])
+    assert [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"] == []
+    assert report.stats["json_columns"] == ["messages"] and report.stats["template_columns"] == ["tools"]
+    for row, original in zip(as_csv, rows):
+        ids, _ = encoded(tok, "messages", row)
+        trl = tok.apply_chat_template(
+            original["messages"], tools=json.loads(original["tools"]), return_dict=True
+        )
+        assert ids == trl["input_ids"]

@@ -293,7 +293,8 @@ def sharegpt_roles_seen(dataset) -> list[str]:
     try:
         import pyarrow.compute as pc
 
-        column = dataset.data.column("conversations")
+        # The selected rows (a dataset after .select/.shuffle maps indices over its table).
+        column = dataset.select_columns(["conversations"]).with_format("arrow")[:]["conversations"]
         messages = pc.list_flatten(column)
         values = []
         for key in ("from", "role"):
