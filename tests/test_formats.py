@@ -234,3 +234,12 @@ def test_tool_conversations_from_a_csv_are_rendered_with_their_tools():
             original["messages"], tools=json.loads(original["tools"]), return_dict=True
         )
         assert ids == trl["input_ids"]
+
+
+@pytest.mark.clean("template-mismatch")
+def test_inference_parity_renders_the_rows_tools():
+    """The same tokenizer at inference renders tool-call conversations with their `tools` as training did: no
+    template-mismatch (it compared against a rendering without the tools)."""
+    tok = real_tokenizer("qwen2.5-instruct")
+    for rows in (tool_conversations(8), tool_conversations(8, tools_as_json=True)):
+        assert run(tok, rows, select="template-mismatch", inference_tokenizer=tok).findings == []

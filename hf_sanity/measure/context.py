@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from hf_sanity.measure.encode import EncodeOptions, Encoder
+from hf_sanity.measure.encode import EncodeOptions, Encoder, template_kwargs
 from hf_sanity.measure.families import own_families
 from hf_sanity.measure.formats import conversation_of, read_as
 from hf_sanity.measure.losses import token_loss
@@ -177,6 +177,13 @@ class Context:
         """Row ``index`` as the messages the chat template renders (None for plain text or a broken row)."""
         row = self.encoder.layout.to_trl(self.dataset[int(index)])
         return conversation_of(row) if isinstance(row, dict) else None
+
+    def template_kwargs(self, index: int) -> dict[str, Any]:
+        """What the chat template renders row ``index`` with besides its messages (its ``tools``, its
+        ``chat_template_kwargs``), as TRL passes them; {} for a row without them or with broken ones."""
+        row = self.encoder.layout.to_trl(self.dataset[int(index)])
+        kwargs = template_kwargs(row) if isinstance(row, dict) else {}
+        return kwargs if isinstance(kwargs, dict) else {}
 
     def row(self, index: int) -> dict[str, Any]:
         if self.reencode_rows:  # distributed: rank 0 holds measurements only; encode the one row shown

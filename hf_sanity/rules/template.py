@@ -80,7 +80,7 @@ def _inference_parity(ctx):
             continue
         checked += 1
         try:
-            served = infer.apply_chat_template(messages)["input_ids"]
+            served = infer.apply_chat_template(messages, **ctx.template_kwargs(i))["input_ids"]
         except Exception as exc:
             served, first = [], first or (int(i), 0, f"{type(exc).__name__}: {exc}")
         trained = ctx.row(i)["input_ids"]
