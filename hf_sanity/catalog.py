@@ -130,8 +130,12 @@ class Rule:
         step: int | None = None,
         example: Any = None,
         severity: Severity | None = None,
+        rows: Any = None,
     ) -> Finding:
-        """A finding of this rule; the fix defaults to the catalog's fix."""
+        """A finding of this rule; the fix defaults to the catalog's fix. ``rows``: every offending row, as a
+        boolean mask over the rows or their indices."""
+        if getattr(getattr(rows, "dtype", None), "kind", None) == "b":  # a numpy mask
+            rows = rows.nonzero()[0]
         return Finding(
             rule=self.slug,
             severity=severity or self.severity,
@@ -140,6 +144,7 @@ class Rule:
             fix=fix or self.fix,
             step=step,
             example=example,
+            rows=None if rows is None else sorted(int(i) for i in rows),
         )
 
     def explain(self) -> str:

@@ -18,6 +18,8 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # Click's plain help: typer's rich option table cuts option names at 80 columns (`--inference-toke…`).
+    rich_markup_mode=None,
     help="Sanity checks for Hugging Face fine-tuning: finds the silent bugs before and during training.",
 )
 console = Console()
@@ -42,10 +44,10 @@ TokenizerOpt = Annotated[str | None, typer.Option(help="Tokenizer folder or hub 
 SplitOpt = Annotated[str, typer.Option(help="Dataset split to use.")]
 MaxLenOpt = Annotated[int | None, typer.Option(help="Training max_length (truncation keeps the start).")]
 LossOnOpt = Annotated[str, typer.Option(help="completion (labels on completions only) or all.")]
-FormatOpt = Annotated[
-    str | None,
-    typer.Option("--format", help="messages, prompt-completion, text or tokens (default: detect)."),
-]
+FORMAT_HELP = (
+    "messages, sharegpt, prompt-completion, alpaca, text or tokens (default: detected from the columns)."
+)
+FormatOpt = Annotated[str | None, typer.Option("--format", help=FORMAT_HELP)]
 TrustOpt = Annotated[bool, typer.Option(help="Allow custom model/tokenizer code.")]
 AdapterConfigOpt = Annotated[
     Path | None, typer.Option(help="A LoRA adapter_config.json (or its folder) to attach, as in training.")
@@ -74,8 +76,15 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _finish(report, json_path: Path | None, html_path: Path | None = None) -> None:
+def _finish(
+    report, json_path: Path | None, html_path: Path | None = None, rows_path: Path | None = None
+) -> None:
+    if rows_path is not None:
+        report.write_rows(rows_path)
+        report.stats["rows_file"] = str(rows_path)
     console.print(report)
+    if rows_path is not None:
+        console.print(f"[dim]offending rows written to {rows_path}[/dim]")
     if json_path is not None:
         report.write_json(json_path)
         console.print(f"[dim]report written to {json_path}[/dim]")
@@ -143,15 +152,33 @@ def preflight_command(
     loss_on: Annotated[
         str, typer.Option(help="completion (labels on completions only) or all.")
     ] = "completion",
-    format: Annotated[
+    format: FormatOpt = None,
+    alpaca_template: Annotated[
         str | None,
-        typer.Option("--format", help="messages, prompt-completion, text or tokens (default: detect)."),
+        typer.Option(
+            help="Alpaca rows: chat (the chat template renders instruction+input, then output) or text (the "
+            "Alpaca prompt, for base models). Default: chat when the tokenizer has a chat template."
+        ),
     ] = None,
+    task: Annotated[
+        str,
+        typer.Option(
+            help="generative, or extractive when answers quote the prompt (extractive QA, RAG with "
+            "citations): the answer in the prompt is then not label-leakage."
+        ),
+    ] = "generative",
     sample: Annotated[int, typer.Option(help="Examples for the model-side checks.")] = 256,
     num_proc: Annotated[int | None, typer.Option(help="Processes for tokenization.")] = None,
     trust_remote_code: TrustOpt = False,
     json: JsonOpt = None,
     html: HtmlOpt = None,
+    rows_out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also write every offending row index per rule as JSON {rule: [rows]}, for dataset.filter "
+            "(the report lists the first ten); split-leakage's rows index the eval split."
+        ),
+    ] = None,
     select: SelectOpt = None,
     ignore: IgnoreOpt = None,
 ) -> None:
@@ -161,7 +188,7 @@ def preflight_command(
 
     # Bad options fail in a blink, before transformers is imported or anything is loaded.
     resolve(select, ignore)
-    check_options(loss_on=loss_on, max_len=max_len, sample=sample)
+    check_options(loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template, task=task)
     if format is not None:
         from hf_sanity.measure.formats import FORMATS
 
@@ -190,7 +217,9 @@ def preflight_command(
             )
         adapter_config(adapter)
         adapter_state(adapter)
-    tok = load_tokenizer(tokenizer or model, trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(
+        tokenizer or model, trust_remote_code=trust_remote_code, kind="tokenizer" if tokenizer else "model"
+    )
     data = load_dataset_ref(dataset, split)
     eval_data = None
     if eval_dataset:
@@ -198,7 +227,7 @@ def preflight_command(
     elif eval_split:
         eval_data = load_dataset_ref(dataset, eval_split)
     inference_tok = (
-        load_tokenizer(inference_tokenizer, trust_remote_code=trust_remote_code)
+        load_tokenizer(inference_tokenizer, trust_remote_code=trust_remote_code, kind="inference tokenizer")
         if inference_tokenizer
         else None
     )
@@ -212,6 +241,8 @@ def preflight_command(
         max_len=max_len,
         loss_on=loss_on,
         format=format,
+        alpaca_template=alpaca_template,
+        task=task,
         adapter=adapter,
         inference_tokenizer=inference_tok,
         sample=sample,
@@ -219,7 +250,7 @@ def preflight_command(
         select=select,
         ignore=ignore,
     )
-    _finish(report, json, html)
+    _finish(report, json, html, rows_out)
 
 
 @app.command("demo")

@@ -29,6 +29,8 @@ class Finding:
     fix: str = ""
     step: int | None = None
     example: TokenView | None = None
+    # Every offending row (``evidence["rows"]`` lists the first ten): for `--rows-out` and dataset.filter.
+    rows: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:

@@ -81,6 +81,20 @@ class Report:
     def write_json(self, path: str | os.PathLike) -> Path:
         return write_atomic(path, self.to_json() + "\n")
 
+    def offending_rows(self) -> dict[str, list[int]]:
+        """Every offending row index per rule (a finding's evidence lists the first ten), for
+        ``dataset.filter(lambda _, i: i not in drop, with_indices=True)``. split-leakage's rows index the eval
+        split; rules that judge a sample, not every row, are absent."""
+        rows: dict[str, set[int]] = {}
+        for finding in self.ordered():
+            if finding.rows is not None:
+                rows.setdefault(finding.rule, set()).update(finding.rows)
+        return {rule: sorted(indices) for rule, indices in rows.items()}
+
+    def write_rows(self, path: str | os.PathLike) -> Path:
+        """:meth:`offending_rows` as JSON, ``{rule: [rows...]}``."""
+        return write_atomic(path, json.dumps(self.offending_rows()) + "\n")
+
     # -- terminal ----------------------------------------------------------------------------------
     def summary(self) -> str:
         counts = self.counts()
@@ -140,12 +154,15 @@ def render_finding(finding: Finding) -> Group:
 
 
 def write_atomic(path: str | os.PathLike, text: str | bytes) -> Path:
-    """Write a file so that readers see the old content or the new one, never half of it."""
+    """Write a file so that readers see the old content or the new one, never half of it; with the mode the
+    file had, or a new file's mode under the user's umask (mkstemp's own 0600 would hide a report from the
+    rest of a team)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = text.encode("utf-8") if isinstance(text, str) else text
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -155,3 +172,17 @@ def write_atomic(path: str | os.PathLike, text: str | bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    """The process's umask: from /proc (Linux), else by setting it and straight back (which other threads
+    could see for that instant, hence not the first choice)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

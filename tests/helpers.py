@@ -9,6 +9,7 @@ import sys
 import datasets
 
 from hf_sanity.drivers.preflight import preflight
+from hf_sanity.testing.data import CAPITALS
 
 
 def run(tokenizer, rows, *, select=None, **kwargs):
@@ -24,9 +25,12 @@ def above_info(report) -> list[str]:
     return [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"]
 
 
-def cli(*args, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`hf-sanity ARGS...` in a fresh process, as a user runs it."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the tiny models are overhead-bound; one thread is steadier
+def cli(
+    *args, cwd=None, timeout: int = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`hf-sanity ARGS...` in a fresh process, as a user runs it (``env``: variables to set for it)."""
+    # The tiny models are overhead-bound; one thread is steadier.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "hf_sanity.cli", *map(str, args)],
         capture_output=True,
@@ -44,3 +48,19 @@ def assert_one_line_error(result, *needles) -> None:
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+
+
+def extractive_qa(n: int = 30) -> list[dict]:
+    """Extractive QA rows: a long context of several facts, a question, and the fact that answers it quoted."""
+    facts = [
+        f"The capital of {country} is {capital}, a city of many bridges." for country, capital in CAPITALS
+    ]
+    rows = []
+    for i in range(n):
+        context = " ".join(facts[(i + k) % len(facts)] for k in range(8))
+        country = CAPITALS[(i + 3) % len(CAPITALS)][0]
+        rows.append({
+            "prompt": f"Context: {context}\nQuestion ({i}): quote the sentence about {country}.\nAnswer:",
+            "completion": " " + facts[(i + 3) % len(facts)],
+        })  # fmt: skip
+    return rows

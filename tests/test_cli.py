@@ -1,10 +1,12 @@
 """The command line as a user meets it: exit codes, one-line errors, JSON output."""
 
+import csv
 import json
+from pathlib import Path
 
 import pytest
 
-from helpers import assert_one_line_error, cli
+from helpers import assert_one_line_error, cli, extractive_qa
 from hf_sanity.testing import demo_conversations, tiny_model_dir
 
 pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
@@ -138,3 +140,143 @@ def test_missing_adapter_folder(model_dir, data_file, tmp_path):
         cli("preflight", "--model", model_dir, "--dataset", data_file, "--adapter", str(tmp_path / "nope")),
         "is not a folder",
     )
+
+
+def _jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+@pytest.mark.planted("label-leakage")
+def test_task_extractive_turns_label_leakage_off(model_dir, tmp_path):
+    rows = extractive_qa(20)
+    rows[5] = {**rows[5], "prompt": rows[5]["prompt"] + rows[5]["completion"]}  # the answer pasted at the end
+    data = _jsonl(tmp_path / "qa.jsonl", rows)
+    out = tmp_path / "r.json"
+    result = cli(
+        "preflight", "--model", model_dir, "--dataset", data, "--select", "label-leakage", "--json", out
+    )
+    (finding,) = json.loads(out.read_text())["findings"]
+    assert finding["evidence"]["rows"] == [5] and finding["evidence"]["quoted_spans"] == 19, result.stdout
+    result = cli("preflight", "--model", model_dir, "--dataset", data, "--select", "label-leakage",
+                 "--task", "extractive", "--json", out)  # fmt: skip
+    assert result.returncode == 0 and json.loads(out.read_text())["findings"] == [], result.stdout
+    assert_one_line_error(cli("preflight", "--model", model_dir, "--dataset", data, "--task", "quoting"),
+                          "--task must be one of generative, extractive")  # fmt: skip
+
+
+def test_sharegpt_alpaca_and_json_strings_from_files(model_dir, tmp_path):
+    """The formats people have, from the files they have them in: ShareGPT JSONL, Alpaca JSONL, a CSV whose
+    `messages` cells are JSON strings; each is read, and the report says how."""
+    rows = demo_conversations(24)
+    sharegpt = [{"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                                    "value": m["content"]} for m in r["messages"]]} for r in rows]  # fmt: skip
+    alpaca = [{"instruction": f"{r['messages'][-2]['content']} ({i})", "input": "",
+               "output": r["messages"][-1]["content"]} for i, r in enumerate(rows)]  # fmt: skip
+    table = tmp_path / "train.csv"
+    with table.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerows([["messages"], *([json.dumps(r["messages"])] for r in rows)])
+    out = tmp_path / "r.json"
+    cases = [
+        (_jsonl(tmp_path / "sharegpt.jsonl", sharegpt), [], {"format": "sharegpt", "read_as": "messages"}),
+        (_jsonl(tmp_path / "sharegpt.jsonl", sharegpt), ["--format", "sharegpt"], {"roles": {
+            "gpt": "assistant", "human": "user", "system": "system"}}),
+        (_jsonl(tmp_path / "alpaca.jsonl", alpaca), [], {"format": "alpaca", "alpaca_template": "chat"}),
+        (_jsonl(tmp_path / "alpaca.jsonl", alpaca), ["--alpaca-template", "text"], {"alpaca_template": "text"}),
+        (str(table), [], {"format": "messages", "json_columns": ["messages"]}),
+    ]  # fmt: skip
+    for data, options, stats in cases:
+        result = cli("preflight", "--model", model_dir, "--dataset", data, "--select", "data,tokens",
+                     "--json", out, *options)  # fmt: skip
+        report = json.loads(out.read_text())
+        assert result.returncode == 0 and report["findings"] == [], result.stdout + result.stderr
+        assert stats.items() <= report["stats"].items(), report["stats"]
+    assert_one_line_error(
+        cli("preflight", "--model", model_dir, "--dataset", str(table), "--alpaca-template", "md"),
+        "--alpaca-template must be 'chat' or 'text'",
+    )
+
+
+def test_a_typo_in_the_model_path_says_so(model_dir, data_file, tmp_path):
+    """Not a folder here, and not fetchable as a hub id: said in words, not the hub library's disk cache."""
+    result = cli("preflight", "--model", "my-modle", "--dataset", data_file, cwd=tmp_path)
+    assert_one_line_error(result, "model 'my-modle': there is no file or folder", "HF_HUB_OFFLINE is set")
+    assert "outgoing traffic" not in result.stderr
+    result = cli("preflight", "--model", model_dir, "--tokenizer", "org/tokenizr", "--dataset", data_file)
+    assert_one_line_error(result, "tokenizer 'org/tokenizr': there is no file or folder")
+
+
+def test_a_model_folder_without_tokenizer_files_points_to_tokenizer(model_dir, data_file, tmp_path):
+    import shutil
+
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(model_dir) / name, folder / name)
+    result = cli("preflight", "--model", folder, "--dataset", data_file)
+    assert_one_line_error(
+        result, "model folder", "has no tokenizer files (tokenizer.json", "pass --tokenizer"
+    )
+    result = cli("preflight", "--model", folder, "--tokenizer", model_dir, "--dataset", data_file)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_malformed_jsonl_names_the_line(model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    rows = [json.dumps(r) for r in demo_conversations(4)]
+    bad.write_text("\n".join([*rows[:2], '{"messages": [oops]}', *rows[2:]]) + "\n")
+    assert_one_line_error(
+        cli("preflight", "--model", model_dir, "--dataset", bad), "line 3 is not valid JSON (Expecting value"
+    )
+
+
+def test_one_long_row_under_a_large_max_len(model_dir, tmp_path):
+    """The truncated-completion message of one very long row: how many rows exceed max_len and what dropping
+    or raising costs, never a suggestion to "raise" max_len to less than it is."""
+    rows = demo_conversations(24)
+    rows.append({"messages": [{"role": "user", "content": "Count."},
+                              {"role": "assistant", "content": " ".join(["one two three"] * 600)}]})  # fmt: skip
+    data = _jsonl(tmp_path / "long.jsonl", rows)
+    result = cli("preflight", "--model", model_dir, "--dataset", data, "--max-len", "1024",
+                 "--select", "truncated-completion")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr  # one row of 25 is a warning
+    text = " ".join(result.stdout.split())
+    assert "max_len=1,024 cuts into the completion of 1 of 25 examples (4.0%)" in text
+    assert "Drop or split the 1 example longer than max_len" in text and "or raise max_len to" in text
+    assert "Raise max_len to the suggested value" not in text and "keeps 99%" not in text
+
+
+@pytest.mark.parametrize("command", ["preflight", "doctor", "overfit", "diagnose", "rules"])
+def test_help_is_readable_at_80_columns(command):
+    """Every option name in full, no line past the terminal: `--inference-toke…` helps nobody."""
+    import typer
+
+    from hf_sanity.cli import app
+
+    click_command = typer.main.get_command(app).commands[command]
+    names = [name for param in click_command.params for name in (*param.opts, *param.secondary_opts)]
+    result = cli(command, "--help", env={"COLUMNS": "80"})
+    assert result.returncode == 0, result.stderr
+    words = set(result.stdout.replace(",", " ").split())
+    assert [name for name in names if name.startswith("-") and name not in words] == []
+    assert max(map(len, result.stdout.splitlines())) <= 80 and "…" not in result.stdout
+
+
+def test_rows_out_lists_every_offending_row_with_the_users_umask(model_dir, data_file, tmp_path):
+    import os
+
+    rows_file, report_file = tmp_path / "rows.json", tmp_path / "report.json"
+    previous = os.umask(0o002)  # the child process inherits it
+    try:
+        result = cli("preflight", "--model", model_dir, "--dataset", data_file, "--max-len", "12",
+                     "--rows-out", rows_file, "--json", report_file)  # fmt: skip
+    finally:
+        os.umask(previous)
+    assert result.returncode == 1, result.stdout + result.stderr
+    rows, report = json.loads(rows_file.read_text()), json.loads(report_file.read_text())
+    truncated = next(f for f in report["findings"] if f["rule"] == "truncated-completion")
+    assert len(rows["truncated-completion"]) == truncated["evidence"]["cut"] > 10  # the report shows ten
+    assert rows["truncated-completion"][:10] == truncated["evidence"]["rows"]
+    assert report["stats"]["rows_file"] == str(rows_file)
+    assert {p.stat().st_mode & 0o777 for p in (rows_file, report_file)} == {0o664}

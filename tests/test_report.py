@@ -87,6 +87,36 @@ def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
 
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_report_files_get_the_users_umask(tmp_path, umask, mode):
+    previous = os.umask(umask)
+    try:
+        written = sample_report().write_json(tmp_path / "report.json")
+    finally:
+        os.umask(previous)
+    assert written.stat().st_mode & 0o777 == mode
+
+
+def test_rewriting_a_report_keeps_its_mode(tmp_path):
+    target = tmp_path / "report.json"
+    target.write_text("old")
+    target.chmod(0o640)
+    write_atomic(target, "new")
+    assert target.read_text() == "new" and target.stat().st_mode & 0o777 == 0o640
+
+
+def test_offending_rows_are_every_row_per_rule(tmp_path):
+    report = Report()
+    report.add(Finding("bad-input-values", "error", "m", {"rows": list(range(10))}, rows=list(range(25))))
+    report.add(Finding("truncated-completion", "warning", "m", {"rows": [3]}, rows=[3, 40]))
+    report.add(Finding("truncated-completion", "warning", "m", {"rows": [4]}, rows=[4]))
+    report.add(Finding("lr-range", "info", "suggested lr 3e-4"))  # no rows: not listed
+    expected = {"bad-input-values": list(range(25)), "truncated-completion": [3, 4, 40]}
+    assert report.offending_rows() == expected
+    assert json.loads(report.write_rows(tmp_path / "rows.json").read_text()) == expected
+    assert "rows" not in report.to_dict()["findings"][0]  # the JSON report keeps its short lists
+
+
 def test_finding_rejects_unknown_severity():
     with pytest.raises(ValueError):
         Finding("x", "fatal", "m")

@@ -3,7 +3,7 @@
 import datasets
 import pytest
 
-from helpers import run
+from helpers import extractive_qa, run
 from hf_sanity.testing import as_prompt_completion
 
 
@@ -85,3 +85,49 @@ def test_label_leakage(chatml, conversations):
     # Short answers that happen to occur in the question are not leakage.
     short = [{"prompt": "Is it Paris or Rome?", "completion": "Paris"}]
     assert run(chatml, short, select="label-leakage").findings == []
+
+
+@pytest.mark.planted("label-leakage")
+def test_label_leakage_answer_pasted_at_the_end_of_a_long_prompt(chatml):
+    """A formatting function that appends the reference to the prompt: the answer is a small part of a long
+    context, but the prompt ends with it. It fires with the numbers, and `task="extractive"` turns it off."""
+    rows = extractive_qa(30)
+    for i in (3, 7, 11):
+        rows[i] = {**rows[i], "prompt": rows[i]["prompt"] + rows[i]["completion"] + "\n"}
+    (finding,) = run(chatml, rows, select="label-leakage").findings
+    assert finding.evidence["rows"] == [3, 7, 11] and finding.evidence["at_prompt_end"] == 3
+    assert finding.evidence["quoted_spans"] == 27  # the other rows quote their context: not counted
+    assert 0 < finding.evidence["answer_prompt_ratio"] < 0.2
+    assert finding.message.startswith("in 3 of 30 examples (10.0%) the answer is pasted into the prompt")
+    report = run(chatml, rows, select="label-leakage", task="extractive")
+    assert report.findings == [] and report.stats["task"] == "extractive"
+
+
+@pytest.mark.clean("label-leakage")
+def test_extractive_answers_quoted_from_a_long_context_are_not_leakage(chatml):
+    assert run(chatml, extractive_qa(30), select="label-leakage").findings == []
+
+
+def test_a_later_turn_quoting_the_answer_is_not_leakage(chatml):
+    """The user repeating an answer after it was given is history, not the answer in the input."""
+    answer = "The capital of Norway is Oslo, a city by the fjord."
+    messages = [
+        {"role": "user", "content": "What is the capital of Norway?"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": f"You said: {answer}"},
+        {"role": "assistant", "content": "Yes, that is right."},
+    ]
+    assert run(chatml, [{"messages": messages}], select="label-leakage").findings == []
+
+
+def test_findings_carry_every_offending_row(chatml, conversations):
+    """The evidence lists ten rows; the finding keeps them all, for `--rows-out` and dataset.filter."""
+    rows = [dict(r) for r in conversations[:40]]
+    broken = list(range(0, 40, 3))  # 14 rows
+    for i in broken:
+        rows[i] = {"messages": []}
+    rows += [conversations[1], conversations[2], conversations[1]]  # rows 40-42 repeat rows 1, 2, 1
+    report = run(chatml, rows, select=["bad-input-values", "duplicate-examples"])
+    bad = report.by_rule("bad-input-values")[0]
+    assert bad.evidence["rows"] == broken[:10] and bad.rows == broken
+    assert report.offending_rows() == {"bad-input-values": broken, "duplicate-examples": [40, 41, 42]}

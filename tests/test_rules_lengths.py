@@ -4,6 +4,7 @@ import pytest
 from transformers import LlamaConfig
 
 from helpers import run
+from hf_sanity.testing import demo_conversations
 
 
 @pytest.mark.planted("truncated-completion")
@@ -27,6 +28,23 @@ def test_truncated_completion_is_a_warning_when_few_are_cut(chatml, conversation
     report = run(chatml, [*conversations, long_one], select="truncated-completion", max_len=128)
     (finding,) = report.findings
     assert finding.severity == "warning" and finding.evidence["rows"] == [len(conversations)]
+
+
+def test_truncated_completion_never_suggests_a_smaller_max_len(chatml):
+    """One very long row: 99% of the examples fit in far less than max_len, so the fix is to drop that row or
+    to raise max_len to its length, each with its cost; never "raise" max_len to a smaller value."""
+    long_one = {
+        "messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "word " * 300}]
+    }
+    rows = [*demo_conversations(199), long_one]
+    (finding,) = run(chatml, rows, select="truncated-completion", max_len=128).findings
+    longest = len(chatml.apply_chat_template(long_one["messages"])["input_ids"])
+    assert finding.evidence["max_len_for_99pct"] < 128 < longest == finding.evidence["max_len_for_all"]
+    assert finding.message.endswith(f"the longest is {longest:,} tokens")
+    assert "keeps 99%" not in finding.message + finding.fix
+    assert finding.fix.startswith("Drop or split the 1 example longer than max_len (0.5% of the examples, ")
+    assert f"or raise max_len to {longest:,} to keep every completion whole" in finding.fix
+    assert 0.1 < finding.evidence["cut_supervised_fraction"] < 1
 
 
 @pytest.mark.clean("truncated-completion")

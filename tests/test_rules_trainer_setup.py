@@ -137,3 +137,19 @@ def test_reentrant_checkpointing_with_frozen_embeddings(tmp_path, model_tok):
     assert all(torch.equal(before[n], p) for n, p in lora.named_parameters() if p.requires_grad)
     lora.enable_input_require_grads()
     assert preflight(trainer=trainer, select="checkpointing-blocks-grads", use_config=False).findings == []
+
+
+def test_checkpointing_is_read_without_the_deprecated_name(tmp_path, model_tok):
+    """transformers 5 warns on `is_gradient_checkpointing`; hf-sanity reads `is_activation_checkpointing`, so a
+    preflight on a trainer with checkpointing on prints no deprecation warning of a library."""
+    import warnings
+
+    model, tok = model_tok
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=token_rows(tok), data_collator=collator)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = preflight(trainer=trainer, select="checkpointing-blocks-grads", use_config=False)
+    assert report.findings == []
+    assert [str(w.message) for w in caught if "deprecated" in str(w.message)] == []

@@ -9,11 +9,14 @@ from hf_sanity import catalog
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.context import Context
 from hf_sanity.measure.encode import EncodeOptions
-from hf_sanity.measure.formats import detect_format
+from hf_sanity.measure.formats import check_alpaca_template, detect_format
 from hf_sanity.report import Report
 from hf_sanity.selection import Selection, resolve
 
 PREFLIGHT_STAGES = ("data", "tokens", "template", "model", "trainer")
+# What the completions are: written by the model (generative), or quoted from the prompt (extractive QA, RAG
+# with citations), where the answer appearing in the prompt is the point (label-leakage is off).
+TASKS = ("generative", "extractive")
 
 
 def run_checks(
@@ -35,6 +38,8 @@ def preflight(
     max_len: int | None = None,
     loss_on: str = "completion",
     format: str | None = None,
+    alpaca_template: str | None = None,
+    task: str = "generative",
     adapter: str | None = None,
     inference_tokenizer=None,
     sample: int = 256,
@@ -51,6 +56,10 @@ def preflight(
     inspect the exact batches of ``trainer.get_train_dataloader()`` after the trainer's own collator.
     ``model`` may be a callable returning the model, so it is loaded only if a model rule needs it;
     ``generation_config`` is how it will be served (the model object's own when not given).
+    ``format``: the dataset format (default: detected from the columns; ShareGPT and Alpaca rows are read as
+    the tools that use them build them); ``alpaca_template``: ``chat`` or ``text`` for Alpaca rows (default:
+    chat when the tokenizer has a chat template); ``task``: ``extractive`` when the answers quote the prompt
+    (extractive QA, RAG with citations).
     """
     selection = resolve(select, ignore, use_config=use_config)
     started = time.perf_counter()
@@ -61,7 +70,9 @@ def preflight(
     else:
         if tokenizer is None or dataset is None:
             raise UserInputError("preflight needs a tokenizer and a dataset (or trainer=...)")
-        check_options(loss_on=loss_on, max_len=max_len, sample=sample)
+        check_options(
+            loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template, task=task
+        )
         fmt = detect_format(dataset.column_names, format)
         # `model` may be a function that loads the model, so that only a model rule pays for loading it.
         is_loader = callable(model) and not hasattr(model, "forward")
@@ -69,7 +80,7 @@ def preflight(
             tokenizer=tokenizer,
             dataset=dataset,
             fmt=fmt,
-            options=EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len),
+            options=EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len, alpaca_template=alpaca_template),
             model=None if is_loader else model,
             model_loader=model if is_loader else None,
             eval_dataset=eval_dataset,
@@ -80,6 +91,7 @@ def preflight(
             model_config=model_config,
             generation_config=generation_config,
             shard=True,
+            task=task,
         )
     from hf_sanity.measure import distributed
 
@@ -99,14 +111,29 @@ def preflight(
         max_len=ctx.options.max_len,
         seconds=round(time.perf_counter() - started, 2),
     )
+    # The format as given, what it was read as, and how (ShareGPT roles, JSON columns, the Alpaca template).
+    if trainer is None:
+        report.stats.update(ctx.encoder.layout.describe(ctx.dataset))
+        if task != "generative":
+            report.stats["task"] = task
     if size > 1:
         report.stats["processes"] = size
         return distributed.broadcast(report)
     return report
 
 
-def check_options(*, loss_on: str = "completion", max_len: int | None = None, sample: int = 256) -> None:
+def check_options(
+    *,
+    loss_on: str = "completion",
+    max_len: int | None = None,
+    sample: int = 256,
+    alpaca_template: str | None = None,
+    task: str = "generative",
+) -> None:
     """Preflight's numbers and choices, checked before anything is loaded."""
+    check_alpaca_template(alpaca_template)
+    if task not in TASKS:
+        raise UserInputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
     if loss_on not in ("completion", "all"):
         raise UserInputError(f"--loss-on must be 'completion' or 'all', got {loss_on!r}")
     if max_len is not None and max_len <= 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from pathlib import Path
 
 from hf_sanity.errors import UserInputError
@@ -54,7 +55,11 @@ def attached_adapter(model, folder: str | Path):
     from peft import PeftModel
 
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
-    peft_model = PeftModel.from_pretrained(model, str(folder))
+    with warnings.catch_warnings():  # peft reads transformers' deprecated name; the user cannot act on it
+        warnings.filterwarnings(
+            "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
+        )
+        peft_model = PeftModel.from_pretrained(model, str(folder))
     try:
         yield peft_model
     finally:

@@ -18,8 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from hf_sanity.measure.encode import EncodeOptions, Encoder
+from hf_sanity.measure.encode import EncodeOptions, Encoder, template_kwargs
 from hf_sanity.measure.families import own_families
+from hf_sanity.measure.formats import conversation_of, read_as
 from hf_sanity.measure.losses import token_loss
 from hf_sanity.measure.markers import Span, TemplateMarkers, derive_markers
 from hf_sanity.measure.tensors import pad_batches, pad_id
@@ -50,12 +51,17 @@ class Context:
         first_batch=None,
         init_loss: dict[str, float] | None = None,
         generation_config=None,
+        task: str = "generative",
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
         store("dataset", dataset)
-        store("fmt", fmt)
+        # The rules read what TRL reads: a ShareGPT dataset is `messages`, an Alpaca one `prompt-completion`.
+        store("fmt", read_as(fmt))
+        store("source_format", fmt)
         store("options", options or EncodeOptions(fmt=fmt))
+        # "extractive": answers quote the prompt on purpose (extractive QA, RAG with citations).
+        store("task", task)
         store("_model", model)
         store("_model_loader", model_loader)
         store("eval_dataset", eval_dataset)
@@ -168,6 +174,18 @@ class Context:
     def valid(self) -> np.ndarray:
         """Rows that encoded (no ``error``)."""
         return self.col("error") == ""
+
+    def conversation(self, index: int) -> list[dict] | None:
+        """Row ``index`` as the messages the chat template renders (None for plain text or a broken row)."""
+        row = self.encoder.layout.to_trl(self.dataset[int(index)])
+        return conversation_of(row) if isinstance(row, dict) else None
+
+    def template_kwargs(self, index: int) -> dict[str, Any]:
+        """What the chat template renders row ``index`` with besides its messages (its ``tools``, its
+        ``chat_template_kwargs``), as TRL passes them; {} for a row without them or with broken ones."""
+        row = self.encoder.layout.to_trl(self.dataset[int(index)])
+        kwargs = template_kwargs(row) if isinstance(row, dict) else {}
+        return kwargs if isinstance(kwargs, dict) else {}
 
     def row(self, index: int) -> dict[str, Any]:
         if self.reencode_rows:  # distributed: rank 0 holds measurements only; encode the one row shown

@@ -16,7 +16,7 @@ from typing import Any
 
 from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.families import FAMILY_OF, NO_TEMPLATE
-from hf_sanity.measure.formats import conversation_problem, text_problem
+from hf_sanity.measure.formats import USER_TEXTS, Layout, conversation_problem, text_problem
 from hf_sanity.measure.markers import Span, TemplateMarkers, boundary_ids, derive_markers, find_sequence
 
 
@@ -112,10 +112,11 @@ def normalize(text: str) -> str:
 
 @dataclass
 class EncodeOptions:
-    fmt: str
+    fmt: str  # as detected (formats.FORMATS); ShareGPT and Alpaca rows are converted to what TRL reads
     loss_on: str = "completion"  # or "all"
     max_len: int | None = None
     min_leak_chars: int = 20
+    alpaca_template: str | None = None  # "chat" or "text"; default: chat when the tokenizer has a template
 
 
 # Every column the encoder writes, with its empty value (for rows that cannot be encoded).
@@ -142,7 +143,10 @@ MEASURES: dict[str, Any] = {
     "content_markers": [],
     "text_families": [],
     "hash": 0,
-    "leak": False,
+    # An answer (20+ characters, normalized) found verbatim in the text before it: its length over that text's
+    # (0.0: none found), and how many characters of that text follow it (-1: none found).
+    "leak": 0.0,
+    "leak_after": -1,
     "max_id": -1,
     "special_ids": [],  # special/added token ids the example uses
     "n_dropped_supervised": 0,  # characters of trained messages the chat template does not render
@@ -162,6 +166,10 @@ class Encoder:
         self.tokenizer = tokenizer
         self.options = options
         self.markers = markers or derive_markers(tokenizer)
+        self.layout = Layout.of(
+            options.fmt, has_template=self.markers.has_template, alpaca_template=options.alpaca_template
+        )
+        self.fmt = self.layout.read_as  # what the rows are, once converted
         specials = {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
         specials |= {str(t) for t in tokenizer.all_special_tokens}
         strays = sorted(
@@ -174,23 +182,33 @@ class Encoder:
     # -- public ------------------------------------------------------------------------------------
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         size = len(next(iter(batch.values())))
-        rows = [{key: values[i] for key, values in batch.items()} for i in range(size)]
-        if self.options.fmt in ("messages", "prompt-completion"):
-            encoded = self.encode_conversations(rows)
-        else:
-            encoded = [self.encode(row) for row in rows]
+        encoded = self.encode_rows([{key: values[i] for key, values in batch.items()} for i in range(size)])
         return {key: [e[key] for e in encoded] for key in MEASURES}
 
     def encode(self, row: dict[str, Any]) -> dict[str, Any]:
-        fmt = self.options.fmt
-        try:
-            if fmt in ("messages", "prompt-completion"):
-                return self.encode_conversations([row])[0]
-            if fmt == "text":
-                return self.encode_text(row.get("text"))
-            return self.encode_tokens(row.get("input_ids"), row.get("labels"), row.get("attention_mask"))
-        except Exception as exc:  # the template or tokenizer rejected this row: a data problem
-            return self.failed(f"{type(exc).__name__}: {exc}")
+        return self.encode_rows([row])[0]
+
+    def encode_rows(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Rows as given (any format of ``formats.FORMATS``) in, one encoded row each out."""
+        converted = [self.layout.to_trl(row) for row in rows]
+        out: list[dict[str, Any]] = [self.failed(r) if isinstance(r, str) else {} for r in converted]
+        readable = [k for k, r in enumerate(converted) if isinstance(r, dict)]
+        if self.fmt in ("messages", "prompt-completion"):
+            for k, encoded in zip(readable, self.encode_conversations([converted[k] for k in readable])):
+                out[k] = encoded
+            return out
+        for k in readable:
+            row = converted[k]
+            try:
+                if self.fmt == "text":
+                    out[k] = self.encode_text(row.get("text"))
+                else:
+                    out[k] = self.encode_tokens(
+                        row.get("input_ids"), row.get("labels"), row.get("attention_mask")
+                    )
+            except Exception as exc:  # the tokenizer rejected this row: a data problem
+                out[k] = self.failed(f"{type(exc).__name__}: {exc}")
+        return out
 
     # -- conversations -----------------------------------------------------------------------------
     # Where each completion starts comes from the chat template: the conversation up to that turn, rendered
@@ -208,7 +226,8 @@ class Encoder:
             return
         agree = 0
         for row in rows:
-            conversation = self._conversation(row)
+            row = self.layout.to_trl(row)
+            conversation = self._conversation(row) if isinstance(row, dict) else None
             if not isinstance(conversation, tuple):
                 continue
             messages, first, kwargs = conversation
@@ -229,7 +248,7 @@ class Encoder:
         """(messages, index of the first supervised message, template kwargs), a failure dict, or None for
         plain-text prompt/completion rows. The messages are passed to the template as they are (tool calls,
         names, reasoning fields included) with the row's ``tools`` and ``chat_template_kwargs``, as TRL does."""
-        if self.options.fmt == "messages":
+        if self.fmt == "messages":
             messages, first = row.get("messages"), 0
         else:
             prompt, completion = row.get("prompt"), row.get("completion")
@@ -256,7 +275,9 @@ class Encoder:
             try:
                 conversation = self._conversation(row)
                 if conversation is None:
-                    out[k] = self.encode_prompt_completion(row.get("prompt"), row.get("completion"))
+                    out[k] = self.encode_prompt_completion(
+                        row.get("prompt"), row.get("completion"), user_texts=row.get(USER_TEXTS)
+                    )
                 elif isinstance(conversation, dict):
                     out[k] = conversation
                 else:
@@ -290,14 +311,18 @@ class Encoder:
             spans, gp_mismatch = self._exact_spans(messages, first, full, ids, offsets, kwargs)
         labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
         texts = [(m["role"], text_of(m)) for m in messages]
-        prompt_text = " ".join(text for role, text in texts if role != "assistant")
-        answers = [text for j, (role, text) in enumerate(texts) if role == "assistant" and j >= first]
+        # Each trained answer against what the model reads before it (the other speakers' turns so far).
+        answers = [
+            (" ".join(t for r, t in texts[:j] if r != "assistant"), text)
+            for j, (role, text) in enumerate(texts)
+            if role == "assistant" and j >= first
+        ]
         out = self.measure(ids, labels, spans, user_labels=False)
         out.update(
             gp=gp_mismatch,
             content=self._strays(text for _, text in texts),
             hash=stable_hash(normalize(" ".join(f"{role}: {text}" for role, text in texts))),
-            leak=self._leaks(prompt_text, answers),
+            leak=self._leaks(answers),
             **dropped_content(messages, first, full),
         )
         return self._finish(out)
@@ -349,9 +374,10 @@ class Encoder:
             return None
         return [span for span, i in zip(located, turns) if i >= first]
 
-    def encode_prompt_completion(self, prompt, completion) -> dict[str, Any]:
+    def encode_prompt_completion(self, prompt, completion, *, user_texts=None) -> dict[str, Any]:
         """Plain-text prompt/completion, as TRL does: the completion starts where prompt and
-        prompt+completion tokenizations diverge; EOS appended."""
+        prompt+completion tokenizations diverge; EOS appended. ``user_texts``: (prompt, completion) as the user
+        wrote them, where a template (Alpaca's) wrote the prompt around them."""
         problem = text_problem(prompt, "prompt") or text_problem(completion, "completion")
         if problem:
             return self.failed(problem)
@@ -364,11 +390,12 @@ class Encoder:
         spans = [self._close(ids, start, len(ids))]
         labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
         out = self.measure(ids, labels, spans, user_labels=False)
+        own_prompt, own_completion = user_texts or (prompt, completion)
         out.update(
             gp=(0, int(start < len(prompt_ids))),  # the text is a prefix: only tokens can merge
-            content=self._strays([prompt, completion]),
+            content=self._strays([own_prompt, own_completion]),
             hash=stable_hash(normalize(prompt + " " + completion)),
-            leak=self._leaks(prompt, [completion]),
+            leak=self._leaks([(own_prompt, own_completion)]),
         )
         return self._finish(out)
 
@@ -473,11 +500,23 @@ class Encoder:
             found.update(self._stray_re.findall(text))
         return sorted(found)
 
-    def _leaks(self, prompt: str, answers: list[str]) -> bool:
-        prompt = normalize(prompt)
-        return any(
-            len(a) >= self.options.min_leak_chars and a in prompt for a in (normalize(x) for x in answers)
-        )
+    def _leaks(self, answers: list[tuple[str, str]]) -> tuple[float, int]:
+        """For (text before, answer) pairs: the largest answer/text length ratio among the answers found
+        verbatim in their text before, and the fewest characters of that text after one (see ``MEASURES``).
+        label-leakage tells a quoted span of a long context from an answer pasted into the prompt by them."""
+        ratio, after = 0.0, -1
+        for before, answer in answers:
+            answer = normalize(answer)
+            if len(answer) < self.options.min_leak_chars:
+                continue
+            before = normalize(before)
+            at = before.rfind(answer)
+            if at < 0:
+                continue
+            tail = len(before) - at - len(answer)
+            ratio = max(ratio, len(answer) / len(before))
+            after = tail if after < 0 else min(after, tail)
+        return ratio, after
 
     def measure(
         self, ids: list[int], labels: list[int], spans: list[Span], *, user_labels: bool, located: bool = True
@@ -549,6 +588,7 @@ class Encoder:
         row.update({k: v for k, v in out.items() if k in MEASURES})
         row["n_gp_mismatch"], row["n_gp_merge"] = out.get("gp", (0, 0))
         row["content_markers"] = out.get("content", [])
+        row["leak"], row["leak_after"] = out.get("leak", (0.0, -1))
         row["text_families"] = out.get("families", [])
         for key in ("n_dropped_supervised", "n_supervised_chars", "n_dropped_other", "dropped_text"):
             row[key] = out.get(key, MEASURES[key])

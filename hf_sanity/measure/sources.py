@@ -14,6 +14,10 @@ from hf_sanity.errors import UserInputError
 
 DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "model*.bin")
+# A folder holds a tokenizer when it has its vocabulary in one of these forms (fast, SentencePiece, BPE,
+# WordPiece, tiktoken, Mistral's tekken).
+TOKENIZER_PATTERNS = ("tokenizer.json", "tokenizer.model", "*.model", "vocab.json", "vocab.txt", "*.tiktoken",
+                      "tekken.json")  # fmt: skip
 
 
 def looks_local(ref: str) -> bool:
@@ -30,15 +34,62 @@ def _missing(kind: str, ref: str) -> UserInputError:
     return UserInputError(f"{kind} {ref!r} does not exist; pass a local path or a hub id (org/name)")
 
 
-def load_tokenizer(ref: str, *, trust_remote_code: bool = False):
+OFFLINE_SWITCHES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def _unreachable(kind: str, ref: str, exc: BaseException) -> UserInputError | None:
+    """A reference that is neither here nor fetchable from the hub, in words (the hub library speaks of disk
+    caches and outgoing traffic); None for any other failure."""
+    chain = []
+    while exc is not None and len(chain) < 10:
+        chain.append(exc)
+        exc = exc.__cause__ or (exc.__context__ if not exc.__suppress_context__ else None)
+    names = {type(e).__name__ for e in chain}
+    text = " ".join(str(e) for e in chain)
+    here = f"{kind} {ref!r}: there is no file or folder {str(Path(ref).expanduser().absolute())!r}"
+    offline = names & {"LocalEntryNotFoundError", "OfflineModeIsEnabled"} or any(
+        marker in text for marker in ("outgoing traffic has been disabled", "OfflineModeIsEnabled")
+    )
+    if offline:
+        switches = [
+            v for v in OFFLINE_SWITCHES if os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+        ]
+        why = f"{switches[0]} is set" if switches else "the hub cannot be reached"
+        return UserInputError(
+            f"{here}, and as a hub id it is not in the local hub cache and cannot be fetched ({why}); check the "
+            "path, or download it once online"
+        )
+    if names & {"RepositoryNotFoundError", "DatasetNotFoundError", "GatedRepoError"} or (
+        "is not a valid model identifier" in text
+    ):
+        return UserInputError(f"{here}, and no hub repository of that name is available (a typo, or private)")
+    return None
+
+
+def load_tokenizer(ref: str, *, trust_remote_code: bool = False, kind: str = "tokenizer"):
+    """The tokenizer at ``ref``; ``kind`` names where the reference came from (``model`` when the tokenizer is
+    read from the model folder)."""
     from transformers import AutoTokenizer
 
-    if looks_local(ref) and not os.path.exists(os.path.expanduser(ref)):
-        raise _missing("tokenizer", ref)
+    path = Path(os.path.expanduser(ref))
+    if looks_local(ref) and not path.exists():
+        raise _missing(kind, ref)
+    if path.is_dir() and not any(any(path.glob(p)) for p in TOKENIZER_PATTERNS):
+        hint = (
+            "pass --tokenizer with the tokenizer's folder or hub id"
+            if kind == "model"
+            else "pass the folder the tokenizer was saved to (tokenizer.save_pretrained)"
+        )
+        raise UserInputError(
+            f"{kind} folder {ref!r} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json + "
+            f"merges.txt, vocab.txt or *.tiktoken); {hint}"
+        )
     try:
-        return AutoTokenizer.from_pretrained(os.path.expanduser(ref), trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise UserInputError(f"cannot load a tokenizer from {ref!r}: {_first_line(exc)}") from None
+        raise _unreachable(kind, ref, exc) or UserInputError(
+            f"cannot load a tokenizer from {ref!r}: {_first_line(exc)}"
+        ) from None
 
 
 def _check_model_folder(ref: str) -> Path:
@@ -69,7 +120,9 @@ def load_model(ref: str, *, dtype=None, trust_remote_code: bool = False):
             trust_remote_code=trust_remote_code,
         )
     except Exception as exc:
-        raise UserInputError(f"cannot load a causal LM from {ref!r}: {_first_line(exc)}") from None
+        raise _unreachable("model", ref, exc) or UserInputError(
+            f"cannot load a causal LM from {ref!r}: {_first_line(exc)}"
+        ) from None
 
 
 def load_dataset_ref(ref: str, split: str = "train"):
@@ -104,7 +157,13 @@ def _load_dataset_ref(ref: str, split: str):
                     )
                 if path.stat().st_size == 0:
                     raise UserInputError(f"dataset {ref!r} is empty")
-                return datasets.load_dataset(builder, data_files=str(path), split="train")
+                try:
+                    return datasets.load_dataset(builder, data_files=str(path), split="train")
+                except Exception:
+                    problem = json_problem(path) if builder == "json" else None
+                    if problem:
+                        raise UserInputError(f"cannot read dataset {ref!r}: {problem}") from None
+                    raise
             if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
                 loaded = datasets.load_from_disk(str(path))
             else:
@@ -114,7 +173,8 @@ def _load_dataset_ref(ref: str, split: str):
     except UserInputError:
         raise
     except Exception as exc:
-        raise UserInputError(f"cannot read dataset {ref!r}: {_first_line(exc)}") from None
+        unreachable = None if looks_local(ref) else _unreachable("dataset", ref, exc)
+        raise unreachable or UserInputError(f"cannot read dataset {ref!r}: {_first_line(exc)}") from None
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise UserInputError(
@@ -122,6 +182,36 @@ def _load_dataset_ref(ref: str, split: str):
             )
         return loaded[split]
     return loaded
+
+
+def json_problem(path: Path) -> str | None:
+    """Where a JSON Lines (or JSON) file stops being readable, by line number; None when every line parses
+    (the problem is elsewhere)."""
+    import json
+
+    with path.open(encoding="utf-8", errors="replace") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                if number == 1 and path.suffix.lower() == ".json":  # one JSON document, not JSON Lines
+                    return _document_problem(path)
+                return f"line {number} is not valid JSON ({exc.msg}, column {exc.colno})"
+            if not isinstance(value, dict):
+                return f"line {number} is a JSON {type(value).__name__}, not an object (one row per line)"
+    return None
+
+
+def _document_problem(path: Path) -> str | None:
+    import json
+
+    try:
+        json.loads(path.read_text(encoding="utf-8", errors="replace"))
+    except json.JSONDecodeError as exc:
+        return f"line {exc.lineno} is not valid JSON ({exc.msg}, column {exc.colno})"
+    return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -143,7 +233,9 @@ def load_config(ref: str, *, trust_remote_code: bool = False):
             str(path) if looks_local(ref) else ref, trust_remote_code=trust_remote_code
         )
     except Exception as exc:
-        raise UserInputError(f"cannot read the model config of {ref!r}: {_first_line(exc)}") from None
+        raise _unreachable("model", ref, exc) or UserInputError(
+            f"cannot read the model config of {ref!r}: {_first_line(exc)}"
+        ) from None
 
 
 def load_generation_config(ref: str):

@@ -33,6 +33,7 @@ def check_bad_input_values(ctx):
         f"{int(bad.sum())} of {len(errors)} rows cannot be trained on as they are "
         f"(row {rows[0]}: {errors[rows[0]]})",
         evidence={"rows": rows, "count": int(bad.sum()), "reasons": dict(reasons.most_common(5))},
+        rows=bad,
     )
 
 
@@ -51,6 +52,7 @@ def check_duplicates(ctx):
     hashes = ctx.col("hash")[ctx.valid]
     rows = np.flatnonzero(ctx.valid)
     _, first_index, counts = np.unique(hashes, return_index=True, return_counts=True)
+    repeats = np.delete(rows, first_index)  # every row that repeats an earlier one: the rows to drop
     duplicates = len(hashes) - len(first_index)
     if duplicates == 0:
         return
@@ -68,6 +70,7 @@ def check_duplicates(ctx):
             "pairs": pairs,
             "largest_group": int(counts.max()),
         },
+        rows=repeats,
     )
 
 
@@ -96,6 +99,7 @@ def check_split_leakage(ctx):
     yield SPLIT_LEAKAGE.finding(
         f"{int(overlap.sum())} of {n} eval examples ({overlap.sum() / n:.1%}) also appear in the train split",
         evidence={"overlap": int(overlap.sum()), "fraction": float(overlap.sum() / n), "eval_rows": rows},
+        rows=overlap,  # rows of the eval split
     )
 
 
@@ -104,20 +108,43 @@ LABEL_LEAKAGE = define(
     severity="warning",
     stage="data",
     symptom="Loss starts far below what the vocabulary predicts and falls to ~0; the model copies instead of answering.",
-    detects="The completion (20+ characters, normalized) appears verbatim in the prompt or earlier turns.",
-    fix="Remove the answer from the input (check the template/formatting function that builds the prompt).",
+    detects="An answer (the completion or an assistant turn; 20+ characters, normalized) found verbatim in the text "
+    "before it and pasted there rather than quoted: it is at least half of that text, or that text ends with it. "
+    "A span quoted from inside a longer context (extractive QA, RAG with citations) is what the model will have at "
+    "inference, not leakage; `--task extractive` turns the check off.",
+    fix="Remove the answer from the input (check the template/formatting function that builds the prompt). If "
+    "the task is to quote the input (extractive QA, RAG with citations), pass `--task extractive` "
+    '(`task="extractive"`).',
 )
 
+# Pasted, not quoted: the answer is at least this share of the text before it, ...
+PASTED_SHARE = 0.5
+# ... or at most this many characters of that text follow it (a label such as "Answer:" or a newline).
+PASTED_TAIL = 20
 
-@LABEL_LEAKAGE.check
+
+@LABEL_LEAKAGE.check(applies=lambda ctx: ctx.task != "extractive")
 def check_label_leakage(ctx):
-    leak = ctx.col("leak") & ctx.valid
-    if not leak.any():
+    share, after = ctx.col("leak"), ctx.col("leak_after")
+    found = ctx.valid & (after >= 0)
+    pasted = found & ((share >= PASTED_SHARE) | (after <= PASTED_TAIL))
+    if not pasted.any():
         return
     n = int(ctx.valid.sum())
-    rows = ctx.first(leak)
+    rows = ctx.first(pasted)
+    ratio = float(np.median(share[pasted]))
+    at_end = int((pasted & (after <= PASTED_TAIL)).sum())
     yield LABEL_LEAKAGE.finding(
-        f"in {int(leak.sum())} of {n} examples ({leak.sum() / n:.1%}) the completion appears verbatim in the prompt",
-        evidence={"count": int(leak.sum()), "fraction": float(leak.sum() / n), "rows": rows},
+        f"in {int(pasted.sum())} of {n} examples ({pasted.sum() / n:.1%}) the answer is pasted into the prompt "
+        f"(typically {ratio:.0%} of the text before it; {at_end} at its very end)",
+        evidence={
+            "count": int(pasted.sum()),
+            "fraction": float(pasted.sum() / n),
+            "answer_prompt_ratio": round(ratio, 4),
+            "at_prompt_end": at_end,
+            "quoted_spans": int((found & ~pasted).sum()),  # answers quoted from a longer context: not counted
+            "rows": rows,
+        },
         example=ctx.view(rows[0]),
+        rows=pasted,
     )

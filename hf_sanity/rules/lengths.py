@@ -13,7 +13,8 @@ TRUNCATED_COMPLETION = define(
     symptom="Answers truncated mid-sentence; the model learns to stop in the middle of a thought.",
     detects="Completion tokens at positions >= max_len (truncation keeps the start). Warning when under 10% "
     "of examples are cut, error above.",
-    fix="Raise max_len to the suggested value (keeps 99% of examples whole), or drop/split the longest examples.",
+    fix="Drop or split the examples longer than max_len, or raise max_len until they fit; the finding says what "
+    "each costs (the examples and supervised tokens dropped, or how much longer the longest sequences get).",
 )
 
 ERROR_FRACTION = 0.10
@@ -28,27 +29,48 @@ def check_truncated_completion(ctx):
     if not cut.any():
         return
     lengths = ctx.col("n_tokens")[ctx.valid]
-    n = int(ctx.valid.sum())
-    fraction = float(cut.sum() / n)
+    n, n_cut = int(ctx.valid.sum()), int(cut.sum())
+    fraction = n_cut / n
     p50, p90, p99 = (int(np.percentile(lengths, q)) for q in (50, 90, 99))
+    # The shortest max_len that keeps at least 99% of the examples whole (an order statistic: with 25 examples
+    # that is all of them).
+    for_99 = int(np.sort(lengths)[int(np.ceil(0.99 * n)) - 1])
+    for_all = int(ctx.col("n_tokens")[cut].max())  # the max_len that keeps every completion whole
+    supervised = ctx.col("n_supervised")
+    dropped = float(supervised[cut].sum() / max(int(supervised[ctx.valid].sum()), 1))
     rows = ctx.first(cut)
+    examples = f"{n_cut} example{'s' if n_cut != 1 else ''}"
+    drop = (
+        f"drop or split the {examples} longer than max_len ({fraction:.1%} of the examples, {dropped:.1%} of the "
+        "supervised tokens)"
+    )
+    grow = f"raise max_len to {for_all:,} to keep every completion whole (the longest sequences get "
+    grow += f"{for_all / max_len:.1f}x as long: memory and time per batch"
+    if max_len < for_99 < for_all:
+        grow += f"; max_len={for_99:,} keeps 99% of the examples whole"
+    grow += ")"
+    first, second = (drop, grow) if fraction < ERROR_FRACTION else (grow, drop)
     yield TRUNCATED_COMPLETION.finding(
-        f"max_len={max_len} cuts into the completion of {int(cut.sum())} of {n} examples ({fraction:.1%}); "
-        f"max_len={int(np.ceil(np.percentile(lengths, 99)))} keeps 99% whole",
+        f"max_len={max_len:,} cuts into the completion of {n_cut} of {n} examples ({fraction:.1%}); the longest "
+        f"is {for_all:,} tokens",
         evidence={
             "max_len": max_len,
-            "cut": int(cut.sum()),
+            "cut": n_cut,
             "fraction": fraction,
             "completion_tokens_lost": int(ctx.col("n_completion_cut")[ctx.valid].sum()),
             "length_p50": p50,
             "length_p90": p90,
             "length_p99": p99,
             "length_max": int(lengths.max()),
-            "max_len_for_99pct": int(np.ceil(np.percentile(lengths, 99))),
+            "max_len_for_99pct": for_99,
+            "max_len_for_all": for_all,
+            "cut_supervised_fraction": round(dropped, 4),
             "rows": rows,
         },
         example=ctx.view(rows[0], focus=max_len - 1),
         severity="error" if fraction >= ERROR_FRACTION else "warning",
+        fix=f"{first[0].upper()}{first[1:]}, or {second}.",
+        rows=cut,
     )
 
 
@@ -119,4 +141,5 @@ def check_context_beyond_window(ctx):
             "longest": int(lengths.max()),
             "rows": ctx.first(beyond),
         },
+        rows=beyond,
     )

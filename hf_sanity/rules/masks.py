@@ -56,7 +56,8 @@ def check_prompt_in_loss(ctx):
     share = prompt_tokens / max(supervised, 1)
     if share <= PROMPT_SHARE_THRESHOLD:
         return
-    rows = ctx.first(located & (prompt_sup > 0))
+    affected = located & (prompt_sup > 0)
+    rows = ctx.first(affected)
     yield PROMPT_IN_LOSS.finding(
         f"{share:.0%} of supervised tokens are prompt tokens ({prompt_tokens:,} of {supervised:,})",
         evidence={
@@ -67,6 +68,7 @@ def check_prompt_in_loss(ctx):
             "examples_affected": int((prompt_sup[located] > 0).sum()),
         },
         example=ctx.view(rows[0], focus=_first_prompt_loss(ctx, rows[0])),
+        rows=affected,
     )
 
 
@@ -110,6 +112,7 @@ def check_empty_loss_mask(ctx):
             "cut_by_max_len": int((empty & (ctx.col("n_supervised") > 0)).sum()),
         },
         example=ctx.view(rows[0]),
+        rows=empty,
     )
 
 
@@ -138,7 +141,8 @@ def check_completion_masked(ctx):
     share = masked / max(total, 1)
     if share <= MASKED_SHARE_THRESHOLD:
         return
-    rows = ctx.first(located & (masked_col > 0))
+    affected = located & (masked_col > 0)
+    rows = ctx.first(affected)
     first = rows[0]
     labels = ctx.row(first)["labels"]
     focus = next(
@@ -154,6 +158,7 @@ def check_completion_masked(ctx):
             "examples_affected": int((masked_col[located] > 0).sum()),
         },
         example=ctx.view(first, focus=focus),
+        rows=affected,
     )
 
 
@@ -176,12 +181,14 @@ def check_labels_misaligned(ctx):
     nxt, same, sup = int(eq_next.sum()), int(eq_same.sum()), int(supervised.sum())
     if sup == 0 or nxt <= 0.5 * sup or nxt <= 2 * same:
         return
-    rows = ctx.first(ctx.valid & (ctx.col("n_label_eq_next") > ctx.col("n_label_eq_same")))
+    shifted = ctx.valid & (ctx.col("n_label_eq_next") > ctx.col("n_label_eq_same"))
+    rows = ctx.first(shifted)
     yield LABELS_MISALIGNED.finding(
         f"{nxt / sup:.0%} of supervised labels equal the next input token, {same / sup:.0%} the same position: "
         "the labels are shifted by one",
         evidence={"equal_next": nxt, "equal_same": same, "supervised": sup, "rows": rows},
         example=ctx.view(rows[0]) if rows else None,
+        rows=shifted,
     )
 
 
@@ -253,6 +260,7 @@ def check_eos_not_learned(ctx):
             "end_tokens": sorted(tok.convert_ids_to_tokens(sorted(ctx.markers.stop_ids))),
         },
         example=ctx.view(first, focus=focus),
+        rows=bad,
     )
 
 

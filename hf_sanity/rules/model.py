@@ -64,6 +64,7 @@ def check_vocab_size(ctx):
                 "rows": bad_rows,
             },
             example=ctx.view(bad_rows[0], focus=int(np.argmax(ctx.row(bad_rows[0])["input_ids"]))),
+            rows=beyond,
         )
     elif tokenizer_size > rows:
         yield VOCAB_SIZE_MISMATCH.finding(
@@ -286,14 +287,6 @@ ABOVE_BASE_TOKENS = (
 )
 
 
-def _conversation(row) -> list[dict] | None:
-    if isinstance(row.get("messages"), list):
-        return row["messages"]
-    if isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
-        return row["prompt"] + row["completion"]
-    return None
-
-
 @INIT_LOSS_ABOVE_BASE.check(
     applies=lambda ctx: ctx.has_model and ctx.fmt in ("messages", "prompt-completion")
 )
@@ -303,7 +296,7 @@ def check_init_loss_above_base(ctx):
     tok = ctx.tokenizer
     templated, plain = [], []
     for i in ctx.sample_indices[:ABOVE_BASE_SAMPLE]:
-        messages = _conversation(ctx.dataset[int(i)])
+        messages = ctx.conversation(i)
         spans = ctx.spans(i)
         if not messages or not spans or messages[-1].get("role") != "assistant":
             continue

@@ -38,13 +38,15 @@ def _foreign_markers(ctx):
     foreign = {family: n for family, n in counts.items() if family not in ctx.own_families}
     if not foreign:
         return
-    rows = [i for i, fams in families.items() if set(fams) - ctx.own_families][:10]
+    foreign_rows = [i for i, fams in families.items() if set(fams) - ctx.own_families]
+    rows = foreign_rows[:10]
     family, n = max(foreign.items(), key=lambda kv: kv[1])
     yield TEMPLATE_MISMATCH.finding(
         f"{n} of {len(families)} examples carry {family} chat markers, but the tokenizer's template renders "
         f"{', '.join(sorted(ctx.own_families))}",
         evidence={"foreign_formats": foreign, "template_formats": sorted(ctx.own_families), "rows": rows},
         example=ctx.view(rows[0]),
+        rows=foreign_rows if ctx.fmt == "text" else None,  # tokens data is judged on a sample only
     )
 
 
@@ -74,15 +76,12 @@ def _inference_parity(ctx):
     mismatched, first = [], None
     checked = 0
     for i in ctx.sample_indices:
-        row = ctx.dataset[int(i)]
-        messages = row.get("messages") or (
-            row["prompt"] + row["completion"] if isinstance(row.get("prompt"), list) else None
-        )
+        messages = ctx.conversation(i)
         if not messages:
             continue
         checked += 1
         try:
-            served = infer.apply_chat_template(messages)["input_ids"]
+            served = infer.apply_chat_template(messages, **ctx.template_kwargs(i))["input_ids"]
         except Exception as exc:
             served, first = [], first or (int(i), 0, f"{type(exc).__name__}: {exc}")
         trained = ctx.row(i)["input_ids"]
@@ -160,6 +159,7 @@ def check_generation_prompt(ctx):
             evidence=evidence,
             example=ctx.view(rows[0], focus=spans[0].start if spans else None),
             severity="warning",
+            rows=bad,
             fix="The model never sees the inference prompt's last tokens as they are tokenized at inference. End "
             "the generation prompt on a token boundary (a chat template whose turns continue the prompt with a "
             "separate token), or build training sequences from the prompt's own tokens plus the completion's "
@@ -173,6 +173,7 @@ def check_generation_prompt(ctx):
         evidence=evidence,
         example=ctx.view(rows[0], focus=spans[0].start if spans else None),
         fix=_generation_prompt_fix(ctx, rows[0], extra),
+        rows=bad,
     )
 
 
@@ -181,9 +182,8 @@ def _generation_prompt_fix(ctx, row: int, extra: str) -> str:
     and the rendering drops it, the template is the culprit; otherwise the data lacks it."""
     contents = ""
     if ctx.dataset is not None and ctx.fmt in ("messages", "prompt-completion"):
-        raw = ctx.dataset[int(row)]
-        messages = raw.get("messages") or (raw.get("prompt") or []) + (raw.get("completion") or [])
-        if isinstance(messages, list):
+        messages = ctx.conversation(row)
+        if messages:
             contents = " ".join(str(m.get("content") or "") for m in messages if isinstance(m, dict))
     if extra and extra in contents:
         return (
@@ -224,6 +224,7 @@ def check_stray_markers(ctx):
         f"(most common: {counts.most_common(1)[0][0]!r})",
         evidence={"count": len(hits), "markers": dict(counts.most_common(8)), "rows": rows},
         example=ctx.view(rows[0]),
+        rows=sorted(hits),
     )
 
 
@@ -255,6 +256,7 @@ def check_double_bos(ctx):
             "max_leading_bos": int(np.max(ctx.col("n_leading_bos"))),
         },
         example=ctx.view(rows[0], focus=1),
+        rows=doubled,
     )
 
 

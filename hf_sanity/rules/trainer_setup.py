@@ -175,13 +175,23 @@ CHECKPOINTING_BLOCKS_GRADS = define(
 )
 
 
+def checkpointing_on(model) -> bool:
+    """Whether activation (gradient) checkpointing is on. transformers 5 renamed `is_gradient_checkpointing`
+    to `is_activation_checkpointing` and warns on the old name: read the new one where it exists."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        value = getattr(model, name, None)
+        if value is not None:
+            return bool(value)
+    return False
+
+
 @CHECKPOINTING_BLOCKS_GRADS.check(applies=has_trainer_batch)
 def check_checkpointing(ctx):
     batch, trainer = ctx.first_batch, ctx.trainer
     if batch is None or trainer is None or "labels" not in batch:
         return
     model = trainer.model
-    if not getattr(model, "is_gradient_checkpointing", False):
+    if not checkpointing_on(model):
         return
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
