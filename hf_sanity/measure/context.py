@@ -52,6 +52,7 @@ class Context:
         init_loss: dict[str, float] | None = None,
         generation_config=None,
         task: str = "generative",
+        rows_given: int | None = None,
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
@@ -74,6 +75,7 @@ class Context:
         # With a trainer: its first collated batch, exactly as the model receives it.
         store("first_batch", first_batch)
         store("_given_init_loss", init_loss)
+        store("_rows_given", rows_given)  # with a trainer: the rows of the dataset the user passed it
         store("_generation_config", generation_config)
         store("reencode_rows", False)
         store("_scratch_dir", None)
@@ -210,6 +212,65 @@ class Context:
 
     def first(self, mask: np.ndarray, limit: int = 10) -> list[int]:
         return [int(i) for i in np.flatnonzero(mask)[:limit]]
+
+    @cached_property
+    def trainer_rows(self) -> tuple[int, int] | None:
+        """(rows the user passed, rows the trainer trains on) when a trainer without packing dropped some: TRL
+        drops the examples its truncation left without a completion token. The rows passed are ``rows_given``,
+        else read from the trainer's dataset, whose ``filter`` keeps the table it selected from."""
+        data = getattr(self.trainer, "train_dataset", None)
+        if data is None or not self.options.arrived_cut_at or not hasattr(data, "__len__"):
+            return None
+        given = self._rows_given
+        if given is None and getattr(data, "_indices", None) is not None:
+            given = data.data.num_rows  # the table `filter` selected from: the rows before it dropped any
+        return (given, len(data)) if given is not None and given > len(data) else None
+
+    @cached_property
+    def attention(self):
+        """The facts of the first collated batch's attention mask (see ``measure.attention``), or None without
+        a batch."""
+        from hf_sanity.measure.attention import attention_facts
+
+        if self.first_batch is None:
+            return None
+        tok = self.tokenizer
+        ends = set(self.markers.stop_ids) | {tok.eos_token_id}
+        return attention_facts(
+            self.first_batch, pad_id=tok.pad_token_id, end_ids=ends, bos_id=tok.bos_token_id
+        )
+
+    @cached_property
+    def left_padding_shift(self) -> dict[str, Any] | None:
+        """The first left-padded example run as the batch holds it and alone, without its padding: the largest
+        difference of their logits on its tokens, against the logits' scale. They differ when the model's
+        positions count the padding (no position_ids given, absolute position embeddings); rotary embeddings
+        are relative and agree to rounding. None without a left-padded example, or a model."""
+        import torch
+
+        from hf_sanity.measure.tensors import forward_kwargs, model_device, to_device
+        from hf_sanity.untouched import untouched
+
+        facts = self.attention
+        if facts is None or not facts.left_padded_rows or facts.position_ids_given or not self.has_model:
+            return None
+        r = facts.left_padded_rows[0]
+        mask = self.first_batch["attention_mask"][r].bool()
+        ids = self.first_batch["input_ids"][r]
+        model = self.model
+        device = model_device(model)
+        padded = to_device({"input_ids": ids[None], "attention_mask": mask[None].long()}, device)
+        alone = to_device({"input_ids": ids[mask][None]}, device)
+        with untouched(model), torch.no_grad():
+            as_batched = model(**forward_kwargs(model, padded, use_cache=False)).logits[0, mask.to(device)]
+            by_itself = model(**forward_kwargs(model, alone, use_cache=False)).logits[0]
+        diff = float((as_batched.float() - by_itself.float()).abs().max())
+        return {
+            "max_logit_difference": diff,
+            "logit_scale": float(by_itself.float().abs().max()) or 1.0,
+            "pads": int((~mask).sum()),
+            "half": by_itself.dtype in (torch.float16, torch.bfloat16),
+        }
 
     # -- model -------------------------------------------------------------------------------------
     @property
