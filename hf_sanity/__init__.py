@@ -5,6 +5,7 @@ report = hf_sanity.preflight(model=model, tokenizer=tokenizer, dataset=train, ma
 report = hf_sanity.preflight(trainer=trainer)            # the exact batches the model will see
 trainer = Trainer(..., callbacks=[hf_sanity.SanityCallback()])
 report = hf_sanity.diagnose(trainer=trainer)             # the ordered debugging protocol
+report = hf_sanity.served(merged, base=base, adapter="out/adapter", tokenizer=tokenizer)  # what is served
 report = hf_sanity.doctor(["out/checkpoint-500"])        # post-mortem of a finished run
 """
 
@@ -15,6 +16,7 @@ from hf_sanity.version import __version__
 _PUBLIC = {
     "preflight": "hf_sanity.drivers.preflight",
     "doctor": "hf_sanity.drivers.doctor",
+    "served": "hf_sanity.drivers.served",
     "SanityCallback": "hf_sanity.callback",
     "overfit": "hf_sanity.protocol",
     "diagnose": "hf_sanity.protocol",
@@ -35,4 +37,14 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_PUBLIC])
 
 
-__all__ = ["Finding", "Report", "SanityCallback", "__version__", "diagnose", "doctor", "overfit", "preflight"]
+__all__ = [
+    "Finding",
+    "Report",
+    "SanityCallback",
+    "__version__",
+    "diagnose",
+    "doctor",
+    "overfit",
+    "preflight",
+    "served",
+]

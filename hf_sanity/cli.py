@@ -297,6 +297,61 @@ def doctor_command(
     _finish(report, json, html)
 
 
+@app.command("served")
+def served_command(
+    model: Annotated[
+        str, typer.Option(help="The served model: the merged model folder a server loads (or hub id).")
+    ],
+    base: Annotated[str, typer.Option(help="The base model the adapter was trained on (folder or hub id).")],
+    adapter: Annotated[str, typer.Option(help="The trained PEFT adapter folder (save_pretrained's output).")],
+    dataset: Annotated[
+        str | None,
+        typer.Option(help="Rows to compare the logits on (default: a few built-in conversations)."),
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="Tokenizer folder or hub id (default: --model's).")
+    ] = None,
+    split: SplitOpt = "train",
+    sample: Annotated[int, typer.Option(help="Examples to compare the logits on.")] = 8,
+    trust_remote_code: TrustOpt = False,
+    json: JsonOpt = None,
+    html: HtmlOpt = None,
+    select: SelectOpt = None,
+    ignore: IgnoreOpt = None,
+) -> None:
+    """Check that the served model computes what was trained: base + adapter against the merged model."""
+    from hf_sanity.selection import resolve
+
+    resolve(select, ignore)
+    if sample < 1:
+        raise UserInputError(f"--sample must be at least 1, got {sample}")
+    if not Path(adapter).is_dir():
+        raise UserInputError(
+            f"adapter {adapter!r} is not a folder; pass the folder written by peft's save_pretrained"
+        )
+    _quiet_libraries()
+    from hf_sanity.drivers.served import served
+    from hf_sanity.measure.adapters import adapter_config, adapter_state, fit_to_adapter
+    from hf_sanity.measure.sources import load_config, load_dataset_ref, load_model, load_tokenizer
+
+    adapter_config(adapter)
+    state = adapter_state(adapter)  # an unreadable adapter fails before a model is loaded
+    load_config(model, trust_remote_code=trust_remote_code)
+    load_config(base, trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(
+        tokenizer or model, trust_remote_code=trust_remote_code, kind="tokenizer" if tokenizer else "model"
+    )
+    data = load_dataset_ref(dataset, split) if dataset else None
+    served_model = load_model(model, trust_remote_code=trust_remote_code)
+    base_model = load_model(base, dtype=served_model.dtype, trust_remote_code=trust_remote_code)
+    fit_to_adapter(base_model, state)  # tokens added for training: the base resized as it was then
+    report = served(
+        served_model, base=base_model, adapter=adapter, tokenizer=tok, dataset=data, sample=sample,
+        select=select, ignore=ignore,
+    )  # fmt: skip
+    _finish(report, json, html)
+
+
 def _protocol_options(n: int, steps: int, lr: float | None, max_len: int | None, loss_on: str, format):
     """The shared options of overfit and diagnose, checked before anything is imported or loaded."""
     from hf_sanity.protocol.options import ProtocolOptions

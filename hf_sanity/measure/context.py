@@ -53,6 +53,7 @@ class Context:
         generation_config=None,
         task: str = "generative",
         rows_given: int | None = None,
+        served_model=None,
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
@@ -75,6 +76,9 @@ class Context:
         # With a trainer: its first collated batch, exactly as the model receives it.
         store("first_batch", first_batch)
         store("_given_init_loss", init_loss)
+        # With an adapter: the model that is served in its place (merged and reloaded), to compare with the
+        # model + adapter that was trained.
+        store("served_model", served_model)
         store("_rows_given", rows_given)  # with a trainer: the rows of the dataset the user passed it
         store("_generation_config", generation_config)
         store("reencode_rows", False)
@@ -271,6 +275,24 @@ class Context:
             "pads": int((~mask).sum()),
             "half": by_itself.dtype in (torch.float16, torch.bfloat16),
         }
+
+    @cached_property
+    def served(self):
+        """The served model against the trained one (the model with the saved adapter attached) and the base
+        (the model alone), on the first sample batch and weight by weight (see ``measure.served``); None
+        without a served model, an adapter or a sample."""
+        from hf_sanity.measure.adapters import attached_adapter
+        from hf_sanity.measure.served import compare_served, logits
+
+        if self.served_model is None or not self.adapter_path or not self.has_model:
+            return None
+        batches = self.sample_batches(batch_size=4)
+        if not batches:
+            return None
+        batch = {k: v for k, v in batches[0].items() if k != "labels"}
+        base_logits = logits(self.model, batch)  # before the adapter's layers go into the model
+        with attached_adapter(self.model, self.adapter_path) as trained:
+            return compare_served(trained, self.served_model, batch, base_logits=base_logits)
 
     # -- model -------------------------------------------------------------------------------------
     @property
