@@ -35,7 +35,8 @@ ABORT_CHOICES = ("error", "never")
 
 
 class SanityCallback(TrainerCallback):
-    """Watches a Trainer run; findings in :attr:`report` and in ``output_dir/hf-sanity/report.json``.
+    """Watches a Trainer run; findings in :attr:`report` and in ``output_dir/hf-sanity/report.json``; a stop
+    at an error in ``trainer.state.hf_sanity_aborted_at_step`` too (see :mod:`hf_sanity.training.outcome`).
 
     ``abort_on="error"`` stops training cleanly (``control.should_training_stop``) at the first error finding,
     after writing the report; ``"never"`` (the default) only reports. ``select``/``ignore`` pick rules as in
@@ -149,7 +150,7 @@ class SanityCallback(TrainerCallback):
         if self.sink.world_size > 1 and step % self.sync_every == 0:
             self._sync(step, control)
         if self.sink.stop_pending and self.sink.world_size == 1:
-            self._stop(control, step)
+            outcome.stop(self.sink, control, self.trainer, step)
         return control
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
@@ -253,7 +254,7 @@ class SanityCallback(TrainerCallback):
             self._memory_check(now)
         self.held.release(now)
         if self.sink.stop_pending and control is not None and self.sink.world_size == 1:
-            self._stop(control, now)
+            outcome.stop(self.sink, control, self.trainer, now)
 
     def _diagnose(self, step: int, micro: list[float], weights_step: int | None) -> dict[str, Any]:
         with self.sink.guard("nonfinite-loss"), self.instruments.quiet():
@@ -281,10 +282,7 @@ class SanityCallback(TrainerCallback):
         with self.sink.guard("callback-sync"):
             stop = self.exchange.sync(step, self.model, self.sink, self.monitors.feed)
             if stop and self.abort_on == "error" and not final:
-                self._stop(control, step)
-
-    def _stop(self, control, step: int) -> None:
-        outcome.stop(self.sink, control, self.trainer, step)  # the report written, the stop said and recorded
+                outcome.stop(self.sink, control, self.trainer, step)
 
     def _stats(self, steps: int) -> dict[str, Any]:
         return outcome.stats(self.sink, self.sampler, self.recorder, steps=steps, reads=self._reads)

@@ -123,3 +123,26 @@ def test_findings_print_on_lines_of_their_own_above_the_progress_bar(tmp_path, c
         whole = [line for line in lines if line.startswith(head)]
         assert len(whole) == 1, (head, [line for line in lines if finding.rule in line and "step" in line])
         assert err.count(head) == 1  # printed once, whatever the steps and reads that followed
+
+
+def test_counters_touch_only_the_entry_of_this_log():
+    """A log Trainer did not keep (a subclass's own log()) leaves the last kept entry as it was."""
+    from types import SimpleNamespace
+
+    from hf_sanity.selection import Selection
+    from hf_sanity.training import outcome
+    from hf_sanity.training.sink import FindingSink
+
+    sink = FindingSink(Selection())
+    sink.counts["nonfinite-loss"] = 1
+    loss = float("nan")
+    kept = {"loss": loss, "step": 4}
+    state = SimpleNamespace(global_step=4, log_history=[{"loss": 1.0, "step": 3}, kept])
+    logs = {"loss": loss}
+    outcome.log_counts(sink, state, logs)  # Trainer's own copy of these logs: updated (a NaN is itself)
+    assert kept["hf_sanity/nonfinite-loss"] == 1 and logs["hf_sanity/nonfinite-loss"] == 1
+    other = {"my_metric": 0.5}
+    outcome.log_counts(sink, state, other)  # a log Trainer did not keep: only the logs get the counters
+    assert other["hf_sanity/nonfinite-loss"] == 1 and "my_metric" not in kept
+    assert state.log_history[0] == {"loss": 1.0, "step": 3}
+    assert not sink.report.findings  # nothing broke

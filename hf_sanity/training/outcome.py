@@ -29,26 +29,25 @@ def begin(state) -> None:
 
 def log_counts(sink, state, logs: dict[str, Any] | None) -> None:
     """The counters into ``logs`` and into this log's entry of ``state.log_history``."""
-    if logs is None:
-        return
     extra: dict[str, Any] = {f"hf_sanity/{slug}": count for slug, count in sink.counts.items()}
     if sink.aborted_at is not None:
         extra[ABORTED_KEY] = sink.aborted_at
-    if not extra:
+    if logs is None or not extra:
         return
-    history = getattr(state, "log_history", None)
-    last = history[-1] if history else None
-    if isinstance(last, dict) and _same_log(last, logs, getattr(state, "global_step", None)):
-        last.update(extra)
-    logs.update(extra)
+    with sink.guard("callback-log"):
+        history = getattr(state, "log_history", None)
+        last = history[-1] if history else None
+        if isinstance(last, dict) and _same_log(last, logs, getattr(state, "global_step", None)):
+            last.update(extra)
+        logs.update(extra)
 
 
 def _same_log(entry: dict[str, Any], logs: dict[str, Any], step: int | None) -> bool:
-    """``entry`` is Trainer's copy of ``logs`` (``{**logs, "step": global_step}``): same step, and every value it
-    holds is the one in ``logs`` (the same object: a NaN loss is not equal to itself)."""
+    """``entry`` is Trainer's copy of ``logs`` (``{**logs, "step": global_step}``): the same step, and the very
+    value objects of ``logs`` (compared by identity: a NaN is not equal to itself, an array not to a bool)."""
     if entry.get("step") != step:
         return False
-    return all(k in logs and (logs[k] is v or logs[k] == v) for k, v in entry.items() if k != "step")
+    return all(k in logs and logs[k] is v for k, v in entry.items() if k != "step")
 
 
 def reason(sink) -> Finding | None:
