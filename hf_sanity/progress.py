@@ -139,6 +139,7 @@ def _start():
             TimeElapsedColumn(),
             console=_console,
             transient=True,
+            refresh_per_second=5,  # a terminal line, not an animation: fewer redraws, less of the work's time
             redirect_stdout=False,  # stdout stays the report's (``--json -``)
             redirect_stderr=True,  # a warning printed meanwhile goes above the display, not through it
         )
