@@ -76,9 +76,23 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _show_progress() -> None:
+    """What a long command is doing, on stderr while it works: on a terminal only (nothing when piped), cleared
+    before the report prints."""
+    from hf_sanity import progress
+
+    progress.enable(err_console)
+
+
+def _progress_off() -> None:
+    if "hf_sanity.progress" in sys.modules:
+        sys.modules["hf_sanity.progress"].disable()
+
+
 def _finish(
     report, json_path: Path | None, html_path: Path | None = None, rows_path: Path | None = None
 ) -> None:
+    _progress_off()
     if rows_path is not None:
         report.write_rows(rows_path)
         report.stats["rows_file"] = str(rows_path)
@@ -198,6 +212,7 @@ def preflight_command(
         raise UserInputError(f"--num-proc must be at least 1, got {num_proc}")
     if eval_dataset and eval_split:
         raise UserInputError("pass --eval-dataset or --eval-split, not both")
+    _show_progress()
     _quiet_libraries()
     from hf_sanity.drivers.preflight import preflight
     from hf_sanity.measure.adapters import adapter_config, adapter_state
@@ -286,6 +301,7 @@ def doctor_command(
     from hf_sanity.selection import resolve
 
     resolve(select, ignore)  # an unknown slug fails before anything is read
+    _show_progress()
     _quiet_libraries()
     from hf_sanity.drivers.doctor import doctor
 
@@ -362,6 +378,7 @@ def _protocol_options(n: int, steps: int, lr: float | None, max_len: int | None,
 def _pipeline(options, *, model, dataset, tokenizer, split, adapter_config, lora_r, lora_alpha, lora_target,
               trust_remote_code):  # fmt: skip
     """The pipeline overfit and diagnose train on, loaded from the command line's paths."""
+    _show_progress()
     _quiet_libraries()
     from hf_sanity.protocol.build import from_paths
 
@@ -447,7 +464,10 @@ def diagnose_command(
 def main() -> None:
     """Entry point: bad input is one line on stderr and exit code 2, never a traceback."""
     try:
-        code = app(standalone_mode=False)  # click returns the typer.Exit code in this mode
+        try:
+            code = app(standalone_mode=False)  # click returns the typer.Exit code in this mode
+        finally:
+            _progress_off()  # before any message: the display is cleared first
         sys.exit(code or 0)
     except UserInputError as exc:
         err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True, markup=True)

@@ -24,7 +24,7 @@ def run_checks(
 ) -> Report:
     """Every enabled context detector of ``stages`` on ``ctx``, each in the catalog's guard."""
     report = report or Report(title="hf-sanity preflight")
-    report.extend(catalog.run_all("context", ctx, selection, stages=stages))
+    report.extend(catalog.run_all("context", ctx, selection, stages=stages, show="running checks"))
     return report
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from hf_sanity import progress
 from hf_sanity.measure.encode import EncodeOptions, Encoder, template_kwargs
 from hf_sanity.measure.families import own_families
 from hf_sanity.measure.formats import conversation_of, read_as
@@ -27,6 +28,18 @@ from hf_sanity.measure.tensors import pad_batches, pad_id
 from hf_sanity.tokenview import TokenView
 
 CALIBRATION_ROWS = 64
+
+
+class _Counted:
+    """The encoder as ``datasets.map`` calls it in this process, each batch counted in the progress phase."""
+
+    def __init__(self, encoder) -> None:
+        self.encoder = encoder
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        out = self.encoder(batch)
+        progress.advance(len(next(iter(batch.values()), ())))
+        return out
 
 
 class Context:
@@ -137,26 +150,32 @@ class Context:
     def _map(self, dataset):
         import datasets
 
-        quiet = len(dataset) < 5000 and not datasets.utils.are_progress_bars_disabled()
-        if quiet:  # a progress bar for a second of work is noise
+        # A progress bar for a second of work is noise; under hf-sanity's display, datasets' draws over it.
+        quiet = (len(dataset) < 5000 or progress.active()) and not datasets.utils.are_progress_bars_disabled()
+        if quiet:
             datasets.disable_progress_bars()
+        counted = progress.active() and not (self.num_proc and self.num_proc > 1)  # other processes: no count
         try:
-            return dataset.map(
-                self.encoder,
-                batched=True,
-                batch_size=256,
-                num_proc=self.num_proc if self.num_proc and self.num_proc > 1 else None,
-                remove_columns=dataset.column_names,
-                desc="hf-sanity: tokenizing",
-                load_from_cache_file=False,
-                new_fingerprint=uuid.uuid4().hex,  # hashing the encoder (and its tokenizer) costs more than it saves
-                # datasets would write its cache file next to the data (a save_to_disk folder is the user's):
-                # ours goes to a scratch folder that lives as long as this context.
-                cache_file_name=str(self._scratch() / f"{uuid.uuid4().hex}.arrow"),
-            )
+            with progress.phase(f"tokenizing {len(dataset):,} rows", total=len(dataset) if counted else None):
+                return self._map_rows(dataset, _Counted(self.encoder) if counted else self.encoder)
         finally:
             if quiet:
                 datasets.enable_progress_bars()
+
+    def _map_rows(self, dataset, encode):
+        return dataset.map(
+            encode,
+            batched=True,
+            batch_size=256,
+            num_proc=self.num_proc if self.num_proc and self.num_proc > 1 else None,
+            remove_columns=dataset.column_names,
+            desc="hf-sanity: tokenizing",
+            load_from_cache_file=False,
+            new_fingerprint=uuid.uuid4().hex,  # hashing the encoder (and its tokenizer) costs more than it saves
+            # datasets would write its cache file next to the data (a save_to_disk folder is the user's):
+            # ours goes to a scratch folder that lives as long as this context.
+            cache_file_name=str(self._scratch() / f"{uuid.uuid4().hex}.arrow"),
+        )
 
     def _scratch(self) -> Path:
         if self._scratch_dir is None:

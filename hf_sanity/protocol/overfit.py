@@ -13,7 +13,7 @@ import math
 import time
 from typing import Any
 
-from hf_sanity import catalog
+from hf_sanity import catalog, progress
 from hf_sanity.numbers import fmt
 from hf_sanity.protocol.build import build
 from hf_sanity.protocol.loop import (
@@ -132,7 +132,8 @@ def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[
         held = {id(p) for p in optimizer_params(learner.optimizer)}
         trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in held]
         initial = {n: signature(p) for n, p in trained}
-        path, loss0 = probe(pipeline, learner, weights)
+        with progress.phase("overfit: the first step (gradient path)"):
+            path, loss0 = probe(pipeline, learner, weights)
         threshold = near_zero_threshold(loss0, pipeline.vocab_size)
         losses = [loss0]
         broken = gradient_path_cause(path)
@@ -152,7 +153,8 @@ def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[
             budget = min(steps, CONFIRM_STEPS) if broken is not None else steps
             if to_train:
                 try:
-                    train(pipeline, learner, weights, losses, budget, threshold)
+                    name = f"overfit at lr {pipeline.lr:.2g}"
+                    train(pipeline, learner, weights, losses, budget, threshold, name=name)
                 except Exception as exc:  # a later step broke (the probe's passed): reported as measured
                     path.loss_error = f"step {len(losses)}: {first_line(exc)}"
             if path.updated:

@@ -103,6 +103,10 @@ class FirstBatch:
         logits = getattr(output, "logits", None)
         return {"shapes": shapes, "logits_shape": tuple(logits.shape) if logits is not None else None}
 
+    def probe_due(self, step: int, every: int | None, sink) -> bool:
+        """A `predictions-frozen` probe runs at the end of this step."""
+        return bool(every) and step % every == 0 and sink.wants("predictions-frozen")
+
     def probe(self, model, recorder, step: int) -> None:
         """Re-run the probe batch: the share of its argmax predictions that changed since the last probe."""
         from hf_sanity.training import probe
