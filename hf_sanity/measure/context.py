@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from hf_sanity import progress
+from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.encode import EncodeOptions, Encoder, template_kwargs
 from hf_sanity.measure.families import own_families
 from hf_sanity.measure.formats import conversation_of, read_as
@@ -28,6 +29,7 @@ from hf_sanity.measure.tensors import pad_batches, pad_id
 from hf_sanity.tokenview import TokenView
 
 CALIBRATION_ROWS = 64
+ABLATION_EXAMPLES = 16  # examples whose inputs are blanked to see what the prompt and the input contribute
 
 
 class _Counted:
@@ -387,6 +389,42 @@ class Context:
         return pad_batches(seqs, pad_id(self.tokenizer), batch_size)
 
     @cached_property
+    def input_ablation(self) -> dict[str, float] | None:
+        """The loss on the supervised tokens of a few sampled examples as they are, with everything else
+        (the prompt and the template's scaffolding) replaced by one filler token, and with every input token
+        replaced: what the prompt contributes to predicting the answer, and whether the input reaches the
+        model at all. None without a model or supervised tokens."""
+        if not self.has_model or not self.sample_indices:
+            return None
+        rows = [self.row(i) for i in self.sample_indices[:ABLATION_EXAMPLES]]
+        max_len = self.options.max_len
+        seqs = [(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows]
+        tok = self.tokenizer
+        filler = next(t for t in (tok.pad_token_id, tok.unk_token_id, tok.eos_token_id, 0) if t is not None)
+        keep = {tok.bos_token_id}
+
+        def blank(ids, labels, everything):
+            return [
+                i if i in keep or (not everything and lab != IGNORE_INDEX) else filler
+                for i, lab in zip(ids, labels, strict=True)
+            ], labels
+
+        measured = {}
+        for name, variant in (
+            ("as_is", seqs),
+            ("prompt_blanked", [blank(i, lab, False) for i, lab in seqs]),
+            ("input_blanked", [blank(i, lab, True) for i, lab in seqs]),
+        ):
+            result = token_loss(self.model, self.batches(variant), max_tokens=None)
+            if not result["tokens"]:
+                return None
+            measured[name] = result["loss"]
+        measured["examples"] = len(seqs)
+        measured["filler"] = tok.convert_ids_to_tokens(filler)
+        measured["answer_in_prompt"] = float(np.mean([_answer_in_prompt(i, lab) for i, lab in seqs]))
+        return measured
+
+    @cached_property
     def init_loss(self) -> dict[str, float] | None:
         """Mean step-0 loss over the supervised tokens of the sample (one no-grad pass, model state kept), or
         the step-0 numbers the context was built with (the callback measures them on the first batch)."""
@@ -395,3 +433,19 @@ class Context:
         if not self.has_model or not self.sample_indices:
             return None
         return token_loss(self.model, self.sample_batches())
+
+
+def _answer_in_prompt(ids: Sequence[int], labels: Sequence[int]) -> float:
+    """The share of an example's supervised token pairs (bigrams) that also occur in its unsupervised part:
+    1.0 when the answer is copied into the prompt, in pieces or whole; ~0 for an answer the prompt does not
+    contain."""
+    supervised = [i for i, lab in enumerate(labels) if lab != IGNORE_INDEX]
+    pairs = [(ids[i - 1], ids[i]) for i in supervised if i > 0]
+    if not pairs:
+        return 0.0
+    prompt = {
+        (ids[i - 1], ids[i])
+        for i in range(1, len(ids))
+        if labels[i] == IGNORE_INDEX and labels[i - 1] == IGNORE_INDEX
+    }
+    return sum(pair in prompt for pair in pairs) / len(pairs)

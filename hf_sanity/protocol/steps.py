@@ -26,6 +26,7 @@ LR_MIN, LR_MAX, LR_PER_DECADE = 1e-7, 1.0, 8
 MASK_STAGE = "tokens"
 VOCAB_RULE = "vocab-size-mismatch"
 INIT_RULE = "init-loss-off-chance"
+INPUT_RULE = "input-ignored"  # both flat at chance: does the input reach the model at all?
 
 
 # -- 2. step-0 loss --------------------------------------------------------------------------------
@@ -40,7 +41,7 @@ def run_init_loss(pipeline: Pipeline, model) -> tuple[list, dict[str, Any]]:
     if pipeline.tokenizer is None:
         return [], {"loss": None, "note": "no tokenizer: the step-0 loss check needs one"}
     ctx = batch_context(pipeline, model)
-    findings = catalog.run_all("context", ctx, Selection(select=frozenset({INIT_RULE})))
+    findings = catalog.run_all("context", ctx, Selection(select=frozenset({INIT_RULE, INPUT_RULE})))
     measured = ctx.init_loss or {}
     vocab = pipeline.vocab_size or len(pipeline.tokenizer)
     stats = {
