@@ -153,3 +153,27 @@ def test_checkpointing_is_read_without_the_deprecated_name(tmp_path, model_tok):
         report = preflight(trainer=trainer, select="checkpointing-blocks-grads", use_config=False)
     assert report.findings == []
     assert [str(w.message) for w in caught if "deprecated" in str(w.message)] == []
+
+
+@pytest.mark.planted("init-loss-off-chance")
+def test_a_compute_loss_that_scales_the_loss_is_judged_before_training(tmp_path, model_tok):
+    """preflight(trainer=...) judges the loss the trainer computes, not only the model's own: a compute_loss
+    that returns 10x the cross-entropy starts at ~69 against ln(V) = 6.9."""
+    model, tok = model_tok
+
+    class ScaledLossTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            return loss * 10
+
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    scaled = ScaledLossTrainer(
+        model=model, args=args(tmp_path), train_dataset=token_rows(tok), data_collator=collator
+    )
+    (finding,) = preflight(trainer=scaled, select="init-loss-off-chance", use_config=False).findings
+    assert finding.evidence["cause"] == "trainer-loss" and finding.evidence["ratio"] == pytest.approx(
+        10, rel=0.05
+    )
+    assert "compute_loss" in finding.fix
+    plain = Trainer(model=model, args=args(tmp_path), train_dataset=token_rows(tok), data_collator=collator)
+    assert preflight(trainer=plain, select="init-loss-off-chance", use_config=False).findings == []

@@ -425,6 +425,34 @@ class Context:
         return measured
 
     @cached_property
+    def trainer_loss(self) -> float | None:
+        """What the trainer's own ``compute_loss`` returns on its first batch (with ``num_items_in_batch``, as
+        Trainer passes it): the loss that trains, which a custom compute_loss may scale or replace. None
+        without a trainer and a batch with labels."""
+        import inspect
+
+        import torch
+
+        from hf_sanity.measure.tensors import model_device, to_device
+        from hf_sanity.untouched import untouched
+
+        trainer, batch = self.trainer, self.first_batch
+        if trainer is None or batch is None or "labels" not in batch or not hasattr(trainer, "compute_loss"):
+            return None
+        model = trainer.model
+        device = model_device(model)
+        inputs = to_device({k: v for k, v in batch.items() if hasattr(v, "shape")}, device)
+        parameters = inspect.signature(trainer.compute_loss).parameters
+        extra = {}
+        if "num_items_in_batch" in parameters:
+            items = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+            extra["num_items_in_batch"] = torch.tensor(items, device=device)
+        with untouched(model), torch.no_grad():
+            loss = trainer.compute_loss(model, dict(inputs), **extra)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        return float(loss.detach().float().mean())
+
+    @cached_property
     def init_loss(self) -> dict[str, float] | None:
         """Mean step-0 loss over the supervised tokens of the sample (one no-grad pass, model state kept), or
         the step-0 numbers the context was built with (the callback measures them on the first batch)."""

@@ -289,6 +289,41 @@ def check_init_loss(ctx):
         )
 
 
+TRAINER_SCALED = 1.5  # a trainer loss 1.5x the model's own cross-entropy is scaled, not noise
+
+
+@INIT_LOSS_OFF_CHANCE.check(
+    applies=lambda ctx: ctx.trainer is not None and ctx.first_batch is not None and ctx.has_model
+)
+def check_trainer_loss(ctx):
+    """The loss that trains: the trainer's own compute_loss on its first batch, against chance and against the
+    model's own cross-entropy on the same examples (a scaled or replaced loss starts far above chance while
+    the model does not)."""
+    loss, measured = ctx.trainer_loss, ctx.init_loss
+    vocab = ctx.embedding_rows or len(ctx.tokenizer)
+    if loss is None or measured is None or not measured["tokens"] or not math.isfinite(loss):
+        return
+    chance = math.log(vocab)
+    model_loss = measured["loss"]
+    if not far_above_chance(loss, chance) or loss < TRAINER_SCALED * model_loss:
+        return  # the model's own loss is what is off, if anything: check_init_loss says so with its cause
+    yield INIT_LOSS_OFF_CHANCE.finding(
+        f"the trainer's compute_loss returns {loss:.2f} on its first batch, far above chance "
+        f"ln(V)={chance:.2f} and {loss / model_loss:.1f}x the model's own cross-entropy {model_loss:.2f}",
+        evidence={
+            "trainer_loss": loss,
+            "model_loss": model_loss,
+            "ratio": loss / model_loss,
+            "ln_vocab": chance,
+            "compute_loss": f"{type(ctx.trainer).__name__}.compute_loss",
+            "direction": "above",
+            "cause": "trainer-loss",
+        },
+        fix="The loss your training step computes is not the model's cross-entropy: check the custom "
+        "compute_loss (a scale factor, a sum where a mean belongs, the reduction over micro-batches).",
+    )
+
+
 ANSWER_IN_PROMPT = 0.5  # share of an answer's token pairs found in its prompt: copied, whole or in pieces
 BELOW_CHANCE_FIX = {
     "answer-in-input": "Remove the answer from the prompt (check the function or template that builds it; see "
