@@ -380,6 +380,7 @@ def _run_in_order(order, subject, selection, step, skipped: dict[str, list[str]]
         blocking = [n for n in rules[detector.rule].needs if n in failed]
         if blocking:
             skipped.setdefault(blocking[0], []).append(detector.rule)
+            failed.add(detector.rule)  # what needs a skipped rule cannot run either
             continue
         found = run(detector, subject, step=step)
         if any(f.severity == "error" or f.rule == INTERNAL_ERROR.slug for f in found):

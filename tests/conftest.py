@@ -22,6 +22,27 @@ def _no_user_config(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture(autouse=True)
+def _no_internal_error(request, monkeypatch):
+    """A check that breaks in any test is a failure of that test, whatever the test asserts: every
+    `internal-error` finding made in-process is recorded and fails it (tests of the guard itself are marked
+    ``@pytest.mark.internal_error_expected``)."""
+    from hf_sanity import catalog
+
+    made = []
+    real = catalog.internal_error
+
+    def recording(check, exc, step=None):
+        finding = real(check, exc, step)
+        made.append(finding.message)
+        return finding
+
+    monkeypatch.setattr(catalog, "internal_error", recording)
+    yield
+    if made and request.node.get_closest_marker("internal_error_expected") is None:
+        pytest.fail(f"{len(made)} internal-error finding(s): " + " | ".join(made[:3]), pytrace=False)
+
+
 def real_tokenizer(name: str):
     """A real model family's tokenizer from ../shared/real-tokenizers (skips where that folder is absent)."""
     from transformers import AutoTokenizer

@@ -117,6 +117,7 @@ def test_a_run_with_the_callback_is_bit_for_bit_the_run_without(tmp_path):
 
 
 @pytest.mark.planted("internal-error")
+@pytest.mark.internal_error_expected
 def test_a_check_that_breaks_is_an_internal_error_and_training_goes_on(tmp_path, monkeypatch):
     from hf_sanity.rules.training.gradients import GradientMonitor
     from hf_sanity.training import first_batch

@@ -391,6 +391,7 @@ def test_a_plateau_after_a_drop_is_not_flat():
     assert C.loss_flat(curves) == []
 
 
+@pytest.mark.internal_error_expected
 def test_a_broken_detector_becomes_an_internal_error(monkeypatch):
     def boom(curves):
         raise RuntimeError("boom")
