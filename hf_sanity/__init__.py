@@ -6,6 +6,7 @@ report = hf_sanity.preflight(trainer=trainer)            # the exact batches the
 trainer = Trainer(..., callbacks=[hf_sanity.SanityCallback()])
 report = hf_sanity.diagnose(trainer=trainer)             # the ordered debugging protocol
 report = hf_sanity.doctor(["out/checkpoint-500"])        # post-mortem of a finished run
+report = hf_sanity.outputs(model=model, tokenizer=tokenizer, dataset=held_out)  # what the model says
 """
 
 from hf_sanity.version import __version__
@@ -15,6 +16,7 @@ from hf_sanity.version import __version__
 _PUBLIC = {
     "preflight": "hf_sanity.drivers.preflight",
     "doctor": "hf_sanity.drivers.doctor",
+    "outputs": "hf_sanity.drivers.outputs",
     "SanityCallback": "hf_sanity.callback",
     "overfit": "hf_sanity.protocol",
     "diagnose": "hf_sanity.protocol",
@@ -35,4 +37,14 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_PUBLIC])
 
 
-__all__ = ["Finding", "Report", "SanityCallback", "__version__", "diagnose", "doctor", "overfit", "preflight"]
+__all__ = [
+    "Finding",
+    "Report",
+    "SanityCallback",
+    "__version__",
+    "diagnose",
+    "doctor",
+    "outputs",
+    "overfit",
+    "preflight",
+]
