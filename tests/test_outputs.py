@@ -186,6 +186,10 @@ def test_an_applied_adapter_changes_the_outputs_and_leaves_the_model_as_it_was(h
     gens = generate(peft_model, tok, held_out_prompts(held_out, n=4))
     assert all(s.text.startswith("Sure.") for s in gens.samples)
     assert check(peft_model, tok, held_out, base=model, select="adapter-no-effect").findings == []
+    # The PEFT model as its own base: compared with its adapter switched off.
+    assert check(peft_model, tok, held_out, base=peft_model, select="adapter-no-effect").findings == []
+    with pytest.raises(UserInputError, match="base is the fine-tuned model itself"):
+        check(model, tok, held_out, base=model)
 
 
 @pytest.mark.slow
@@ -443,3 +447,120 @@ def test_side_by_side_in_terminal_json_and_html(tmp_path):
     assert '<table class="sidebyside" data-row="0">' in page
     assert '<mark class="stray">&lt;|im_start|&gt;</mark>' in page
     assert "<b>And</b>" not in page and "&lt;b&gt;And&lt;/b&gt;" in page
+
+
+# -- during training: SanityCallback(generate_every=N, generate_prompts=K) ----------------------------------
+def tokenized(tok, rows, *, labels: bool = True) -> datasets.Dataset:
+    from hf_sanity.testing.trained import supervised_labels
+
+    out = []
+    for row in rows:
+        ids, labs = supervised_labels(tok, row["messages"])
+        out.append({"input_ids": ids, "labels": labs} if labels else {"input_ids": ids})
+    return datasets.Dataset.from_list(out)
+
+
+def test_generation_check_validates_and_waits_for_its_step():
+    from hf_sanity.callback import SanityCallback
+    from hf_sanity.training.generation import GenerationCheck
+
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="generate_every"):
+            SanityCallback(generate_every=bad)
+    with pytest.raises(ValueError, match="generate_prompts"):
+        SanityCallback(generate_every=10, generate_prompts=0)
+    with pytest.raises(ValueError, match="generate_prompts"):
+        SanityCallback(generate_every=10, generate_prompts=[])
+    assert SanityCallback().generation is None  # off by default
+    check = GenerationCheck(100)
+    assert [check.due(s) for s in (50, 100)] == [False, True]
+    check.last = 100
+    assert [check.due(s) for s in (150, 200)] == [False, True]
+
+
+@pytest.mark.slow
+def test_generation_check_on_a_trainers_tokenized_eval_rows():
+    """The plain object, without a Trainer: prompts from tokenized eval rows (labels mark the answer), the
+    outputs rules at the given step, a budget of twice the longest reference."""
+    from hf_sanity.selection import resolve
+    from hf_sanity.training.generation import GenerationCheck
+
+    selection = resolve(use_config=False)
+    model, tok = trained_setup("eos-masked")
+    check = GenerationCheck(10, 4)
+    prompts = check.prompts_for(tok, tokenized(tok, held_out_conversations(16)))
+    assert len(prompts) == 4 and all(p.ids and p.reference for p in prompts)
+    assert check.budget(tok, prompts) == 32  # short references: 2 x ~8 + 16
+    found = check.check(model, tok, prompts, selection, step=10)
+    assert [(f.rule, f.step) for f in found if f.rule == "never-stops"] == [("never-stops", 10)]
+    clean, tok = trained_setup("clean")
+    assert check.check(clean, tok, prompts, selection, step=20) == []
+    rows = GenerationCheck(10, held_out_conversations(3)).prompts_for(tok, None)  # rows given directly
+    assert [p.reference is not None for p in rows] == [True] * 3
+
+
+def train_with_generation(tmp_path, *, trap: bool, steps: int, every: int, eval_every: int):
+    """A real Trainer run of the tiny model with evaluations every ``every`` steps and the output check on.
+    ``trap``: pad == EOS and a language-modelling collator that masks every pad token, EOS included."""
+    import torch
+    from transformers import (
+        DataCollatorForLanguageModeling,
+        DataCollatorForSeq2Seq,
+        Trainer,
+        TrainingArguments,
+    )
+
+    from hf_sanity.callback import SanityCallback
+    from hf_sanity.testing import TinyConfig, demo_conversations, tiny_model_for
+
+    tok = build_tokenizer("chatml", "eos" if trap else "distinct")
+    model = tiny_model_for(tok, TinyConfig())
+    train = tokenized(tok, demo_conversations(256), labels=not trap)
+    held = tokenized(tok, held_out_conversations(16), labels=not trap)
+    collator = DataCollatorForLanguageModeling(tok, mlm=False) if trap else DataCollatorForSeq2Seq(tok)
+    callback = SanityCallback(
+        "error",
+        select="outputs",
+        use_config=False,
+        print_findings=False,
+        generate_every=every,
+        generate_prompts=8,
+    )
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=32, learning_rate=3e-3,
+        lr_scheduler_type="constant", eval_strategy="steps", eval_steps=eval_every, logging_steps=50,
+        report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args, train_dataset=train, eval_dataset=held, data_collator=collator,
+        processing_class=tok, callbacks=[callback],
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the tiny model trains several times faster on one thread
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+    return trainer, callback
+
+
+@pytest.mark.slow
+@pytest.mark.planted("never-stops")
+def test_a_run_that_will_never_stop_is_caught_at_its_first_checked_evaluation(tmp_path):
+    trainer, callback = train_with_generation(tmp_path, trap=True, steps=300, every=150, eval_every=75)
+    (finding,) = callback.report.findings
+    assert finding.rule == "never-stops" and finding.step == 150  # evaluations at 75 (too early) and 150
+    assert trainer.state.global_step < 300  # abort_on="error": the run stopped there
+    assert callback.report.stats["generate"] == {"every": 150, "checks": 1, "prompts": 8, "last_step": 150}
+    written = json.loads((tmp_path / "out" / "hf-sanity" / "report.json").read_text())
+    assert written["findings"][0]["side_by_side"][0]["prompt"]
+
+
+@pytest.mark.slow
+@pytest.mark.clean("outputs")
+def test_a_correct_run_generates_at_its_evaluations_and_stays_silent(tmp_path):
+    trainer, callback = train_with_generation(tmp_path, trap=False, steps=250, every=100, eval_every=125)
+    assert callback.report.findings == []
+    assert trainer.state.global_step == 250
+    assert callback.report.stats["generate"]["checks"] == 2  # at steps 125 and 250
+    assert callback.report.stats["callback_seconds_by_check"]["outputs"] < 5

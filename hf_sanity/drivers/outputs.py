@@ -76,7 +76,7 @@ def outputs(
     ``tokenizer``'s. ``generation_config``: how the model is served (default: the model's own); generation is
     greedy whatever it says, and stops on its ``eos_token_id``, the tokenizer's EOS and the template's end of
     turn. ``base``: the base model, to compare outputs with (``adapter-no-effect``); pass the very ``model``
-    object with ``adapter=`` to compare with and without the adapter. ``dataset``: conversations
+    object (a PEFT model, or a base model with ``adapter=``) to compare with and without the adapter. ``dataset``: conversations
     (``messages``, ShareGPT ``conversations``), ``prompt``/``completion`` rows (or ``prompt`` alone), Alpaca
     rows; the prompt side of each row is what is sent, its last answer the reference. Nothing of the model,
     its generation config or the tokenizer is changed.
@@ -109,6 +109,11 @@ def outputs(
         max_new_tokens=max_new_tokens, generation_config=generation_config, batch_size=batch_size, seed=seed
     )
     same_base = base is not None and base is model
+    if same_base and adapter is None and not hasattr(model, "disable_adapter"):
+        raise UserInputError(
+            "base is the fine-tuned model itself: pass the base model, or the model with adapter= (the outputs are "
+            "then compared with and without the adapter)"
+        )
     with contextlib.ExitStack() as stack:
         run = model
         if adapter is not None:
@@ -116,13 +121,12 @@ def outputs(
 
             run = stack.enter_context(attached_adapter(model, adapter))
         gens = generate(run, served, prompts, **options)
-        if base is not None:
-            if same_base and hasattr(run, "disable_adapter"):
-                with run.disable_adapter():
-                    base_gens = generate(run, served, prompts, **options)
-            else:
-                base_gens = generate(base, served, prompts, **options)
+        if same_base:  # the same model with its adapter switched off
+            with run.disable_adapter():
+                base_gens = generate(run, served, prompts, **options)
             gens = with_base(gens, base_gens)
+        elif base is not None:
+            gens = with_base(gens, generate(base, served, prompts, **options))
     report = Report(title="hf-sanity outputs")
     report.extend(catalog.run_all("outputs", gens, selection))
     report.stats.update(gens.stats())

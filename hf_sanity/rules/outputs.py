@@ -340,8 +340,8 @@ ANSWER_TRUNCATED = define(
     "answer-truncated",
     severity="warning",
     stage="outputs",
-    symptom="Answers stop early, in the middle of a sentence, far shorter than the answers the model was "
-    "trained on.",
+    symptom="Answers stop early, in the middle of a sentence (or at once, empty), far shorter than the answers the "
+    "model was trained on.",
     detects="With reference answers: a generation that stops (end of turn or EOS) at "
     f"{TRUNCATED_RATIO:.0%} or less of its reference's length in tokens and mid-sentence, where the reference "
     f"ends a sentence; a warning when {TRUNCATED_SHARE:.0%} or more of the judged generations are cut.",
@@ -378,12 +378,14 @@ def answer_truncated(gens):
     if not bad or share < TRUNCATED_SHARE:
         return
     ratios = [round(len(s.body) / s.reference_tokens, 3) for s in bad]
+    empty = sum(1 for s in bad if not s.text.strip())
     yield ANSWER_TRUNCATED.finding(
         f"{len(bad)} of {len(judged)} generations ({share:.0%}) stop mid-sentence at {min(ratios):.0%}-"
-        f"{max(ratios):.0%} of their reference's length",
+        f"{max(ratios):.0%} of their reference's length" + (f" ({empty} of them empty)" if empty else ""),
         evidence={
             "fraction": share,
             "truncated": len(bad),
+            "empty": empty,
             "judged": len(judged),
             "length_ratio": ratios[:10],
             "rows": [s.row for s in bad[:10]],
