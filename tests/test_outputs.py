@@ -69,12 +69,12 @@ def held_out():
 # -- the fine-tuned fixtures: each planted bug fires its rule, the clean model none ----------------------
 @pytest.mark.slow
 @pytest.mark.clean("outputs")
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_correctly_fine_tuned_model_is_silent_with_margin(seed):
-    """Three sets of held-out prompts: not one generation is judged faulty by any rule (the thresholds are
-    shares of 10-90%; the clean model's shares are all 0)."""
-    model, tok = trained_setup("clean")
-    rows = datasets.Dataset.from_list(held_out_conversations(48, seed=seed))
+    """Three training seeds, each on its own set of held-out prompts: not one generation is judged faulty by
+    any rule (the thresholds are shares of 10-90% of the generations; the clean model's are all 0)."""
+    model, tok = trained_setup("clean", seed)
+    rows = datasets.Dataset.from_list(held_out_conversations(48, seed=seed + 1))
     report = check(model, tok, rows, n=48)
     assert report.findings == []
     assert report.stats["prompts"] == 48 and report.stats["stopped"] == 48
@@ -422,6 +422,23 @@ def test_bad_input_is_one_clear_error(tiny):
         check(model, base, rows)
     # Plain-text prompts need no chat template.
     assert check(model, base, as_prompt_completion(rows), max_new_tokens=4).stats["prompts"] == 4
+    # A template that rejects some rows: those are left out and said; all of them: one line.
+    picky = copy.deepcopy(tok)
+    picky.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}{% endif %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    six = held_out_conversations(6)
+    system = [i for i, r in enumerate(six) if r["messages"][0]["role"] == "system"]
+    assert 0 < len(system) < 6
+    report = check(model, picky, six, max_new_tokens=4)
+    skipped = report.stats["prompts_not_rendered"]
+    assert skipped["rows"] == system and "no system turns" in skipped["first_problem"]
+    assert report.stats["prompts"] == 6 - len(system)
+    with_system = [r for r in held_out_conversations(12) if r["messages"][0]["role"] == "system"]
+    with pytest.raises(UserInputError, match="cannot render any of the prompts"):
+        check(model, picky, with_system, max_new_tokens=4)
 
 
 # -- the report: side by side in the terminal, JSON and HTML -----------------------------------------------------
@@ -564,3 +581,31 @@ def test_a_correct_run_generates_at_its_evaluations_and_stays_silent(tmp_path):
     assert trainer.state.global_step == 250
     assert callback.report.stats["generate"]["checks"] == 2  # at steps 125 and 250
     assert callback.report.stats["callback_seconds_by_check"]["outputs"] < 5
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen2.5-instruct",
+        "llama3-instruct",
+        "mistral-instruct",
+        "phi3-instruct",
+        "deepseek-r1-distill",
+        "tinyllama-chat",
+    ],
+)
+def test_real_tokenizers_render_generate_and_check_without_breaking(name):
+    """Real families' templates and special tokens, on a tiny random model matching each vocabulary: every
+    rule runs (none breaks), the served stops are the family's, and what the random model writes is judged."""
+    from conftest import real_tokenizer
+    from hf_sanity.testing import TinyConfig, tiny_model_for
+
+    tok = real_tokenizer(name)
+    model = tiny_model_for(tok, TinyConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1))  # fmt: skip
+    rows = held_out_conversations(4)
+    if name == "mistral-instruct":  # its template takes no system turn
+        rows = [{"messages": [m for m in r["messages"] if m["role"] != "system"]} for r in rows]
+    report = check(model, tok, rows, max_new_tokens=12)
+    assert report.stats["prompts"] == 4 and "prompts_not_rendered" not in report.stats
+    assert "stop-token-mismatch" not in rules_of(report)  # tiny_model_for ships the family's stop tokens

@@ -81,7 +81,7 @@ def outputs(
     rows; the prompt side of each row is what is sent, its last answer the reference. Nothing of the model,
     its generation config or the tokenizer is changed.
     """
-    from hf_sanity.measure.generate import generate, held_out_prompts, with_base
+    from hf_sanity.measure.generate import generate, held_out_prompts, renderable, with_base
 
     selection = resolve(select, ignore, use_config=use_config)
     check_options(n=n, max_new_tokens=max_new_tokens, batch_size=batch_size, alpaca_template=alpaca_template)
@@ -105,6 +105,10 @@ def outputs(
             "the tokenizer has no chat template, so the conversations cannot be rendered as they will be served; "
             "pass --inference-tokenizer with the tokenizer you serve with (or prompts as plain text)"
         )
+    prompts, problems = renderable(served, prompts)
+    if not prompts:
+        row, problem = next(iter(problems.items()))
+        raise UserInputError(f"the tokenizer cannot render any of the prompts (row {row}: {problem})")
     options = dict(
         max_new_tokens=max_new_tokens, generation_config=generation_config, batch_size=batch_size, seed=seed
     )
@@ -130,6 +134,9 @@ def outputs(
     report = Report(title="hf-sanity outputs")
     report.extend(catalog.run_all("outputs", gens, selection))
     report.stats.update(gens.stats())
+    if problems:  # rows the chat template rejected: left out, and said
+        report.stats["prompts_not_rendered"] = {"count": len(problems), "rows": sorted(problems)[:10],
+                                                "first_problem": next(iter(problems.values()))}  # fmt: skip
     if adapter is not None:
         report.stats["adapter"] = str(adapter)
     report.stats["seconds"] = round(time.perf_counter() - started, 2)

@@ -326,6 +326,23 @@ def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     return tokenizer(prompt.text)["input_ids"]
 
 
+def renderable(tokenizer, prompts: Sequence[Prompt]) -> tuple[list[Prompt], dict[int, str]]:
+    """The prompts the tokenizer renders, and why each other one fails (row -> one line): a chat template that
+    rejects a row (a role it does not know, a system turn it refuses) is that row's problem, not the run's."""
+    ok, problems = [], {}
+    for prompt in prompts:
+        try:
+            if encode_prompt(tokenizer, prompt):
+                ok.append(prompt)
+            else:
+                problems[prompt.row] = "the prompt renders to no tokens"
+        except Exception as exc:
+            problems[prompt.row] = (
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            )
+    return ok, problems
+
+
 def generate(
     model,
     tokenizer,
