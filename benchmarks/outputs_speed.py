@@ -16,7 +16,13 @@ import time
 
 import datasets
 
-RULE_SHARES = ("never-stops", "stray-markers-in-output", "repeats-prompt", "repetition-loop", "answer-truncated")
+RULE_SHARES = (
+    "never-stops",
+    "stray-markers-in-output",
+    "repeats-prompt",
+    "repetition-loop",
+    "answer-truncated",
+)
 PLANTED = {
     "eos-masked": "never-stops",
     "wrong-template": "stray-markers-in-output",

@@ -100,5 +100,33 @@ class OutputView:
             )
 
 
+EXAMPLES = 3  # examples a finding keeps
+
+
+def side_by_side(gens, title: str, samples, *, marks=None, base: bool = False) -> OutputView:
+    """The first offending ``samples`` of ``gens`` (a `measure.generate.Generations`) side by side: prompt,
+    generation (special tokens shown), reference, and the base model's generation with ``base``; ``marks``:
+    a function of a sample giving the substrings to highlight."""
+    examples = []
+    for sample in list(samples)[:EXAMPLES]:
+        columns = [("prompt", sample.prompt), ("generation", sample.raw), ("reference", sample.reference)]
+        if base:
+            columns.append(("base model", sample.base_text))
+        examples.append(
+            OutputExample.of(
+                sample.row, columns, note=ending(gens, sample), marks=marks(sample) if marks else ()
+            )
+        )
+    return OutputView(title, tuple(examples))
+
+
+def ending(gens, sample) -> str:
+    """How a generation ended, in words."""
+    if sample.stopped:
+        token = gens.token_names.get(sample.ids[-1], str(sample.ids[-1]))
+        return f"stopped on {token} after {len(sample.ids)} tokens"
+    return f"no {gens.expected_stop} in {gens.max_new_tokens} tokens: max_new_tokens reached"
+
+
 def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -210,6 +210,7 @@ def test_a_served_config_without_the_end_of_turn_is_caught_with_the_generations_
         "<|endoftext|>"
     ]
     assert finding.evidence["ended_on_end_of_turn"] == finding.evidence["generations"] == 32
+    assert finding.example.examples[0].note.startswith("stopped on <|im_end|>")  # side by side, as the others
     assert str(tok.convert_tokens_to_ids("<|im_end|>")) in finding.fix
 
 
@@ -609,3 +610,50 @@ def test_real_tokenizers_render_generate_and_check_without_breaking(name):
     report = check(model, tok, rows, max_new_tokens=12)
     assert report.stats["prompts"] == 4 and "prompts_not_rendered" not in report.stats
     assert "stop-token-mismatch" not in rules_of(report)  # tiny_model_for ships the family's stop tokens
+
+
+def test_output_rules_read_the_generations_and_never_change_them():
+    """Every `outputs` detector on one Generations that trips all of them: each fires, none breaks, and what
+    they read is the same object, equal to a copy taken before (the dataclasses are frozen, too)."""
+    import dataclasses
+
+    from hf_sanity import catalog
+
+    bad = [
+        sample(
+            i,
+            raw="What is it? [INST] x x x x x x x x x",
+            text="What is it? x x x x x x x x x",
+            stop=LENGTH,
+            ids=[7] * 16,
+            reference="A full answer here.",
+            reference_tokens=8,
+            base_ids=tuple([7] * 16),
+            loop=(1, 15, 16),
+        )
+        for i in range(4)
+    ]
+    cut = [
+        sample(
+            4 + i,
+            text="The",
+            ids=[1, 3],
+            reference="The answer is long.",
+            reference_tokens=8,
+            base_ids=(1, 3),
+        )
+        for i in range(4)
+    ]
+    g = gens(
+        *bad, *cut, has_base=True, served_stop_ids=frozenset({0}), token_names={0: "<eos>", 3: "<|im_end|>"}
+    )
+    before = copy.deepcopy(g)
+    fired_rules = set()
+    for detector in catalog.detectors("outputs"):
+        for finding in catalog.run(detector, g):
+            assert finding.rule != "internal-error", finding.message
+            fired_rules.add(finding.rule)
+    assert fired_rules == set(OUTPUT_RULES)
+    assert g == before
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        g.samples = ()

@@ -20,7 +20,7 @@ import re
 from collections import Counter
 
 from hf_sanity.catalog import define
-from hf_sanity.outputview import OutputExample, OutputView
+from hf_sanity.outputview import side_by_side
 
 # A rule fires when at least this share of the judged generations shows its symptom.
 NEVER_STOPS_SHARE = 0.2
@@ -47,33 +47,10 @@ SENTENCE_END = tuple(".!?…。！？\"'”’)]}>`*|")
 ROLE_HEADER = re.compile(
     r"(?m)^[ \t]*(?:#{1,3}[ \t]*)?(?:user|assistant|system|human|gpt)[ \t]*:?[ \t]*$", re.IGNORECASE
 )
-EXAMPLES = 3  # side-by-side examples kept in a finding's evidence
 
 
 def _share(count: int, total: int) -> float:
     return count / total if total else 0.0
-
-
-def _view(gens, title: str, samples, *, marks=None, base: bool = False) -> OutputView:
-    """The first offending samples side by side: prompt, generation, reference (and the base model's)."""
-    examples = []
-    for sample in samples[:EXAMPLES]:
-        columns = [("prompt", sample.prompt), ("generation", sample.raw), ("reference", sample.reference)]
-        if base:
-            columns.append(("base model", sample.base_text))
-        examples.append(
-            OutputExample.of(
-                sample.row, columns, note=_ending(gens, sample), marks=marks(sample) if marks else ()
-            )
-        )
-    return OutputView(title, tuple(examples))
-
-
-def _ending(gens, sample) -> str:
-    if sample.stopped:
-        token = gens.token_names.get(sample.ids[-1], str(sample.ids[-1]))
-        return f"stopped on {token} after {len(sample.ids)} tokens"
-    return f"no {gens.expected_stop} in {gens.max_new_tokens} tokens: max_new_tokens reached"
 
 
 # -- never-stops -------------------------------------------------------------------------------------------
@@ -145,7 +122,9 @@ def never_stops(gens):
             "looping": looping,
             "rows": [s.row for s in running[:10]],
         },
-        example=_view(gens, "never stops", running, marks=lambda s: [m for m in written if m in s.raw]),
+        example=side_by_side(
+            gens, "never stops", running, marks=lambda s: [m for m in written if m in s.raw]
+        ),
         fix=fix,
         rows=[s.row for s in running],
     )
@@ -217,7 +196,7 @@ def stray_markers_in_output(gens):
             "markers": dict(counts.most_common(8)),
             "rows": [s.row for s in bad[:10]],
         },
-        example=_view(gens, "stray markers", bad, marks=lambda s: hits[s.row]),
+        example=side_by_side(gens, "stray markers", bad, marks=lambda s: hits[s.row]),
         fix=fix,
         rows=[s.row for s in bad],
     )
@@ -285,7 +264,7 @@ def repeats_prompt(gens):
             "copied_share": [round(echoes[s.row][1] / echoes[s.row][2], 3) for s in bad[:10]],
             "rows": [s.row for s in bad[:10]],
         },
-        example=_view(gens, "echoes the prompt", bad, marks=lambda s: [echoes[s.row][0]]),
+        example=side_by_side(gens, "echoes the prompt", bad, marks=lambda s: [echoes[s.row][0]]),
         rows=[s.row for s in bad],
     )
 
@@ -330,7 +309,7 @@ def repetition_loop(gens):
             "loop_share": [round(s.loop_tokens / max(len(s.body), 1), 3) for s in bad[:10]],
             "rows": [s.row for s in bad[:10]],
         },
-        example=_view(gens, "repetition loop", bad, marks=lambda s: [s.loop_unit]),
+        example=side_by_side(gens, "repetition loop", bad, marks=lambda s: [s.loop_unit]),
         rows=[s.row for s in bad],
     )
 
@@ -390,7 +369,7 @@ def answer_truncated(gens):
             "length_ratio": ratios[:10],
             "rows": [s.row for s in bad[:10]],
         },
-        example=_view(gens, "answer cut short", bad),
+        example=side_by_side(gens, "answer cut short", bad),
         rows=[s.row for s in bad],
     )
 
@@ -427,5 +406,5 @@ def adapter_no_effect(gens):
             "compared": len(compared),
             "differing_rows": differ[:10],
         },
-        example=_view(gens, "identical to the base model", same, base=True),
+        example=side_by_side(gens, "identical to the base model", same, base=True),
     )

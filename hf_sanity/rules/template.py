@@ -299,14 +299,19 @@ def outputs_stop_token(gens):
     stops = gens.served_stop_ids
     if closing in stops:
         return
+    from hf_sanity.outputview import side_by_side
+
     ended = [s for s in gens.samples if s.stopped and s.ids[-1] == closing]
-    yield _stop_token_mismatch(
+    finding = _stop_token_mismatch(
         gens.end_of_turn,
         closing,
         stops,
         {i: gens.token_names.get(i, str(i)) for i in stops},
         ended=(len(ended), len(gens.samples)),
     )
+    if ended:
+        finding.example = side_by_side(gens, "ends on a token the served config does not stop on", ended)
+    yield finding
 
 
 def _stop_token_mismatch(turn_end: str, closing: int, stops, names: dict, ended=None):
