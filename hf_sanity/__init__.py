@@ -5,6 +5,7 @@ report = hf_sanity.preflight(model=model, tokenizer=tokenizer, dataset=train, ma
 report = hf_sanity.preflight(trainer=trainer)            # the exact batches the model will see
 trainer = Trainer(..., callbacks=[hf_sanity.SanityCallback()])
 report = hf_sanity.diagnose(trainer=trainer)             # the ordered debugging protocol
+report = hf_sanity.served(merged, base=base, adapter="out/adapter", tokenizer=tokenizer)  # what is served
 report = hf_sanity.doctor(["out/checkpoint-500"])        # post-mortem of a finished run
 report = hf_sanity.outputs(model=model, tokenizer=tokenizer, dataset=held_out)  # what the model says
 """
@@ -17,6 +18,7 @@ _PUBLIC = {
     "preflight": "hf_sanity.drivers.preflight",
     "doctor": "hf_sanity.drivers.doctor",
     "outputs": "hf_sanity.drivers.outputs",
+    "served": "hf_sanity.drivers.served",
     "SanityCallback": "hf_sanity.callback",
     "overfit": "hf_sanity.protocol",
     "diagnose": "hf_sanity.protocol",
@@ -47,4 +49,5 @@ __all__ = [
     "outputs",
     "overfit",
     "preflight",
+    "served",
 ]

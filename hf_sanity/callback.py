@@ -22,7 +22,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hf_sanity.selection import resolve
-from hf_sanity.training import first_batch, memory, replay, shards
+from hf_sanity.training import first_batch, memory, outcome, replay, shards
 from hf_sanity.training.generation import GenerationCheck
 from hf_sanity.training.instrument import Instruments, find_trainer, move_before_reporters
 from hf_sanity.training.measures import StepSampler, train_only_modules, vocab_size
@@ -36,7 +36,8 @@ ABORT_CHOICES = ("error", "never")
 
 
 class SanityCallback(TrainerCallback):
-    """Watches a Trainer run; findings in :attr:`report` and in ``output_dir/hf-sanity/report.json``.
+    """Watches a Trainer run; findings in :attr:`report` and in ``output_dir/hf-sanity/report.json``; a stop
+    at an error in ``trainer.state.hf_sanity_aborted_at_step`` too (see :mod:`hf_sanity.training.outcome`).
 
     ``abort_on="error"`` stops training cleanly (``control.should_training_stop``) at the first error finding,
     after writing the report; ``"never"`` (the default) only reports. ``select``/``ignore`` pick rules as in
@@ -98,6 +99,7 @@ class SanityCallback(TrainerCallback):
         sink = self.sink
         with sink.guard("callback-setup"):  # first and alone: every rank must agree on the world size
             sink.is_main = bool(state.is_world_process_zero)
+            outcome.begin(state)
             self.trainer = find_trainer()
             sink.rank, sink.world_size = world()
         with sink.guard("callback-setup"):
@@ -148,12 +150,7 @@ class SanityCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
-        if (
-            self.probe_every
-            and step % self.probe_every == 0
-            and self.sink.wants("predictions-frozen")
-            and self._probes_run()
-        ):
+        if self.first.probe_due(step, self.probe_every, self.sink) and self._probes_run():
             with self.sink.guard("predictions-frozen"), self.instruments.quiet():
                 self.first.probe(self.model, self.recorder, step)
         if step % self.check_every == 0 or control.should_log:
@@ -161,7 +158,7 @@ class SanityCallback(TrainerCallback):
         if self.sink.world_size > 1 and step % self.sync_every == 0:
             self._sync(step, control)
         if self.sink.stop_pending and self.sink.world_size == 1:
-            self._stop(control)
+            outcome.stop(self.sink, control, self.trainer, step)
         return control
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
@@ -173,13 +170,12 @@ class SanityCallback(TrainerCallback):
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs is not None:
-            logs.update({f"hf_sanity/{slug}": count for slug, count in self.sink.counts.items()})
+        outcome.log_counts(self.sink, state, logs)  # and into state.log_history, which Trainer keeps
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
         try:
-            self._read(now=state.global_step, control=control)
+            self._read(now=state.global_step)  # the run is over: nothing left to stop
             self._curves(state, final=True)
             if self.sink.world_size > 1:
                 self._sync(state.global_step, control, final=True)
@@ -268,22 +264,15 @@ class SanityCallback(TrainerCallback):
             self._memory_check(now)
         self.held.release(now)
         if self.sink.stop_pending and control is not None and self.sink.world_size == 1:
-            self._stop(control)
+            outcome.stop(self.sink, control, self.trainer, now)
 
     def _diagnose(self, step: int, micro: list[float], weights_step: int | None) -> dict[str, Any]:
-        """The facts of the first non-finite loss: the batch itself, a replay of it, the batch saved."""
-        facts: dict[str, Any] = {}
-        if "nonfinite-loss" not in self.sink.counts and self.sink.wants("nonfinite-loss"):
-            with self.sink.guard("nonfinite-loss"), self.instruments.quiet():
-                half, skip = (
-                    (self.sampler.half, self.sampler.sharding.replay_skip) if self.sampler else (False, None)
-                )
-                facts = replay.nonfinite_facts(
-                    step, micro, self.held, self.model, now=self._step, weights_step=weights_step,
-                    half=half or bool(self._autocast), autocast=self._autocast or None, replay_skip=skip,
-                    save=self.sink.save_batch,
-                )  # fmt: skip
-        return facts
+        with self.sink.guard("nonfinite-loss"), self.instruments.quiet():
+            return replay.first_nonfinite(
+                self.sink, self.sampler, self.held, self.model, step=step, micro=micro, now=self._step,
+                weights_step=weights_step, autocast=self._autocast,
+            )  # fmt: skip
+        return {}  # the check broke: an internal-error finding
 
     def _probes_run(self) -> bool:
         """The probes' extra forward may run here. It runs on every rank at the same point (the first training
@@ -296,38 +285,14 @@ class SanityCallback(TrainerCallback):
                 self.monitors.feed(step, memory.held_now(self.trainer, self.model, skip=self))
 
     def _curves(self, state, *, final: bool) -> None:
-        if not self.sink.is_main:
-            return
-        with self.sink.guard("curves"):
-            from hf_sanity.drivers.curves import analyze
-
-            per_step = self.sink.world_size == 1
-            curves = self.history.curves(
-                state.log_history, vocab_size=vocab_size(self.model), per_step=per_step
-            )
-            found = analyze(curves, final=final, online=True, ran=self.monitors.ran)
-            for finding in found:
-                finding.step = state.global_step if finding.step is None else finding.step
-            self.sink.emit(found)
+        self.monitors.curves(self.history, state, vocab_size=vocab_size(self.model), final=final)
 
     # -- findings, stopping, DDP ---------------------------------------------------------------------
     def _sync(self, step: int, control, final: bool = False) -> None:
         with self.sink.guard("callback-sync"):
             stop = self.exchange.sync(step, self.model, self.sink, self.monitors.feed)
             if stop and self.abort_on == "error" and not final:
-                self._stop(control)
-
-    def _stop(self, control) -> None:
-        self.sink.stop_pending = False
-        with self.sink.guard("report"):
-            self.sink.write()
-        for ctl in (control, getattr(self.trainer, "control", None)):
-            if ctl is not None:
-                ctl.should_training_stop = True
+                outcome.stop(self.sink, control, self.trainer, step)
 
     def _stats(self, steps: int) -> dict[str, Any]:
-        stats = self.sink.stats(steps=steps, reads=self._reads, transfers=self.recorder.transfers)
-        sharding = self.sampler.sharding if self.sampler is not None else None
-        if sharding is not None and (sharding.engine or sharding.sharded):
-            stats["sharding"] = sharding.stats()  # what ran on which layout, and what did not, with why
-        return stats
+        return outcome.stats(self.sink, self.sampler, self.recorder, steps=steps, reads=self._reads)

@@ -26,6 +26,7 @@ needs neither torch nor transformers, so `hf-sanity rules` and option validation
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pkgutil
 import sys
@@ -35,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_sanity import progress
 from hf_sanity.errors import UserInputError
 from hf_sanity.findings import SEVERITIES, Finding, Severity
 
@@ -337,10 +339,11 @@ def run_all(
     stages: Iterable[str] | None = None,
     online: bool | None = None,
     step: int | None = None,
+    show: str | None = None,
 ) -> list[Finding]:
     """Every enabled detector of ``kind`` on ``subject``, each guarded; findings as ``selection`` configures
     them (silenced rules dropped, severities overridden). Protocol detectors run only on the measurement
-    type they read.
+    type they read. ``show``: the name of the progress phase they run in (the rule running is shown with it).
 
     Preconditions first: a rule's ``needs`` run before it (measured even when not selected, reported only
     when selected); when one of them finds an error (or breaks), the rule is skipped and one
@@ -356,10 +359,27 @@ def run_all(
             frontier.extend(rules[slug].needs)
     order = [d for slug in _dependency_order(needed) for d in rules[slug].detectors if d.kind == kind]
     order += [d for d in wanted if d.rule not in needed]
-    failed: set[str] = set()
     skipped: dict[str, list[str]] = {}  # failed precondition -> the rules skipped for it
+    with progress.phase(show, total=len(order)) if show else contextlib.nullcontext():
+        out = _run_in_order(order, subject, selection, step, skipped)
+    for precondition, rules_skipped in skipped.items():
+        names = sorted(set(rules_skipped))
+        out.append(
+            CHECKS_SKIPPED.finding(
+                f"skipped {', '.join(names)}: {'they need' if len(names) > 1 else 'it needs'} {precondition} to "
+                "pass first",
+                evidence={"skipped": names, "needs": precondition},
+                step=step,
+            )
+        )
+    return out
+
+
+def _run_in_order(order, subject, selection, step, skipped: dict[str, list[str]]) -> list[Finding]:
+    rules = load()
+    failed: set[str] = set()
     out: list[Finding] = []
-    for detector in order:
+    for detector in progress.each(order, detail=lambda d: d.rule):
         if detector.reads is not None and not isinstance(subject, detector.reads):
             continue
         if detector.applies is not None and not detector.applies(subject):
@@ -376,16 +396,6 @@ def run_all(
                 kept = selection.apply(finding)
                 if kept is not None:
                     out.append(kept)
-    for precondition, rules_skipped in skipped.items():
-        names = sorted(set(rules_skipped))
-        out.append(
-            CHECKS_SKIPPED.finding(
-                f"skipped {', '.join(names)}: {'they need' if len(names) > 1 else 'it needs'} {precondition} to "
-                "pass first",
-                evidence={"skipped": names, "needs": precondition},
-                step=step,
-            )
-        )
     return out
 
 

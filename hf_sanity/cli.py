@@ -76,9 +76,23 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _show_progress() -> None:
+    """What a long command is doing, on stderr while it works: on a terminal only (nothing when piped), cleared
+    before the report prints."""
+    from hf_sanity import progress
+
+    progress.enable(err_console)
+
+
+def _progress_off() -> None:
+    if "hf_sanity.progress" in sys.modules:
+        sys.modules["hf_sanity.progress"].disable()
+
+
 def _finish(
     report, json_path: Path | None, html_path: Path | None = None, rows_path: Path | None = None
 ) -> None:
+    _progress_off()
     if rows_path is not None:
         report.write_rows(rows_path)
         report.stats["rows_file"] = str(rows_path)
@@ -198,6 +212,7 @@ def preflight_command(
         raise UserInputError(f"--num-proc must be at least 1, got {num_proc}")
     if eval_dataset and eval_split:
         raise UserInputError("pass --eval-dataset or --eval-split, not both")
+    _show_progress()
     _quiet_libraries()
     from hf_sanity.drivers.preflight import preflight
     from hf_sanity.measure.adapters import adapter_config, adapter_state
@@ -401,6 +416,7 @@ def doctor_command(
     from hf_sanity.selection import resolve
 
     resolve(select, ignore)  # an unknown slug fails before anything is read
+    _show_progress()
     _quiet_libraries()
     from hf_sanity.drivers.doctor import doctor
 
@@ -409,6 +425,61 @@ def doctor_command(
     )
     if plot is not None:
         console.print(f"[dim]plot written to {plot}[/dim]")
+    _finish(report, json, html)
+
+
+@app.command("served")
+def served_command(
+    model: Annotated[
+        str, typer.Option(help="The served model: the merged model folder a server loads (or hub id).")
+    ],
+    base: Annotated[str, typer.Option(help="The base model the adapter was trained on (folder or hub id).")],
+    adapter: Annotated[str, typer.Option(help="The trained PEFT adapter folder (save_pretrained's output).")],
+    dataset: Annotated[
+        str | None,
+        typer.Option(help="Rows to compare the logits on (default: a few built-in conversations)."),
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="Tokenizer folder or hub id (default: --model's).")
+    ] = None,
+    split: SplitOpt = "train",
+    sample: Annotated[int, typer.Option(help="Examples to compare the logits on.")] = 8,
+    trust_remote_code: TrustOpt = False,
+    json: JsonOpt = None,
+    html: HtmlOpt = None,
+    select: SelectOpt = None,
+    ignore: IgnoreOpt = None,
+) -> None:
+    """Check that the served model computes what was trained: base + adapter against the merged model."""
+    from hf_sanity.selection import resolve
+
+    resolve(select, ignore)
+    if sample < 1:
+        raise UserInputError(f"--sample must be at least 1, got {sample}")
+    if not Path(adapter).is_dir():
+        raise UserInputError(
+            f"adapter {adapter!r} is not a folder; pass the folder written by peft's save_pretrained"
+        )
+    _quiet_libraries()
+    from hf_sanity.drivers.served import served
+    from hf_sanity.measure.adapters import adapter_config, adapter_state, fit_to_adapter
+    from hf_sanity.measure.sources import load_config, load_dataset_ref, load_model, load_tokenizer
+
+    adapter_config(adapter)
+    state = adapter_state(adapter)  # an unreadable adapter fails before a model is loaded
+    load_config(model, trust_remote_code=trust_remote_code)
+    load_config(base, trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(
+        tokenizer or model, trust_remote_code=trust_remote_code, kind="tokenizer" if tokenizer else "model"
+    )
+    data = load_dataset_ref(dataset, split) if dataset else None
+    served_model = load_model(model, trust_remote_code=trust_remote_code)
+    base_model = load_model(base, dtype=served_model.dtype, trust_remote_code=trust_remote_code)
+    fit_to_adapter(base_model, state)  # tokens added for training: the base resized as it was then
+    report = served(
+        served_model, base=base_model, adapter=adapter, tokenizer=tok, dataset=data, sample=sample,
+        select=select, ignore=ignore,
+    )  # fmt: skip
     _finish(report, json, html)
 
 
@@ -422,6 +493,7 @@ def _protocol_options(n: int, steps: int, lr: float | None, max_len: int | None,
 def _pipeline(options, *, model, dataset, tokenizer, split, adapter_config, lora_r, lora_alpha, lora_target,
               trust_remote_code):  # fmt: skip
     """The pipeline overfit and diagnose train on, loaded from the command line's paths."""
+    _show_progress()
     _quiet_libraries()
     from hf_sanity.protocol.build import from_paths
 
@@ -507,7 +579,10 @@ def diagnose_command(
 def main() -> None:
     """Entry point: bad input is one line on stderr and exit code 2, never a traceback."""
     try:
-        code = app(standalone_mode=False)  # click returns the typer.Exit code in this mode
+        try:
+            code = app(standalone_mode=False)  # click returns the typer.Exit code in this mode
+        finally:
+            _progress_off()  # before any message: the display is cleared first
         sys.exit(code or 0)
     except UserInputError as exc:
         err_console.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True, markup=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import select
 import subprocess
 import sys
 
@@ -39,6 +41,43 @@ def cli(
         timeout=timeout,
         env=env,
     )
+
+
+def cli_on_terminal(*args, cwd=None, timeout: int = 300) -> tuple[int, str, str]:
+    """`hf-sanity ARGS...` with its stderr on a pseudo-terminal (as in an interactive shell) and its stdout on a
+    pipe: (exit code, stdout, what the terminal showed on stderr, escape codes removed, one entry per redraw
+    on its own line)."""
+    import pty
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160", "TERM": "xterm"}
+    env.pop("RANK", None)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hf_sanity.cli", *map(str, args)], stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=slave, cwd=cwd, env=env,
+    )  # fmt: skip
+    os.close(slave)
+    out_fd = proc.stdout.fileno()
+    got = {master: b"", out_fd: b""}
+    open_fds, deadline = set(got), time.monotonic() + timeout
+    while open_fds and time.monotonic() < deadline:
+        ready, _, _ = select.select(list(open_fds), [], [], 0.2)
+        for fd in ready:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:  # the terminal's other end is closed: the process exited
+                chunk = b""
+            if chunk:
+                got[fd] += chunk
+            else:
+                open_fds.discard(fd)
+    os.close(master)
+    proc.stdout.close()
+    code = proc.wait(timeout=10)
+    out, shown = got[out_fd].decode(), got[master]
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode("utf-8", "replace"))
+    return code, out, "\n".join(line.strip() for line in re.split(r"[\r\n]", text) if line.strip())
 
 
 def assert_one_line_error(result, *needles) -> None:

@@ -179,6 +179,15 @@ def test_the_catalog_and_option_checks_load_without_torch_or_transformers():
     assert "unknown rule or stage 'no-such-rule'" in result.stderr
 
 
+def test_the_callback_stays_a_thin_adapter():
+    """SanityCallback translates Trainer events into calls on plain objects of hf_sanity.training; what it
+    decides or computes lives there, where it is tested without a Trainer."""
+    lines = (PACKAGE / "callback.py").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 300, (
+        f"hf_sanity/callback.py has {len(lines)} lines: move logic to hf_sanity/training/"
+    )
+
+
 # -- the context is read-only ---------------------------------------------------------------------------
 def test_no_rule_writes_to_the_context(tmp_path, conversations):
     """Every context detector runs on one context (a model, a trained adapter, an eval split, an inference

@@ -34,6 +34,7 @@ def ddp_runs(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
+    (out / "stderr.txt").write_text(result.stderr)  # both ranks' (torchrun passes them through)
     return out
 
 
@@ -94,3 +95,17 @@ def test_a_learning_rate_far_too_high_under_ddp_is_caught(ddp_runs):
     report = json.loads((ddp_runs / "hot" / "hf-sanity" / "report.json").read_text())
     diverged = [f for f in report["findings"] if f["rule"] == "loss-diverged"]
     assert diverged and diverged[0]["evidence"]["cause"] == "lr-too-high"
+
+
+def test_an_abort_stops_every_rank_after_the_step_and_says_so_once(ddp_runs):
+    run = ddp_runs / "abort"
+    for rank in (0, 1):  # the stop was agreed in the exchange: every rank stopped after the same step
+        seen = json.loads((run / f"rank{rank}.json").read_text())
+        assert (seen["steps"], seen["aborted_at_step"]) == (3, 3)
+    stats = json.loads((run / "hf-sanity" / "report.json").read_text())["stats"]
+    assert stats["aborted_at_step"] == 3 and stats["aborted_by"] in ("nonfinite-loss", "nonfinite-grad")
+    said = [
+        line for line in (ddp_runs / "stderr.txt").read_text().splitlines() if "stopping training" in line
+    ]
+    assert len(said) == 1, said  # the main process alone says it
+    assert "after step 3" in said[0] and f"{stats['aborted_by']} @ step 3" in said[0]

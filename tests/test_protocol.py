@@ -261,6 +261,40 @@ def test_zero_gradient_through_a_path_multiplied_by_zero(model, tok):
     assert grads["nonzero"] == 0 and grads["zero"] > 0
 
 
+class PositionsOnly(torch.nn.Module):
+    """A custom model with a bug: it embeds the positions where it meant the tokens. Gradients flow and the
+    loss falls, to the per-position average of the examples, never to zero."""
+
+    def __init__(self, vocab: int, width: int = 32):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, width)
+        self.positions = torch.nn.Embedding(512, width)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids, labels=None):
+        import types
+
+        steps = torch.arange(input_ids.shape[1], device=input_ids.device)
+        hidden = self.positions(steps).expand(input_ids.shape[0], -1, -1)  # the bug: self.tokens(input_ids)
+        logits = self.head(hidden)
+        loss = None
+        if labels is not None:
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
+        return types.SimpleNamespace(loss=loss, logits=logits)
+
+
+def test_a_model_that_ignores_its_input_is_named_not_an_lr_problem(tok):
+    """The LR search would call it not-converged and point at capacity; the probe knows the input never
+    reaches the model."""
+    torch.manual_seed(0)
+    report = overfit(model=PositionsOnly(len(tok)), tokenizer=tok, dataset=demo_conversations(8), steps=60)
+    assert cause(report) == "input-ignored"
+    finding = report.by_rule("overfit-failed")[0]
+    assert finding.evidence["input_ignored"] is True and "input_ids" in finding.fix
+
+
 def test_optimizer_step_that_updates_nothing(model, tok, tmp_path):
     class LoggingAdamW(torch.optim.AdamW):
         def step(self, closure=None):  # a wrapper meant to log the step, that never calls the real one

@@ -76,3 +76,58 @@ def test_context_beyond_sliding_window(chatml, conversations):
     assert finding.evidence["kind"] == "sliding window"
     config.sliding_window = None
     assert run(chatml, conversations, select="context-beyond-window", model_config=config).findings == []
+
+
+def sft_trainer(tmp_path, max_length: int, callbacks=()):
+    """TRL's SFTTrainer on conversational prompt/completion rows, loss on the completions, cut at max_length."""
+    import datasets
+    from dist import tinytrain as tt
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_sanity.testing import as_prompt_completion
+
+    model, tok = tt.setup()
+    data = datasets.Dataset.from_list(as_prompt_completion(demo_conversations(32), conversational=True))
+    config = SFTConfig(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3,
+        report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, completion_only_loss=True,
+        max_length=max_length,
+    )  # fmt: skip
+    trainer = SFTTrainer(
+        model=model, args=config, train_dataset=data, processing_class=tok, callbacks=list(callbacks)
+    )
+    return trainer, data
+
+
+@pytest.mark.planted("truncated-completion")
+@pytest.mark.parametrize("max_length", [30, 40])
+def test_answers_cut_by_sft_trainer_are_truncation_not_a_masked_eos(tmp_path, max_length):
+    """SFTTrainer cuts at max_length before hf-sanity sees a batch: the completion that lost its end-of-turn
+    is truncated-completion (cause: the trainer's max_length), not eos-not-learned with a pad-token fix; the
+    rows the cut left without a completion token, which TRL drops, are counted against the dataset given."""
+    from hf_sanity import preflight
+    from hf_sanity.callback import SanityCallback
+
+    watch = SanityCallback(use_config=False, print_findings=False)
+    trainer, data = sft_trainer(tmp_path, max_length, [watch])
+    dropped = len(data) - len(trainer.train_dataset)
+    assert dropped > 0  # the planted bug: rows whose prompt fills max_length
+    for report in (preflight(trainer=trainer), preflight(trainer=trainer, dataset=data)):
+        assert "eos-not-learned" not in {f.rule for f in report.findings}
+        (finding,) = report.by_rule("truncated-completion")
+        assert finding.evidence["cause"] == "trainer-max-length"
+        assert finding.evidence["dropped_by_trainer"] == dropped and finding.evidence["rows_passed"] == 32
+        assert finding.severity == "error" and "max_length" in finding.fix
+    trainer.train()
+    found = {f.rule: f for f in watch.report.findings}
+    assert "eos-not-learned" not in found and "internal-error" not in found
+    assert found["truncated-completion"].evidence["cause"] == "trainer-max-length"
+
+
+@pytest.mark.clean("truncated-completion", "eos-not-learned")
+def test_sft_trainer_whose_max_length_fits_is_silent(tmp_path):
+    from hf_sanity import preflight
+
+    trainer, data = sft_trainer(tmp_path, 128)
+    report = preflight(trainer=trainer, dataset=data)
+    assert [f.rule for f in report.findings if f.severity != "info"] == []

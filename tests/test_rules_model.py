@@ -135,6 +135,10 @@ def test_init_loss_far_below_chance_when_the_model_has_seen_the_data(setup, conv
             optimizer.zero_grad()
     (finding,) = run(tok, rows, model=model, select="init-loss-off-chance").findings
     assert finding.evidence["direction"] == "below"
+    # It answers from the question, but the questions do not contain the answers: it has seen them.
+    assert finding.evidence["cause"] == "seen-data", finding.message
+    assert finding.evidence["loss_prompt_blanked"] > 2 * finding.evidence["loss"]
+    assert finding.evidence["answer_in_prompt"] < 0.5 and "trained on these examples" in finding.fix
 
 
 @pytest.mark.planted("no-trainable-params")

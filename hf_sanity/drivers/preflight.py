@@ -24,7 +24,7 @@ def run_checks(
 ) -> Report:
     """Every enabled context detector of ``stages`` on ``ctx``, each in the catalog's guard."""
     report = report or Report(title="hf-sanity preflight")
-    report.extend(catalog.run_all("context", ctx, selection, stages=stages))
+    report.extend(catalog.run_all("context", ctx, selection, stages=stages, show="running checks"))
     return report
 
 
@@ -53,7 +53,8 @@ def preflight(
     """Inspect a fine-tuning setup before any training step and return a :class:`Report`.
 
     Pass ``model``/``tokenizer``/``dataset`` (objects; the CLI loads them from paths), or ``trainer=`` to
-    inspect the exact batches of ``trainer.get_train_dataloader()`` after the trainer's own collator.
+    inspect the exact batches of ``trainer.get_train_dataloader()`` after the trainer's own collator (with
+    ``dataset=``, the dataset given to the trainer: the rows it dropped are counted against it).
     ``model`` may be a callable returning the model, so it is loaded only if a model rule needs it;
     ``generation_config`` is how it will be served (the model object's own when not given).
     ``format``: the dataset format (default: detected from the columns; ShareGPT and Alpaca rows are read as
@@ -66,7 +67,10 @@ def preflight(
     if trainer is not None:
         from hf_sanity.measure.batches import trainer_context
 
-        ctx = trainer_context(trainer, tokenizer=tokenizer, max_len=max_len, sample=sample)
+        rows_given = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+        ctx = trainer_context(
+            trainer, tokenizer=tokenizer, max_len=max_len, sample=sample, rows_given=rows_given
+        )
     else:
         if tokenizer is None or dataset is None:
             raise UserInputError("preflight needs a tokenizer and a dataset (or trainer=...)")

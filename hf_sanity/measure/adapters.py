@@ -70,3 +70,16 @@ def attached_adapter(model, folder: str | Path):
             )
         for name, p in model.named_parameters():
             p.requires_grad_(trainable.get(name, p.requires_grad))
+
+
+def fit_to_adapter(model, state: dict) -> None:
+    """Resize ``model``'s token embeddings to the saved adapter's trained embedding (``modules_to_save``), as
+    the model was resized for training when tokens were added; a model that fits is left alone."""
+    rows = [
+        int(t.shape[0])
+        for k, t in state.items()
+        if "embed_tokens" in k and "lora_" not in k and t.dim() == 2 and t.numel()
+    ]
+    embeddings = model.get_input_embeddings()
+    if rows and embeddings is not None and max(rows) > embeddings.num_embeddings:
+        model.resize_token_embeddings(max(rows))

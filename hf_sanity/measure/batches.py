@@ -55,8 +55,11 @@ def batches_context(
     trainer=None,
     first_batch=None,
     init_loss=None,
+    arrived_cut_at: int | None = None,
+    rows_given: int | None = None,
 ) -> Context:
-    """A context over already-collated batches (what the model sees), up to ``sample`` examples."""
+    """A context over already-collated batches (what the model sees), up to ``sample`` examples;
+    ``arrived_cut_at``: the length the trainer cut them to (see ``EncodeOptions``)."""
     import datasets
 
     rows: list[dict[str, list[int]]] = []
@@ -72,12 +75,13 @@ def batches_context(
         tokenizer=tokenizer,
         dataset=data,
         fmt="tokens",
-        options=EncodeOptions(fmt="tokens", max_len=max_len),
+        options=EncodeOptions(fmt="tokens", max_len=max_len, arrived_cut_at=arrived_cut_at),
         model=model,
         trainer=trainer,
         sample=sample,
         first_batch=first_batch,
         init_loss=init_loss,
+        rows_given=rows_given,
     )
 
 
@@ -86,7 +90,20 @@ def trainer_max_len(trainer) -> int | None:
     return getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
 
 
-def trainer_context(trainer, *, tokenizer=None, max_len: int | None = None, sample: int = 256) -> Context:
+def trainer_cut_len(trainer) -> int | None:
+    """The length TRL's SFTTrainer cuts each example to, keeping its start (``truncation_mode="keep_start"``,
+    no packing): its rows arrive cut there. None when the trainer does not cut (or packs)."""
+    args = getattr(trainer, "args", None)
+    if args is None or getattr(args, "packing", False):
+        return None
+    if getattr(args, "truncation_mode", "keep_start") != "keep_start":
+        return None
+    return trainer_max_len(trainer)
+
+
+def trainer_context(
+    trainer, *, tokenizer=None, max_len: int | None = None, sample: int = 256, rows_given: int | None = None
+) -> Context:
     """The context of ``preflight(trainer=...)``: the first batches of ``trainer.get_train_dataloader()``.
 
     Drawing batches must not change the run: RNG states are restored, and the dataloader is a fresh one.
@@ -121,6 +138,8 @@ def trainer_context(trainer, *, tokenizer=None, max_len: int | None = None, samp
             sample=sample,
             trainer=trainer,
             first_batch=first,
+            arrived_cut_at=trainer_cut_len(trainer),
+            rows_given=rows_given,
         )
         ctx.encoded  # noqa: B018 - materialise while the RNG is preserved
     return ctx

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from hf_sanity import progress
+from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.encode import EncodeOptions, Encoder, template_kwargs
 from hf_sanity.measure.families import own_families
 from hf_sanity.measure.formats import conversation_of, read_as
@@ -28,6 +30,19 @@ from hf_sanity.measure.tensors import pad_batches, pad_id
 from hf_sanity.tokenview import TokenView
 
 CALIBRATION_ROWS = 64
+ABLATION_EXAMPLES = 16  # examples whose inputs are blanked to see what the prompt and the input contribute
+
+
+class _Counted:
+    """The encoder as ``datasets.map`` calls it in this process, each batch counted in the progress phase."""
+
+    def __init__(self, encoder) -> None:
+        self.encoder = encoder
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        out = self.encoder(batch)
+        progress.advance(len(next(iter(batch.values()), ())))
+        return out
 
 
 class Context:
@@ -53,6 +68,8 @@ class Context:
         init_loss: dict[str, float] | None = None,
         generation_config=None,
         task: str = "generative",
+        rows_given: int | None = None,
+        served_model=None,
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
@@ -75,6 +92,10 @@ class Context:
         # With a trainer: its first collated batch, exactly as the model receives it.
         store("first_batch", first_batch)
         store("_given_init_loss", init_loss)
+        # With an adapter: the model that is served in its place (merged and reloaded), to compare with the
+        # model + adapter that was trained.
+        store("served_model", served_model)
+        store("_rows_given", rows_given)  # with a trainer: the rows of the dataset the user passed it
         store("_generation_config", generation_config)
         store("reencode_rows", False)
         store("_scratch_dir", None)
@@ -132,26 +153,32 @@ class Context:
     def _map(self, dataset):
         import datasets
 
-        quiet = len(dataset) < 5000 and not datasets.utils.are_progress_bars_disabled()
-        if quiet:  # a progress bar for a second of work is noise
+        # A progress bar for a second of work is noise; under hf-sanity's display, datasets' draws over it.
+        quiet = (len(dataset) < 5000 or progress.active()) and not datasets.utils.are_progress_bars_disabled()
+        if quiet:
             datasets.disable_progress_bars()
+        counted = progress.active() and not (self.num_proc and self.num_proc > 1)  # other processes: no count
         try:
-            return dataset.map(
-                self.encoder,
-                batched=True,
-                batch_size=256,
-                num_proc=self.num_proc if self.num_proc and self.num_proc > 1 else None,
-                remove_columns=dataset.column_names,
-                desc="hf-sanity: tokenizing",
-                load_from_cache_file=False,
-                new_fingerprint=uuid.uuid4().hex,  # hashing the encoder (and its tokenizer) costs more than it saves
-                # datasets would write its cache file next to the data (a save_to_disk folder is the user's):
-                # ours goes to a scratch folder that lives as long as this context.
-                cache_file_name=str(self._scratch() / f"{uuid.uuid4().hex}.arrow"),
-            )
+            with progress.phase(f"tokenizing {len(dataset):,} rows", total=len(dataset) if counted else None):
+                return self._map_rows(dataset, _Counted(self.encoder) if counted else self.encoder)
         finally:
             if quiet:
                 datasets.enable_progress_bars()
+
+    def _map_rows(self, dataset, encode):
+        return dataset.map(
+            encode,
+            batched=True,
+            batch_size=256,
+            num_proc=self.num_proc if self.num_proc and self.num_proc > 1 else None,
+            remove_columns=dataset.column_names,
+            desc="hf-sanity: tokenizing",
+            load_from_cache_file=False,
+            new_fingerprint=uuid.uuid4().hex,  # hashing the encoder (and its tokenizer) costs more than it saves
+            # datasets would write its cache file next to the data (a save_to_disk folder is the user's):
+            # ours goes to a scratch folder that lives as long as this context.
+            cache_file_name=str(self._scratch() / f"{uuid.uuid4().hex}.arrow"),
+        )
 
     def _scratch(self) -> Path:
         if self._scratch_dir is None:
@@ -211,6 +238,83 @@ class Context:
 
     def first(self, mask: np.ndarray, limit: int = 10) -> list[int]:
         return [int(i) for i in np.flatnonzero(mask)[:limit]]
+
+    @cached_property
+    def trainer_rows(self) -> tuple[int, int] | None:
+        """(rows the user passed, rows the trainer trains on) when a trainer without packing dropped some: TRL
+        drops the examples its truncation left without a completion token. The rows passed are ``rows_given``,
+        else read from the trainer's dataset, whose ``filter`` keeps the table it selected from."""
+        data = getattr(self.trainer, "train_dataset", None)
+        if data is None or not self.options.arrived_cut_at or not hasattr(data, "__len__"):
+            return None
+        given = self._rows_given
+        if given is None and getattr(data, "_indices", None) is not None:
+            given = data.data.num_rows  # the table `filter` selected from: the rows before it dropped any
+        return (given, len(data)) if given is not None and given > len(data) else None
+
+    @cached_property
+    def attention(self):
+        """The facts of the first collated batch's attention mask (see ``measure.attention``), or None without
+        a batch."""
+        from hf_sanity.measure.attention import attention_facts
+
+        if self.first_batch is None:
+            return None
+        tok = self.tokenizer
+        ends = set(self.markers.stop_ids) | {tok.eos_token_id}
+        return attention_facts(
+            self.first_batch, pad_id=tok.pad_token_id, end_ids=ends, bos_id=tok.bos_token_id
+        )
+
+    @cached_property
+    def left_padding_shift(self) -> dict[str, Any] | None:
+        """The first left-padded example run as the batch holds it and alone, without its padding: the largest
+        difference of their logits on its tokens, against the logits' scale. They differ when the model's
+        positions count the padding (no position_ids given, absolute position embeddings); rotary embeddings
+        are relative and agree to rounding. None without a left-padded example, or a model."""
+        import torch
+
+        from hf_sanity.measure.tensors import forward_kwargs, model_device, to_device
+        from hf_sanity.untouched import untouched
+
+        facts = self.attention
+        if facts is None or not facts.left_padded_rows or facts.position_ids_given or not self.has_model:
+            return None
+        r = facts.left_padded_rows[0]
+        mask = self.first_batch["attention_mask"][r].bool()
+        ids = self.first_batch["input_ids"][r]
+        model = self.model
+        device = model_device(model)
+        padded = to_device({"input_ids": ids[None], "attention_mask": mask[None].long()}, device)
+        alone = to_device({"input_ids": ids[mask][None]}, device)
+        with untouched(model), torch.no_grad():
+            as_batched = model(**forward_kwargs(model, padded, use_cache=False)).logits[0, mask.to(device)]
+            by_itself = model(**forward_kwargs(model, alone, use_cache=False)).logits[0]
+        diff = float((as_batched.float() - by_itself.float()).abs().max())
+        return {
+            "max_logit_difference": diff,
+            "logit_scale": float(by_itself.float().abs().max()) or 1.0,
+            "pads": int((~mask).sum()),
+            "half": by_itself.dtype in (torch.float16, torch.bfloat16),
+        }
+
+    @cached_property
+    def served(self):
+        """The served model against the trained one (the model with the saved adapter attached) and the base
+        (the model alone), on the first sample batch and weight by weight (see ``measure.served``); None
+        without a served model, an adapter or a sample."""
+        from hf_sanity.measure.adapters import attached_adapter
+        from hf_sanity.measure.served import compare_served, logits
+
+        if self.served_model is None or not self.adapter_path or not self.has_model:
+            return None
+        batches = self.sample_batches(batch_size=4)
+        if not batches:
+            return None
+        batch = {k: v for k, v in batches[0].items() if k != "labels"}
+        base_logits = logits(self.model, batch)  # before the adapter's layers go into the model
+        with attached_adapter(self.model, self.adapter_path) as trained:
+            return compare_served(trained, self.served_model, batch, base_logits=base_logits)
 
     # -- model -------------------------------------------------------------------------------------
     @property
@@ -282,6 +386,42 @@ class Context:
         return pad_batches(seqs, pad_id(self.tokenizer), batch_size)
 
     @cached_property
+    def input_ablation(self) -> dict[str, float] | None:
+        """The loss on the supervised tokens of a few sampled examples as they are, with everything else
+        (the prompt and the template's scaffolding) replaced by one filler token, and with every input token
+        replaced: what the prompt contributes to predicting the answer, and whether the input reaches the
+        model at all. None without a model or supervised tokens."""
+        if not self.has_model or not self.sample_indices:
+            return None
+        rows = [self.row(i) for i in self.sample_indices[:ABLATION_EXAMPLES]]
+        max_len = self.options.max_len
+        seqs = [(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows]
+        tok = self.tokenizer
+        filler = next(t for t in (tok.pad_token_id, tok.unk_token_id, tok.eos_token_id, 0) if t is not None)
+        keep = {tok.bos_token_id}
+
+        def blank(ids, labels, everything):
+            return [
+                i if i in keep or (not everything and lab != IGNORE_INDEX) else filler
+                for i, lab in zip(ids, labels, strict=True)
+            ], labels
+
+        measured = {}
+        for name, variant in (
+            ("as_is", seqs),
+            ("prompt_blanked", [blank(i, lab, False) for i, lab in seqs]),
+            ("input_blanked", [blank(i, lab, True) for i, lab in seqs]),
+        ):
+            result = token_loss(self.model, self.batches(variant), max_tokens=None)
+            if not result["tokens"]:
+                return None
+            measured[name] = result["loss"]
+        measured["examples"] = len(seqs)
+        measured["filler"] = tok.convert_ids_to_tokens(filler)
+        measured["answer_in_prompt"] = float(np.mean([_answer_in_prompt(i, lab) for i, lab in seqs]))
+        return measured
+
+    @cached_property
     def init_loss(self) -> dict[str, float] | None:
         """Mean step-0 loss over the supervised tokens of the sample (one no-grad pass, model state kept), or
         the step-0 numbers the context was built with (the callback measures them on the first batch)."""
@@ -290,3 +430,19 @@ class Context:
         if not self.has_model or not self.sample_indices:
             return None
         return token_loss(self.model, self.sample_batches())
+
+
+def _answer_in_prompt(ids: Sequence[int], labels: Sequence[int]) -> float:
+    """The share of an example's supervised token pairs (bigrams) that also occur in its unsupervised part:
+    1.0 when the answer is copied into the prompt, in pieces or whole; ~0 for an answer the prompt does not
+    contain."""
+    supervised = [i for i, lab in enumerate(labels) if lab != IGNORE_INDEX]
+    pairs = [(ids[i - 1], ids[i]) for i in supervised if i > 0]
+    if not pairs:
+        return 0.0
+    prompt = {
+        (ids[i - 1], ids[i])
+        for i in range(1, len(ids))
+        if labels[i] == IGNORE_INDEX and labels[i - 1] == IGNORE_INDEX
+    }
+    return sum(pair in prompt for pair in pairs) / len(pairs)

@@ -117,6 +117,9 @@ class EncodeOptions:
     max_len: int | None = None
     min_leak_chars: int = 20
     alpaca_template: str | None = None  # "chat" or "text"; default: chat when the tokenizer has a template
+    # The rows arrive already cut at this length (a trainer's max_length, keeping the start): a row this long
+    # whose last completion has no end-of-turn lost its end to truncation, not to a masking bug.
+    arrived_cut_at: int | None = None
 
 
 # Every column the encoder writes, with its empty value (for rows that cannot be encoded).
@@ -132,6 +135,7 @@ MEASURES: dict[str, Any] = {
     "n_completion": 0,
     "n_completion_unsupervised": 0,
     "n_completion_cut": 0,
+    "arrived_cut": False,  # the row came cut at arrived_cut_at, inside a completion (how much is unknown)
     "n_prompt_supervised": -1,  # -1: turns could not be located
     "n_eot_missing": 0,
     "n_eot_unsupervised": 0,
@@ -531,16 +535,21 @@ class Encoder:
         stop_ids = self.markers.stop_ids
         trained_any = False
         untrained_width = 0
+        cut_at = self.options.arrived_cut_at
+        arrived_cut = False
         for span in spans:
             width = span.stop - span.start
             last = span.stop - 1
             ends = width > 0 and ids[last] in stop_ids
+            if not ends and cut_at and n >= cut_at and span.end == n:
+                arrived_cut = True  # its end-of-turn was past the cut: truncated-completion's, not missing
+                ends = None
             content_stop = last if ends else span.stop
             masked = labels[span.start : content_stop].count(ignore)
             n_completion += width
             n_completion_cut += max(0, span.stop - max(kept, span.start))
             sup_in_turns += (span.end - span.lead) - labels[span.lead : span.end].count(ignore)
-            if not ends:
+            if ends is False:
                 eot_missing += 1
             # A turn with no loss at all is history the user chose not to train (multi-turn data trained on
             # the last answer). Within a trained turn, every masked token is a bug; the end-of-turn token is
@@ -573,6 +582,7 @@ class Encoder:
             "n_completion": n_completion,
             "n_completion_unsupervised": n_completion_unsup,
             "n_completion_cut": n_completion_cut,
+            "arrived_cut": arrived_cut,
             "n_prompt_supervised": n_supervised - sup_in_turns if located else -1,
             "n_eot_missing": eot_missing,
             "n_eot_unsupervised": eot_unsup,

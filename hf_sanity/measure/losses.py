@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from hf_sanity import progress
 from hf_sanity.constants import IGNORE_INDEX
 
 CHUNK_ELEMENTS = 1 << 24  # logits per chunk (16M: 64 MB in float32), whatever the vocabulary
@@ -39,8 +40,9 @@ def token_loss(
     scorer = _SupervisedScorer(model, quota)
     total, count, entropy_sum = 0.0, 0, 0.0
     label_counts: dict[int, int] = {}
-    with untouched(model), scorer:
-        for batch in batches:
+    examples = sum(len(b["labels"]) for b in batches)
+    with untouched(model), scorer, progress.phase(f"model: loss on {examples} examples", total=len(batches)):
+        for batch in progress.each(batches):
             batch = to_device(batch, device)
             labels = batch["labels"]
             scorer.aim(labels)

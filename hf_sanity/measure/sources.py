@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hf_sanity import progress
 from hf_sanity.errors import UserInputError
 
 DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".pq": "parquet"}
@@ -66,6 +67,7 @@ def _unreachable(kind: str, ref: str, exc: BaseException) -> UserInputError | No
     return None
 
 
+@progress.phase("loading the tokenizer")
 def load_tokenizer(ref: str, *, trust_remote_code: bool = False, kind: str = "tokenizer"):
     """The tokenizer at ``ref``; ``kind`` names where the reference came from (``model`` when the tokenizer is
     read from the model folder)."""
@@ -107,6 +109,7 @@ def _check_model_folder(ref: str) -> Path:
     return path
 
 
+@progress.phase("loading the model")
 def load_model(ref: str, *, dtype=None, trust_remote_code: bool = False):
     import torch
     from transformers import AutoModelForCausalLM
@@ -125,6 +128,7 @@ def load_model(ref: str, *, dtype=None, trust_remote_code: bool = False):
         ) from None
 
 
+@progress.phase("loading the dataset")
 def load_dataset_ref(ref: str, split: str = "train"):
     """A local JSON/JSONL/CSV/Parquet file, a `save_to_disk` folder, a folder of data files, or a hub id."""
     import datasets

@@ -115,15 +115,11 @@ def encode_examples(
 
 
 def _model_loss(model):
-    import inspect
-
-    try:
-        names = set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        names = set(MODEL_INPUTS)
+    from hf_sanity.measure.tensors import forward_kwargs
 
     def loss(batch: dict):
-        out = model(**{k: v for k, v in batch.items() if k in names or k in MODEL_INPUTS[:3]})
+        # Only what the forward names: a custom `forward(input_ids, labels=None)` gets no attention_mask.
+        out = model(**forward_kwargs(model, batch, labels=True))
         value = out.loss if hasattr(out, "loss") else out[0]
         if value is None:
             raise ValueError("the model returned no loss (are labels in the batch?)")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hf_sanity import catalog
+from hf_sanity import catalog, progress
 from hf_sanity.errors import UserInputError
 from hf_sanity.protocol.build import build
 from hf_sanity.protocol.options import ProtocolOptions
@@ -217,7 +217,8 @@ def diagnose(
                 continue
             broken_check: list = []
             findings, items = [], []
-            with catalog.guard(f"diagnose layer {layer.number} ({layer.title})", broken_check):
+            shown = progress.phase(f"layer {layer.number} of {len(LAYERS)}: {layer.title}")
+            with shown, catalog.guard(f"diagnose layer {layer.number} ({layer.title})", broken_check):
                 findings, items = layer.run(pipeline, report, run_options)
             if broken_check:  # a check that breaks is a finding, and the next layer still runs
                 report.extend(broken_check)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from hf_sanity import progress
 from hf_sanity.measure.tensors import model_device, to_device
 from hf_sanity.protocol.pipeline import Learner, Pipeline, supervised_count
 from hf_sanity.rules.protocol import diverging, on_pace
@@ -72,14 +73,21 @@ def train(
     threshold: float,
     *,
     window: int | None = None,
+    name: str = "training",
 ) -> None:
     """Train until ``losses`` holds the loss after each of ``steps`` updates (``losses[i]``: after i updates;
     it may already hold the first ones). Stops once the loss is near zero or non-finite. With ``window`` (the
     LR search's runs) also once it diverges or, read every ``window`` steps, falls too slowly to get near zero:
-    more steps at that LR are not going to help."""
+    more steps at that LR are not going to help. ``name``: the progress phase it shows."""
+    with progress.phase(name, total=steps):
+        progress.advance(len(losses))
+        _train(pipeline, learner, weights, losses, steps, threshold, window)
+
+
+def _train(pipeline, learner, weights, losses, steps, threshold, window) -> None:
     held = optimizer_params(learner.optimizer)
     best = min((x for x in losses if math.isfinite(x)), default=math.inf)
-    for step in range(len(losses), steps + 1):
+    for step in progress.each(range(len(losses), steps + 1)):
         learner.optimizer.zero_grad(set_to_none=True)
         for p in learner.model.parameters():
             p.grad = None

@@ -85,7 +85,16 @@ def trial_run(
     trial = LRTrial(lr=lr, losses=[], threshold=threshold, window=window)
     error = None
     try:
-        train(pipeline, learner, weights, trial.losses, steps, threshold, window=window)
+        train(
+            pipeline,
+            learner,
+            weights,
+            trial.losses,
+            steps,
+            threshold,
+            window=window,
+            name=f"LR search: lr {lr:.2g}",
+        )
     except Exception as exc:  # a step that raises is not an LR problem: the search reports it as measured
         error = f"lr {lr:.3g}, step {len(trial.losses)}: {first_line(exc)}"
     trial.never_updated = [n for n, p in trained if signature(p) == initial[n]]

@@ -13,7 +13,7 @@ import math
 import time
 from typing import Any
 
-from hf_sanity import catalog
+from hf_sanity import catalog, progress
 from hf_sanity.numbers import fmt
 from hf_sanity.protocol.build import build
 from hf_sanity.protocol.loop import (
@@ -79,6 +79,7 @@ def probe(pipeline: Pipeline, learner: Learner, weights: list[float]) -> tuple[G
         path.loss_error = first_line(exc)
         return path, loss_value
     path.loss = loss_value
+    path.input_ignored = input_ignored(learner, pipeline.batches[0])
     path.loss_requires_grad = bool(first.requires_grad)
     path.loss_grad_fn = type(first.grad_fn).__name__ if first.grad_fn is not None else None
     if not math.isfinite(loss_value) and path.supervised_tokens != 0:
@@ -112,6 +113,28 @@ def probe(pipeline: Pipeline, learner: Learner, weights: list[float]) -> tuple[G
     return path, loss_value
 
 
+def input_ignored(learner: Learner, batch: dict) -> bool | None:
+    """Whether the loss on ``batch`` is exactly the same with every input token replaced by token 0 (eval
+    mode, no gradient, RNG kept): a model that computes the same whatever it reads. None: not measurable."""
+    import torch
+
+    from hf_sanity.untouched import untouched
+
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.numel() == 0:
+        return None
+    filler = 0 if int(ids.flatten()[0]) != 0 else 1
+    blanked = {**batch, "input_ids": torch.full_like(ids, filler)}
+    try:
+        with untouched(learner.model), torch.no_grad():
+            as_is, _ = forward_loss(learner, [batch], [1.0])
+            without, _ = forward_loss(learner, [blanked], [1.0])
+    except Exception:  # the gradient path reports a loss that cannot be computed; this is a side measurement
+        return None
+    a, b = float(as_is.detach().float()), float(without.detach().float())
+    return math.isfinite(a) and abs(a - b) <= 1e-6 * max(1.0, abs(a))
+
+
 def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[str, Any]]:
     """Train a working copy on the examples; the measurements and their stats. The user's model is untouched.
 
@@ -132,7 +155,8 @@ def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[
         held = {id(p) for p in optimizer_params(learner.optimizer)}
         trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and id(p) in held]
         initial = {n: signature(p) for n, p in trained}
-        path, loss0 = probe(pipeline, learner, weights)
+        with progress.phase("overfit: the first step (gradient path)"):
+            path, loss0 = probe(pipeline, learner, weights)
         threshold = near_zero_threshold(loss0, pipeline.vocab_size)
         losses = [loss0]
         broken = gradient_path_cause(path)
@@ -152,7 +176,8 @@ def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[
             budget = min(steps, CONFIRM_STEPS) if broken is not None else steps
             if to_train:
                 try:
-                    train(pipeline, learner, weights, losses, budget, threshold)
+                    name = f"overfit at lr {pipeline.lr:.2g}"
+                    train(pipeline, learner, weights, losses, budget, threshold, name=name)
                 except Exception as exc:  # a later step broke (the probe's passed): reported as measured
                     path.loss_error = f"step {len(losses)}: {first_line(exc)}"
             if path.updated:

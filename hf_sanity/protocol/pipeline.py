@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_sanity import progress
 from hf_sanity.constants import IGNORE_INDEX
 
 DEFAULT_MAX_GRAD_NORM = 1.0  # TrainingArguments' default
@@ -56,7 +57,8 @@ class Pipeline:
         """A deep copy of the model in train mode with regularisation off (optionally cast to ``dtype``)."""
         memo: dict[int, Any] = {}
         try:
-            model = copy.deepcopy(self.model, memo)
+            with progress.phase("copying the model"):
+                model = copy.deepcopy(self.model, memo)
         except Exception as exc:
             raise RuntimeError(
                 f"hf-sanity works on a copy of the model and cannot copy this one ({type(exc).__name__}: {exc})"

@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any
 
-from hf_sanity import catalog
+from hf_sanity import catalog, progress
 from hf_sanity.measure.tensors import forward_kwargs, model_device, to_device
 from hf_sanity.protocol.loop import clip_grads, forward_loss, micro_weights, optimizer_params
 from hf_sanity.protocol.pipeline import Pipeline
@@ -26,6 +26,7 @@ LR_MIN, LR_MAX, LR_PER_DECADE = 1e-7, 1.0, 8
 MASK_STAGE = "tokens"
 VOCAB_RULE = "vocab-size-mismatch"
 INIT_RULE = "init-loss-off-chance"
+INPUT_RULE = "input-ignored"  # both flat at chance: does the input reach the model at all?
 
 
 # -- 2. step-0 loss --------------------------------------------------------------------------------
@@ -40,7 +41,7 @@ def run_init_loss(pipeline: Pipeline, model) -> tuple[list, dict[str, Any]]:
     if pipeline.tokenizer is None:
         return [], {"loss": None, "note": "no tokenizer: the step-0 loss check needs one"}
     ctx = batch_context(pipeline, model)
-    findings = catalog.run_all("context", ctx, Selection(select=frozenset({INIT_RULE})))
+    findings = catalog.run_all("context", ctx, Selection(select=frozenset({INIT_RULE, INPUT_RULE})))
     measured = ctx.init_loss or {}
     vocab = pipeline.vocab_size or len(pipeline.tokenizer)
     stats = {
@@ -190,24 +191,25 @@ def run_lr_range(pipeline: Pipeline, lrs: list[float] | None = None) -> tuple[LR
         learner = pipeline.bind(model, lrs[0])
         weights = micro_weights(pipeline.batches)
         held = optimizer_params(learner.optimizer)
-        for lr in lrs:
-            for group in learner.optimizer.param_groups:
-                group["lr"] = lr
-            for p in model.parameters():
-                p.grad = None
-            try:
-                loss, _ = forward_loss(learner, pipeline.batches, weights)
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                break
-            seen_lrs.append(lr)
-            losses.append(float(loss.detach().float()))
-            if divergence_index(losses) is not None:
-                break
-            if loss.requires_grad:
-                loss.backward()
-            clip_grads(held, pipeline.max_grad_norm)
-            learner.optimizer.step()
+        with progress.phase("LR range test", total=len(lrs)):
+            for lr in progress.each(lrs):
+                for group in learner.optimizer.param_groups:
+                    group["lr"] = lr
+                for p in model.parameters():
+                    p.grad = None
+                try:
+                    loss, _ = forward_loss(learner, pipeline.batches, weights)
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+                    break
+                seen_lrs.append(lr)
+                losses.append(float(loss.detach().float()))
+                if divergence_index(losses) is not None:
+                    break
+                if loss.requires_grad:
+                    loss.backward()
+                clip_grads(held, pipeline.max_grad_norm)
+                learner.optimizer.step()
         del model, learner
     sweep = LRSweep(
         lrs=seen_lrs, losses=losses, lr_min=lrs[0], lr_max=lrs[-1], configured_lr=pipeline.configured_lr

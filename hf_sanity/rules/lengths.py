@@ -25,6 +25,9 @@ def check_truncated_completion(ctx):
     max_len = ctx.options.max_len
     if not max_len:
         return
+    if ctx.options.arrived_cut_at:  # a trainer's batches: the cut happened before hf-sanity saw the rows
+        yield from _cut_by_trainer(ctx, ctx.options.arrived_cut_at)
+        return
     cut = ctx.valid & (ctx.col("n_completion_cut") > 0)
     if not cut.any():
         return
@@ -71,6 +74,47 @@ def check_truncated_completion(ctx):
         severity="error" if fraction >= ERROR_FRACTION else "warning",
         fix=f"{first[0].upper()}{first[1:]}, or {second}.",
         rows=cut,
+    )
+
+
+def _cut_by_trainer(ctx, max_len: int):
+    """Rows the trainer cut at ``max_len`` inside a completion (their end-of-turn gone), and rows it dropped
+    because the cut left them no completion token (TRL's SFTTrainer)."""
+    cut = ctx.valid & ctx.col("arrived_cut").astype(bool)
+    n, n_cut = int(ctx.valid.sum()), int(cut.sum())
+    given, kept = ctx.trainer_rows or (None, None)
+    dropped = given - kept if given is not None else 0
+    if not n_cut and not dropped:
+        return
+    parts = []
+    if n_cut:
+        parts.append(f"cuts into the completion of {n_cut} of the {n} examples inspected ({n_cut / n:.1%})")
+    if dropped:
+        parts.append(
+            f"dropped {dropped} of the {given} rows passed to it ({dropped / given:.1%}): the cut left them no "
+            "completion token"
+        )
+    share = max(n_cut / max(n, 1), dropped / given if given else 0.0)
+    rows = ctx.first(cut) if n_cut else []
+    yield TRUNCATED_COMPLETION.finding(
+        f"the trainer's max_length={max_len:,} " + " and ".join(parts),
+        evidence={
+            "max_len": max_len,
+            "cut": n_cut,
+            "fraction": n_cut / max(n, 1),
+            "examples_inspected": n,
+            "dropped_by_trainer": dropped,
+            "rows_passed": given,
+            "cause": "trainer-max-length",
+            "rows": rows,
+        },
+        example=ctx.view(rows[0], focus=max_len - 1) if rows else None,
+        severity="error" if share >= ERROR_FRACTION else "warning",
+        fix="Raise the trainer's max_length (`SFTConfig(max_length=...)`), or drop or split the longest "
+        "examples before training; `hf-sanity preflight --dataset ... --max-len N` prices each choice (the "
+        "examples and supervised tokens a value cuts). The completions cut here end without their "
+        "end-of-turn token: the model learns to stop mid-answer.",
+        rows=cut if n_cut else None,
     )
 
 

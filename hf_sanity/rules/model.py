@@ -251,16 +251,89 @@ def check_init_loss(ctx):
             evidence={**evidence, "direction": "above"},
         )
     elif loss < FAR_BELOW_FRACTION * chance:
+        # What the prompt contributes: blanked, a copied answer can no longer be copied.
+        ablation = ctx.input_ablation or {}
+        blanked, as_is = ablation.get("prompt_blanked"), ablation.get("as_is")
+        copied = ablation.get("answer_in_prompt", 0.0)
+        if blanked is None:
+            cause, why = "unknown", "leakage, or data the model has seen"
+        elif blanked > max(2 * as_is, as_is + 1.0) and copied >= ANSWER_IN_PROMPT:
+            cause = "answer-in-input"
+            why = (
+                f"with the prompts blanked it is {blanked:.2f}, and {copied:.0%} of the answers' token pairs are "
+                "in their prompts: the model copies the answers from the input (leakage, unless the task is "
+                "to quote it)"
+            )
+        elif blanked > max(2 * as_is, as_is + 1.0):
+            cause = "seen-data"
+            why = (
+                f"with the prompts blanked it is {blanked:.2f}, yet the prompts do not contain the answers: the "
+                "model already knows these answers (data it was trained on, or answers it knows)"
+            )
+        else:
+            cause = "predictable-without-prompt"
+            why = (
+                f"and {blanked:.2f} with the prompts blanked: the answers are predictable on their own (data the "
+                "model was trained on, or boilerplate labels)"
+            )
         yield INIT_LOSS_OFF_CHANCE.finding(
-            f"step-0 loss {loss:.2f} is far below chance ln(V)={chance:.2f}: the completions are already "
-            "predictable (leakage, or data the model has seen)",
-            evidence={**evidence, "direction": "below"},
-            fix="Check label-leakage (the answer in the input), train/eval contamination, and whether this "
-            "model was already trained on this data.",
+            f"step-0 loss {loss:.2f} is far below chance ln(V)={chance:.2f}; {why}",
+            evidence={
+                **evidence,
+                "direction": "below",
+                "cause": cause,
+                "loss_prompt_blanked": blanked,
+                "answer_in_prompt": copied,
+            },
+            fix=BELOW_CHANCE_FIX[cause],
         )
 
 
+ANSWER_IN_PROMPT = 0.5  # share of an answer's token pairs found in its prompt: copied, whole or in pieces
+BELOW_CHANCE_FIX = {
+    "answer-in-input": "Remove the answer from the prompt (check the function or template that builds it; see "
+    "label-leakage for verbatim copies). If the task is to quote the input (extractive QA, RAG), this is "
+    "expected: pass --task extractive.",
+    "seen-data": "Check whether this model was already trained on these examples (a checkpoint of this run, "
+    "eval data in its pretraining): evaluate on examples it has not seen, and fine-tune from the base model.",
+    "predictable-without-prompt": "Check whether this model was already trained on these examples (a checkpoint "
+    "of this run, eval data in pretraining) and whether the labels are mostly boilerplate (a fixed answer "
+    "format, repeated text): train on what the model must learn.",
+    "unknown": "Check label-leakage (the answer in the input), train/eval contamination, and whether this "
+    "model was already trained on this data.",
+}
+
+
 FAR_BELOW_FRACTION = 0.05
+
+
+INPUT_IGNORED = define(
+    "input-ignored",
+    severity="error",
+    stage="model",
+    symptom="Train and eval loss both flat at or near chance whatever the LR: the model never sees its input.",
+    detects="A few sampled examples are scored as they are and with every input token replaced by one filler "
+    "token (the labels kept): a model whose loss does not move at all computes the same thing whatever it "
+    "reads (a custom forward that ignores input_ids, an embedding that maps every token to the same vector).",
+    fix="Check the model's forward: that it reads input_ids (or inputs_embeds built from them) and that the "
+    "input embedding is not constant (a zeroed or frozen-at-zero embedding, weights that failed to load).",
+    needs=("vocab-size-mismatch",),
+)
+
+
+@INPUT_IGNORED.check(applies=lambda ctx: ctx.has_model)
+def check_input_ignored(ctx):
+    ablation = ctx.input_ablation
+    if ablation is None:
+        return
+    as_is, blanked = ablation["as_is"], ablation["input_blanked"]
+    if abs(as_is - blanked) > 1e-6 * max(1.0, abs(as_is)):
+        return
+    yield INPUT_IGNORED.finding(
+        f"the loss is {as_is:.4f} on {ablation['examples']} examples as they are and {blanked:.4f} with every "
+        f"input token replaced by {ablation['filler']!r}: the model's output does not depend on its input",
+        evidence={**ablation, "cause": "input-not-reaching-model"},
+    )
 
 
 def far_above_chance(loss: float, chance: float) -> bool:

@@ -65,7 +65,9 @@ OVERFIT_FAILED = define(
     "fell (by 2 standard errors), lower once one diverges or plateaus or oscillates. The search stops at the "
     "first run that reaches near zero, within 3 step budgets in all (the sweep included). The loss stalls "
     "(not-converged) when no LR tried reaches near zero; the evidence lists each LR tried with its best "
-    "loss. An LR given with --lr is used as is, with no search.",
+    "loss. A model whose loss does not move when every input token is replaced cannot tell the examples "
+    "apart at any LR: that is named (input-ignored), not not-converged. An LR given with --lr is used as is, "
+    "with no search.",
     fix="Fix the broken part of the gradient path named in the evidence before tuning anything.",
 )
 
@@ -109,6 +111,8 @@ class GradientPath:
     not_in_optimizer_elements: int = 0
     optimizer_frozen: int = 0  # tensors the optimizer holds that do not require grad
     optimizer_foreign: int = 0  # tensors the optimizer holds that are not the model's
+    # The loss on the first batch does not move when every input token is replaced (None: not measured).
+    input_ignored: bool | None = None
     optimizer: str = ""
     loss: float | None = None
     loss_error: str | None = None
@@ -372,6 +376,15 @@ def overfit_cause(run: OverfitRun) -> Cause | None:
             f"the loss became non-finite {where}",
             "Lower the learning rate (see the LR range test) and check the precision (diagnose's layer 5).",
         )
+    if path.input_ignored:
+        return Cause(
+            "input-ignored",
+            "the input does not reach the model",
+            "the model's loss on the batch is the same with every input token replaced: its output does not "
+            "depend on its input, so no LR can make it tell the examples apart",
+            "Check the model's forward: that it reads input_ids (or inputs_embeds built from them) and that the "
+            "input embedding is not constant (zeroed, or weights that failed to load).",
+        )
     stalled = path.never_updated or []
     extra = f"; {len(stalled)} tensors in the optimizer never changed (e.g. {stalled[0]})" if stalled else ""
     if tried:
@@ -419,6 +432,7 @@ CAUSE_EVIDENCE = {
     "loss-not-connected": ("loss_grad_fn", "loss_requires_grad", "in_optimizer", "grads"),
     "no-gradient": ("in_optimizer", "grads", "no_grad"),
     "no-update": ("optimizer", "in_optimizer", "grads", "updated"),
+    "input-ignored": ("input_ignored", "supervised_tokens"),
 }
 CONVERGENCE_EVIDENCE = ("supervised_tokens", "trainable", "in_optimizer", "grads", "updated", "never_updated")
 
@@ -451,6 +465,7 @@ def check_overfit(run: OverfitRun) -> list[Finding]:
         "no_grad": path.no_grad_names[:5],
         "updated": path.updated,
         "never_updated": (path.never_updated or [])[:5],
+        "input_ignored": path.input_ignored,
     }
     evidence = {
         "cause": cause.key,

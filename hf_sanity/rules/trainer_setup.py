@@ -86,16 +86,31 @@ def check_packing(ctx):
     scale = float(alone_logits.abs().max()) or 1.0
     if diff > 1e-3 * scale:
         backend = getattr(getattr(model, "config", None), "_attn_implementation", None)
+        # transformers isolates packed examples by their position_ids only when no 2-D attention mask is passed.
+        with_mask = ctx.attention is not None and ctx.attention.packed_with_mask
         yield PACKING_CONTAMINATION.finding(
             f"packed examples attend to each other: the second example of row {row} gets different logits packed "
-            f"than alone (max difference {diff:.3g})",
+            f"than alone (max difference {diff:.3g})"
+            + (
+                "; the batch carries a 2-D attention_mask beside the restarting position_ids"
+                if with_mask
+                else ""
+            ),
             evidence={
                 "row": row,
                 "example_tokens": [start, stop],
                 "max_logit_difference": diff,
                 "position_ids": "position_ids" in batch,
                 "attn_implementation": backend,
+                "cause": "attention-mask-with-packing" if with_mask else "attention-backend",
             },
+            fix=(
+                "Drop the attention_mask from packed batches (TRL: padding_free=True, or packing with "
+                "packing_strategy='bfd'): transformers builds the per-example mask from position_ids only when "
+                "no 2-D attention_mask is given; with one, each example attends to those packed before it."
+                if with_mask
+                else None
+            ),
         )
 
 

@@ -23,7 +23,7 @@ def token_findings(
     tokenizer, batch: Mapping[str, Any], *, model, trainer, selection: Selection, max_len, step0
 ) -> list[Finding]:
     """preflight's `tokens` rules on this one batch, and `init-loss-off-chance` on the step-0 numbers."""
-    from hf_sanity.measure.batches import batches_context
+    from hf_sanity.measure.batches import batches_context, trainer_cut_len
     from hf_sanity.untouched import preserved_rng
 
     if tokenizer is None or "input_ids" not in batch:
@@ -31,8 +31,9 @@ def token_findings(
     tensors = {k: v.detach().cpu() for k, v in batch.items() if k in TOKEN_KEYS and hasattr(v, "shape")}
     with preserved_rng():
         ctx = batches_context(
-            tokenizer, [tensors], model=model, max_len=max_len, trainer=trainer, init_loss=step0
-        )
+            tokenizer, [tensors], model=model, max_len=max_len, trainer=trainer, init_loss=step0,
+            arrived_cut_at=trainer_cut_len(trainer) if trainer is not None else None, first_batch=tensors,
+        )  # fmt: skip
         findings = catalog.run_all("context", ctx, selection, stages=("tokens",))
         if step0:
             findings += catalog.run_all("context", ctx, selection.restricted({STEP0_RULE}))
@@ -101,6 +102,10 @@ class FirstBatch:
         shapes, self._shapes = self._shapes, None
         logits = getattr(output, "logits", None)
         return {"shapes": shapes, "logits_shape": tuple(logits.shape) if logits is not None else None}
+
+    def probe_due(self, step: int, every: int | None, sink) -> bool:
+        """A `predictions-frozen` probe runs at the end of this step."""
+        return bool(every) and step % every == 0 and sink.wants("predictions-frozen")
 
     def probe(self, model, recorder, step: int) -> None:
         """Re-run the probe batch: the share of its argmax predictions that changed since the last probe."""

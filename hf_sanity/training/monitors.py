@@ -31,5 +31,20 @@ class MonitorSet:
             with self.sink.guard(name, step):
                 self.sink.emit(monitor.update(step, values))
 
+    def curves(self, history, state, *, vocab_size: int | None, final: bool) -> None:
+        """The online curve detectors on the run's curves so far (main process): at an evaluation and, with
+        ``final``, at train end; a finding without a step gets the current one."""
+        if not self.sink.is_main:
+            return
+        with self.sink.guard("curves"):
+            from hf_sanity.drivers.curves import analyze
+
+            per_step = self.sink.world_size == 1
+            curves = history.curves(state.log_history, vocab_size=vocab_size, per_step=per_step)
+            found = analyze(curves, final=final, online=True, ran=self.ran)
+            for finding in found:
+                finding.step = state.global_step if finding.step is None else finding.step
+            self.sink.emit(found)
+
     def __contains__(self, slug: str) -> bool:
         return any(slug in (r.slug for r in m.rules) for m in self.monitors)

@@ -222,6 +222,20 @@ def nonfinite_facts(
     return facts
 
 
+def first_nonfinite(
+    sink, sampler, held, model, *, step: int, micro: list[float], now: int, weights_step: int | None, autocast
+) -> dict[str, Any]:
+    """The facts of the run's first non-finite loss (:func:`nonfinite_facts`); {} once it is reported, or
+    with `nonfinite-loss` off. ``sampler`` tells the precision and whether a replay may run on this layout."""
+    if "nonfinite-loss" in sink.counts or not sink.wants("nonfinite-loss"):
+        return {}
+    half, skip = (sampler.half, sampler.sharding.replay_skip) if sampler is not None else (False, None)
+    return nonfinite_facts(
+        step, micro, held, model, now=now, weights_step=weights_step, half=half or bool(autocast),
+        autocast=autocast or None, replay_skip=skip, save=sink.save_batch,
+    )  # fmt: skip
+
+
 KEEP_STEPS = 3  # = DIVERGE_STEPS of loss-diverged
 
 

@@ -1,12 +1,13 @@
 """Where SanityCallback's findings go: the user's selection applied, one finding per rule (the earliest step
-wins across ranks), printed once when it first fires, kept in the report and written to
-``output_dir/hf-sanity/report.json`` by the main process. Every check runs in :meth:`FindingSink.guard`: its
+wins across ranks), printed once when it first fires (through ``tqdm.write``: above Trainer's progress bar, never
+on its line), kept in the report and written to ``output_dir/hf-sanity/report.json`` by the main process. Every check runs in :meth:`FindingSink.guard`: its
 exception becomes one ``internal-error`` finding per check, never the run's, and its seconds are counted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -31,6 +32,8 @@ class FindingSink:
         self.unsent: list[Finding] = []  # this rank's findings the other ranks have not seen (DDP)
         self.errors_unsent = False
         self.stop_pending = False  # an error finding with abort_on="error": stop at the next safe point
+        self.stop_reason: Finding | None = None  # the first error finding that asked to stop
+        self.aborted_at: int | None = None  # the step at which the callback stopped training
         self.annotate: Callable[[Finding], None] | None = None  # adds run facts to a kept finding
         self.seconds = 0.0
         self.timings: dict[str, float] = {}
@@ -71,6 +74,7 @@ class FindingSink:
                 self.errors_unsent |= kept.severity == "error"
             if kept.severity == "error" and self.abort_on == "error":
                 self.stop_pending = True
+                self.stop_reason = self.stop_reason or kept
 
     def merge(self, incoming: list[dict[str, Any]]) -> None:
         """Findings of other ranks, on the main process: one per rule, the earliest step wins."""
@@ -82,8 +86,7 @@ class FindingSink:
             if mine and kept.rule != "internal-error":
                 if kept.step is not None and mine[0].step is not None and kept.step < mine[0].step:
                     self.report.findings.remove(mine[0])
-                    self.report.add(kept)
-                    self._print(kept)
+                    self.report.add(kept)  # not printed again: each rule prints once
                 continue
             self._add(kept)
 
@@ -117,6 +120,19 @@ class FindingSink:
             "world_size": self.world_size,
         }
 
+    def say(self, renderable, *, soft_wrap: bool = False) -> None:
+        """Print on the main process, through ``tqdm.write``: a progress bar on the terminal (Trainer's) is
+        cleared first and redrawn below, so the text gets lines of its own (``soft_wrap``: one line, unwrapped)."""
+        if self.is_main and self.print_findings:
+            with contextlib.suppress(Exception):
+                from rich.console import Console
+                from tqdm.auto import tqdm
+
+                console = Console(stderr=True)
+                with console.capture() as captured:
+                    console.print(renderable, soft_wrap=soft_wrap)
+                tqdm.write(captured.get().rstrip("\n"), file=sys.stderr)
+
     def _duplicate(self, finding: Finding) -> bool:
         if finding.rule == "internal-error":
             return any(
@@ -132,10 +148,6 @@ class FindingSink:
 
     def _print(self, finding: Finding) -> None:
         """Print a finding once, when it first fires (main process)."""
-        if self.is_main and self.print_findings:
-            with contextlib.suppress(Exception):
-                from rich.console import Console
+        from hf_sanity.report import render_finding
 
-                from hf_sanity.report import render_finding
-
-                Console(stderr=True).print(render_finding(finding))
+        self.say(render_finding(finding))

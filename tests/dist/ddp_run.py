@@ -8,6 +8,7 @@
 * ``OUT_DIR/clean``: a correct run; nothing may be reported. ``OUT_DIR/clean-s1-b4`` (and the other seed and
   batch-size pairs): longer correct runs at other seeds and per-device batch sizes, silent too.
 * ``OUT_DIR/hot``: AdamW at a learning rate far too high: the loss blows up (finite) and must be caught.
+* ``OUT_DIR/abort``: the ``nan`` run with ``abort_on="error"``: every rank stops after step 3.
 
 Each run writes its report (main process only) under ``OUT_DIR/<scenario>/hf-sanity/``; each process also
 writes ``OUT_DIR/<scenario>/rank<R>.json`` with what it saw, for the test to compare.
@@ -46,8 +47,10 @@ def run(out: Path, scenario: str) -> None:
     model, tok = tt.setup()
     callback = SanityCallback(check_every=2, sync_every=1, probe_every=4, use_config=False)
     kwargs = dict(COMMON)
-    if scenario == "nan":
+    if scenario in ("nan", "abort"):
         kwargs["collator"] = tt.embeds_collator(tok, model, nan_at_batch=3 if RANK == 1 else None)
+        if scenario == "abort":
+            callback = SanityCallback(abort_on="error", check_every=2, sync_every=1, probe_every=4, use_config=False)
     elif scenario == "drift":
         kwargs["cls"] = Drifting
     elif scenario == "hot":
@@ -62,12 +65,13 @@ def run(out: Path, scenario: str) -> None:
     trainer.save_state()  # trainer_state.json: the logged (all-rank mean) loss the user sees
     seen = [{"rule": f.rule, "step": f.step, "evidence": f.evidence} for f in callback.report.findings]
     (out / scenario / f"rank{RANK}.json").write_text(
-        json.dumps({"steps": trainer.state.global_step, "findings": seen, "ran": sorted(callback.monitors.ran)})
+        json.dumps({"steps": trainer.state.global_step, "findings": seen, "ran": sorted(callback.monitors.ran),
+                    "aborted_at_step": trainer.state.hf_sanity_aborted_at_step})
     )
 
 
 if __name__ == "__main__":
     target = Path(sys.argv[1])
-    for name in ("nan", "drift", "clean", "hot", *(f"clean-s{s}-b{b}" for s, b in CLEAN_LONG)):
+    for name in ("nan", "drift", "clean", "hot", "abort", *(f"clean-s{s}-b{b}" for s, b in CLEAN_LONG)):
         run(target, name)
         torch.distributed.barrier()

@@ -1,0 +1,99 @@
+"""How a watched run goes on record, besides its findings: the ``hf_sanity/<rule>`` counters in the Trainer's
+logs, the stop at the first error (``abort_on="error"``), and the report's stats.
+
+* The counters go into the ``logs`` every later logging callback receives (wandb, TensorBoard, ...) and into
+  the entry Trainer keeps in ``state.log_history`` (Trainer appends its copy of ``logs`` before it calls
+  ``on_log``), so ``trainer_state.json``, checkpoints and ``hf-sanity doctor`` see them too.
+* A stop prints one line naming the rule and the step (main process), records ``aborted_at_step``,
+  ``aborted_by`` and ``abort_reason`` in the report's stats, sets ``trainer.state.hf_sanity_aborted_at_step``
+  (None on a run that was not stopped; a TrainerState attribute, not saved by ``save_to_json``) and adds
+  ``hf_sanity/aborted_at_step`` to the logs from then on (so to the final summary log Trainer keeps in
+  ``log_history``, which ``trainer_state.json`` saves).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_sanity.findings import Finding
+
+STATE_ATTRIBUTE = "hf_sanity_aborted_at_step"
+ABORTED_KEY = "hf_sanity/aborted_at_step"
+
+
+def begin(state) -> None:
+    """A new run: nothing stopped it (yet)."""
+    if state is not None:
+        setattr(state, STATE_ATTRIBUTE, None)
+
+
+def log_counts(sink, state, logs: dict[str, Any] | None) -> None:
+    """The counters into ``logs`` and into this log's entry of ``state.log_history``."""
+    extra: dict[str, Any] = {f"hf_sanity/{slug}": count for slug, count in sink.counts.items()}
+    if sink.aborted_at is not None:
+        extra[ABORTED_KEY] = sink.aborted_at
+    if logs is None or not extra:
+        return
+    with sink.guard("callback-log"):
+        history = getattr(state, "log_history", None)
+        last = history[-1] if history else None
+        if isinstance(last, dict) and _same_log(last, logs, getattr(state, "global_step", None)):
+            last.update(extra)
+        logs.update(extra)
+
+
+def _same_log(entry: dict[str, Any], logs: dict[str, Any], step: int | None) -> bool:
+    """``entry`` is Trainer's copy of ``logs`` (``{**logs, "step": global_step}``): the same step, and the very
+    value objects of ``logs`` (compared by identity: a NaN is not equal to itself, an array not to a bool)."""
+    if entry.get("step") != step:
+        return False
+    return all(k in logs and logs[k] is v for k, v in entry.items() if k != "step")
+
+
+def reason(sink) -> Finding | None:
+    """The error that stopped the run: this process's first, else the earliest the main process merged."""
+    if sink.stop_reason is not None:
+        return sink.stop_reason
+    errors = [f for f in sink.report.findings if f.severity == "error"]
+    return min(errors, key=lambda f: f.step if f.step is not None else 1 << 62, default=None)
+
+
+def stop(sink, control, trainer, step: int) -> None:
+    """Stop training cleanly after this step: the report written, the stop on record and said once."""
+    sink.stop_pending = False
+    state = getattr(trainer, "state", None)
+    max_steps = getattr(state, "max_steps", 0) or 0
+    if sink.aborted_at is None and not (max_steps and step >= max_steps):  # the last step stops anyway
+        sink.aborted_at = step
+        cause = reason(sink)
+        where = f" @ step {cause.step}" if cause is not None and cause.step is not None else ""
+        why = f"{cause.rule}{where}: {cause.message}" if cause is not None else "an error finding"
+        sink.report.stats.update(
+            aborted_at_step=step, aborted_by=cause.rule if cause else None, abort_reason=why
+        )
+        if state is not None:
+            setattr(state, STATE_ATTRIBUTE, step)
+        sink.say(_line(step, why, sink.output_dir), soft_wrap=True)
+    with sink.guard("report"):
+        sink.write()
+    for ctl in (control, getattr(trainer, "control", None)):
+        if ctl is not None:
+            ctl.should_training_stop = True
+
+
+def _line(step: int, why: str, folder) -> Any:
+    from rich.text import Text
+
+    line = Text("hf-sanity: ", style="bold red")
+    line.append(f'stopping training after step {step} (abort_on="error"): {why}')
+    if folder is not None:
+        line.append(f"; report: {folder / 'report.json'}", style="dim")
+    return line
+
+
+def stats(sink, sampler, recorder, *, steps: int, reads: int) -> dict[str, Any]:
+    out = sink.stats(steps=steps, reads=reads, transfers=recorder.transfers)
+    sharding = sampler.sharding if sampler is not None else None
+    if sharding is not None and (sharding.engine or sharding.sharded):
+        out["sharding"] = sharding.stats()  # what ran on which layout, and what did not, with why
+    return out
