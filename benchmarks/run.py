@@ -1,6 +1,6 @@
 """`make bench`: every benchmark of hf-sanity, printed as tables (figures go to docs/benchmarks.md).
 
-python -m benchmarks.run [--quick] [--only preflight|callback]
+python -m benchmarks.run [--quick] [--only preflight|callback|outputs]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def machine() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat (a smoke run)")
-    parser.add_argument("--only", choices=["preflight", "callback"], default=None)
+    parser.add_argument("--only", choices=["preflight", "callback", "outputs"], default=None)
     args = parser.parse_args()
     print(f"machine: {machine()}\n")
     if args.only in (None, "preflight"):
@@ -66,6 +66,15 @@ def main() -> None:
             rows = callback_overhead.run(quick=args.quick)
             print("SanityCallback overhead: median step time with and without it")
             print(table(rows), "\n")
+    if args.only in (None, "outputs"):
+        from benchmarks import outputs_speed
+
+        rows = outputs_speed.speed(repeats=1 if args.quick else 3)
+        print("hf-sanity outputs: greedy generation, 32 prompts x 256 new tokens, batched vs one at a time")
+        print(table(rows), "\n")
+        rows = outputs_speed.calibration(seeds=(0,) if args.quick else (0, 1, 2))
+        print("hf-sanity outputs: share of generations each rule judges faulty (clean vs planted fixtures)")
+        print(table(rows), "\n")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ trainer = Trainer(..., callbacks=[hf_sanity.SanityCallback()])
 report = hf_sanity.diagnose(trainer=trainer)             # the ordered debugging protocol
 report = hf_sanity.served(merged, base=base, adapter="out/adapter", tokenizer=tokenizer)  # what is served
 report = hf_sanity.doctor(["out/checkpoint-500"])        # post-mortem of a finished run
+report = hf_sanity.outputs(model=model, tokenizer=tokenizer, dataset=held_out)  # what the model says
 """
 
 from hf_sanity.version import __version__
@@ -16,6 +17,7 @@ from hf_sanity.version import __version__
 _PUBLIC = {
     "preflight": "hf_sanity.drivers.preflight",
     "doctor": "hf_sanity.drivers.doctor",
+    "outputs": "hf_sanity.drivers.outputs",
     "served": "hf_sanity.drivers.served",
     "SanityCallback": "hf_sanity.callback",
     "overfit": "hf_sanity.protocol",
@@ -44,6 +46,7 @@ __all__ = [
     "__version__",
     "diagnose",
     "doctor",
+    "outputs",
     "overfit",
     "preflight",
     "served",

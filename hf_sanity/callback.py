@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 
 from hf_sanity.selection import resolve
 from hf_sanity.training import first_batch, memory, outcome, replay, shards
+from hf_sanity.training.generation import GenerationCheck
 from hf_sanity.training.instrument import Instruments, find_trainer, move_before_reporters
 from hf_sanity.training.measures import StepSampler, train_only_modules, vocab_size
 from hf_sanity.training.monitors import MonitorSet
@@ -42,7 +43,10 @@ class SanityCallback(TrainerCallback):
     after writing the report; ``"never"`` (the default) only reports. ``select``/``ignore`` pick rules as in
     preflight. ``check_every``: steps between reads of the on-device values (also read at every logging step);
     ``probe_every``: steps between predictions probes; ``sync_every``: steps between the cross-rank exchanges
-    under DDP (defaults to ``check_every``).
+    under DDP (defaults to ``check_every``). ``generate_every``: from that step on, at evaluations (at most once
+    every ``generate_every`` steps), generate for ``generate_prompts`` held-out prompts of the eval dataset (or
+    the rows given) and run the `outputs` rules (never-stops, repeats-prompt, ...); off by default, cost in
+    `hf_sanity.training.generation`.
     """
 
     def __init__(
@@ -56,6 +60,8 @@ class SanityCallback(TrainerCallback):
         sync_every: int | None = None,
         use_config: bool = True,
         print_findings: bool = True,
+        generate_every: int | None = None,
+        generate_prompts: int | Any = 8,
     ) -> None:
         if abort_on not in ABORT_CHOICES:
             raise ValueError(f"abort_on must be one of {ABORT_CHOICES}, got {abort_on!r}")
@@ -66,6 +72,8 @@ class SanityCallback(TrainerCallback):
         }.items():
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        GenerationCheck.validate(generate_every, generate_prompts)
+        self.generation = GenerationCheck(generate_every, generate_prompts) if generate_every else None
         self.abort_on, self.print_findings = abort_on, print_findings
         self.selection = resolve(select, ignore, use_config=use_config)
         self.check_every, self.probe_every = check_every, probe_every
@@ -157,6 +165,8 @@ class SanityCallback(TrainerCallback):
         self.history.evaluations.append(state.global_step)  # later training forwards must be in train mode
         self._read(now=state.global_step, control=control)
         self._curves(state, final=False)
+        if self.generation is not None:
+            self.generation.at_evaluate(self, state)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):

@@ -13,6 +13,9 @@ kind and never list them by hand::
     @LOSS_SPIKE.detector("curve", online=True)       # kind "curve": SanityCallback while training, doctor
     def loss_spike(curves): ...
 
+    @NEVER_STOPS.detector("outputs")                 # kind "outputs": what the model generated (outputs)
+    def never_stops(generations): ...
+
     @monitor                                          # kind "step": a Monitor class fed per-step values
     class GradientMonitor(Monitor):
         rules = (NONFINITE_GRAD, GRAD_EXPLOSION)
@@ -48,6 +51,8 @@ STAGES: dict[str, str] = {
     "curves": "Shapes of the loss and eval curves (SanityCallback online, doctor on logged runs)",
     "protocol": "The ordered debugging protocol (overfit, diagnose)",
     "runs": "Finished runs and their logs (doctor)",
+    "outputs": "What the fine-tuned model generates for held-out prompts (outputs, and the callback's "
+    "generate_every)",
     "internal": "hf-sanity itself",
 }
 
@@ -58,6 +63,8 @@ KINDS: dict[str, str] = {
     "curve": "logged loss and eval curves (`hf_sanity.measure.curves.Curves`): SanityCallback, doctor",
     "runs": "several finished runs and their predictions (`hf_sanity.measure.runs.RunSet`): doctor",
     "protocol": "a measurement of the debugging protocol (overfit run, LR sweep, precision run): overfit, diagnose",
+    "outputs": "greedy generations for held-out prompts (`hf_sanity.measure.generate.Generations`): outputs, and "
+    "SanityCallback(generate_every=...) at evaluations",
 }
 
 

@@ -268,6 +268,121 @@ def preflight_command(
     _finish(report, json, html, rows_out)
 
 
+@app.command("outputs")
+def outputs_command(
+    model: ModelOpt,
+    dataset: Annotated[
+        str,
+        typer.Option(
+            help="Held-out prompts: conversations (their last answer is the reference), prompt/completion or "
+            "prompt-only rows, Alpaca rows (JSON/JSONL/CSV/Parquet file, save_to_disk folder, or hub id)."
+        ),
+    ],
+    adapter: Annotated[
+        str | None, typer.Option(help="A saved PEFT adapter folder, applied to --model for the run.")
+    ] = None,
+    base: Annotated[
+        str | None,
+        typer.Option(help="The base model (folder or hub id): its outputs are compared (adapter-no-effect)."),
+    ] = None,
+    tokenizer: TokenizerOpt = None,
+    inference_tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="The tokenizer you serve with: its chat template renders the prompts (default: --tokenizer)."
+        ),
+    ] = None,
+    split: Annotated[
+        str | None,
+        typer.Option(help="Dataset split (default: test, else validation; a single file is its split)."),
+    ] = None,
+    n: Annotated[int, typer.Option("--n", help="Prompts to generate for.")] = 32,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens generated at most per prompt.")] = 256,
+    batch_size: Annotated[int, typer.Option(help="Prompts per generate() call (left-padded).")] = 32,
+    format: FormatOpt = None,
+    alpaca_template: Annotated[
+        str | None, typer.Option(help="Alpaca rows: chat or text (the Alpaca prompt); default as preflight.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed set before generating (generation is greedy).")] = 0,
+    trust_remote_code: TrustOpt = False,
+    json: JsonOpt = None,
+    html: HtmlOpt = None,
+    select: SelectOpt = None,
+    ignore: IgnoreOpt = None,
+) -> None:
+    """Check what the fine-tuned model says: generate for held-out prompts, rendered as served, and find answers
+    that never stop, echo the prompt, carry template markers, loop, stop short, or equal the base model's."""
+    from hf_sanity.drivers.outputs import check_adapter_folder, check_options
+    from hf_sanity.selection import resolve
+
+    resolve(select, ignore)  # bad options fail before anything is imported or loaded
+    check_options(n=n, max_new_tokens=max_new_tokens, batch_size=batch_size, alpaca_template=alpaca_template)
+    if format is not None:
+        from hf_sanity.measure.formats import FORMATS
+
+        if format not in FORMATS:
+            raise UserInputError(f"unknown --format {format!r}; use one of {', '.join(FORMATS)}")
+    _quiet_libraries()
+    from hf_sanity.drivers.outputs import outputs
+    from hf_sanity.measure.sources import load_config, load_model, load_tokenizer
+
+    load_config(
+        model, trust_remote_code=trust_remote_code
+    )  # a broken model folder fails before the data loads
+    if adapter:
+        check_adapter_folder(adapter)
+    tok = load_tokenizer(
+        tokenizer or model, trust_remote_code=trust_remote_code, kind="tokenizer" if tokenizer else "model"
+    )
+    served = (
+        load_tokenizer(inference_tokenizer, trust_remote_code=trust_remote_code, kind="inference tokenizer")
+        if inference_tokenizer
+        else None
+    )
+    data = _prompts_split(dataset, split)
+    fine_tuned = load_model(model, trust_remote_code=trust_remote_code)
+    base_model = None
+    if base is not None:
+        same = adapter is not None and Path(base).expanduser().resolve() == Path(model).expanduser().resolve()
+        base_model = fine_tuned if same else load_model(base, trust_remote_code=trust_remote_code)
+    report = outputs(
+        model=fine_tuned,
+        tokenizer=tok,
+        dataset=data,
+        adapter=adapter,
+        base=base_model,
+        inference_tokenizer=served,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        format=format,
+        alpaca_template=alpaca_template,
+        seed=seed,
+        select=select,
+        ignore=ignore,
+    )
+    _finish(report, json, html)
+
+
+def _prompts_split(dataset: str, split: str | None):
+    """The held-out split: ``split``, else ``test``, else ``validation`` (a single file is its one split)."""
+    from hf_sanity.measure.sources import load_dataset_ref
+
+    if split is not None:
+        return load_dataset_ref(dataset, split)
+    try:
+        return load_dataset_ref(dataset, "test")
+    except UserInputError as exc:
+        if "has no split" not in str(exc):
+            raise
+        try:
+            return load_dataset_ref(dataset, "validation")
+        except UserInputError:
+            raise UserInputError(
+                f"dataset {dataset!r} has no test or validation split: pass --split with the held-out one"
+            ) from None
+
+
 @app.command("demo")
 def demo_command() -> None:
     """Show what hf-sanity does on the embedded tiny model: a correct setup, then a broken one."""

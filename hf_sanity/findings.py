@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from hf_sanity.outputview import OutputView
     from hf_sanity.tokenview import TokenView
 
 Severity = Literal["error", "warning", "info"]
@@ -19,7 +20,8 @@ class Finding:
     """One diagnosed problem: which rule, how bad, the key number, the evidence, and the fix.
 
     ``evidence`` must be JSON-serialisable (counts, fractions, row indices, the offending step);
-    ``example`` is the token view of the first offending example, where tokens are involved.
+    ``example`` is the token view of the first offending example, where tokens are involved, or the
+    side-by-side view (prompt / generation / reference) of a generated output.
     """
 
     rule: str
@@ -28,7 +30,7 @@ class Finding:
     evidence: dict[str, Any] = field(default_factory=dict)
     fix: str = ""
     step: int | None = None
-    example: TokenView | None = None
+    example: TokenView | OutputView | None = None
     # Every offending row (``evidence["rows"]`` lists the first ten): for `--rows-out` and dataset.filter.
     rows: list[int] | None = field(default=None, repr=False)
 
@@ -48,6 +50,8 @@ class Finding:
         }
         if self.example is not None:
             out["example"] = self.example.plain()
+            if hasattr(self.example, "data"):  # a side-by-side view: its columns as fields too
+                out["side_by_side"] = self.example.data()
         return out
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_sanity.findings import SEVERITIES, Finding, jsonable
+from hf_sanity.outputview import OutputView
 from hf_sanity.report import Report, version, write_atomic
 from hf_sanity.tokenview import TokenCell, TokenView
 
@@ -99,6 +100,15 @@ section.plots figure {{ background: #fff; border: 1px solid #d5d8de; border-radi
   margin: 0 0 14px; }}
 section.plots figcaption {{ font-weight: 600; margin-bottom: 6px; }}
 section.plots img {{ max-width: 100%; height: auto; display: block; }}
+figure.outputview {{ margin: 10px 0; }}
+figure.outputview figcaption {{ font-size: 13px; color: #3b404a; margin-bottom: 4px; }}
+table.sidebyside caption {{ text-align: left; font-size: 12px; color: #5b616e; padding: 6px 0 2px; }}
+table.sidebyside {{ width: 100%; table-layout: fixed; background: #fff; border: 1px solid #e2e4e8; }}
+table.sidebyside th {{ text-align: left; font-size: 13px; padding: 3px 8px; background: #f0f1f4; }}
+table.sidebyside td {{ vertical-align: top; padding: 6px 8px; white-space: pre-wrap; word-break: break-word;
+  border-left: 1px solid #eceef1; font-family: "DejaVu Sans Mono", "Liberation Mono", Menlo, Consolas, monospace;
+  font-size: 13px; }}
+mark.stray {{ background: #f6c6cb; color: #7a0c17; font-weight: 700; border-radius: 2px; }}
 p.none {{ color: #2e6b3a; font-weight: 600; }}
 footer {{ max-width: 1120px; margin: 24px auto; padding: 0 24px; color: #8a8f99; font-size: 12px; }}
 """
@@ -234,7 +244,9 @@ def _finding(finding: Finding, index: int) -> str:
     ]
     if finding.evidence:
         out.append(_kv_table(finding.evidence, "kv evidence"))
-    if finding.example is not None:
+    if isinstance(finding.example, OutputView):
+        out.append(render_outputview(finding.example))
+    elif finding.example is not None:
         out.append(render_tokenview(finding.example))
     fix = finding.fix or (rule.fix if rule is not None else "")
     if fix:
@@ -343,6 +355,27 @@ def render_tokenview(view: TokenView) -> str:
         f'<div class="tokens">{"".join(inline)}</div>'
         f"{table}</figure>"
     )
+
+
+# -- side by side ------------------------------------------------------------------------------------------
+def render_outputview(view: OutputView) -> str:
+    """Each example's prompt, generation and reference in columns; what the finding is about highlighted."""
+    out = ['<figure class="outputview">', f"<figcaption>{esc(view.title)}</figcaption>"]
+    for example in view.examples:
+        heads = "".join(f"<th>{esc(label)}</th>" for label, _ in example.columns)
+        cells = []
+        for _, text in example.columns:
+            pieces = [
+                f'<mark class="stray">{esc(piece)}</mark>' if marked else esc(piece)
+                for piece, marked in example.segments(text)
+            ]
+            cells.append(f"<td>{''.join(pieces)}</td>")
+        out.append(
+            f'<table class="sidebyside" data-row="{example.row}"><caption>{esc(example.caption)}</caption>'
+            f"<tr>{heads}</tr><tr>{''.join(cells)}</tr></table>"
+        )
+    out.append("</figure>")
+    return "".join(out)
 
 
 # -- plots and stats ---------------------------------------------------------------------------------------

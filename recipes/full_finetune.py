@@ -4,13 +4,19 @@ Top to bottom:
   1. load the model, its tokenizer and a conversation dataset (a `messages` column);
   2. tokenize with the chat template, loss on the assistant turns only;
   3. preflight the conversations and the exact batches before a single step (stop on errors);
-  4. train with `SanityCallback` watching every step; save the model and tokenizer together, so inference
-     renders conversations with the very template training used.
+  4. train with `SanityCallback` watching every step (and, with `--generate-every N`, the output checks on a
+     few held-out prompts at each evaluation); save the model and tokenizer together, so inference renders
+     conversations with the very template training used;
+  5. reload the saved model as a server would and check what it says for held-out prompts: it must stop,
+     not echo the prompt and write no template markers.
 
 Run it:
     python recipes/full_finetune.py               # the embedded tiny model and demo data, on CPU, in seconds
     python recipes/full_finetune.py --model HuggingFaceTB/SmolLM2-135M-Instruct --dataset train.jsonl \\
         --max-len 2048 --max-steps 1000 --lr 2e-5 --bf16 --output-dir out/smollm-full
+
+On the embedded tiny model the default 60 steps do not teach it to end its answers: step 5 reports so
+(never-stops) and the recipe exits 1. `--max-steps 250 --batch-size 32 --lr 3e-3` trains it to answer and stop.
 """
 
 from __future__ import annotations
@@ -36,6 +42,13 @@ def parse_args(argv=None):
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="output check: tokens per answer")
+    parser.add_argument(
+        "--generate-every",
+        type=int,
+        default=None,
+        help="also check the outputs at evaluations from this step on",
+    )
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--force", action="store_true", help="train even when preflight finds errors")
     return parser.parse_args(argv)
@@ -91,13 +104,15 @@ def main(argv=None):
         args.model, dtype=torch.bfloat16 if args.bf16 else torch.float32
     )
     if args.dataset is None:
-        from hf_sanity.testing import demo_conversations
+        from hf_sanity.testing import demo_conversations, held_out_conversations
 
         rows = datasets.Dataset.from_list(demo_conversations(64))
+        held_out = datasets.Dataset.from_list(held_out_conversations(16))  # conversations not trained on
     else:
         from hf_sanity.measure.sources import load_dataset_ref
 
-        rows = load_dataset_ref(args.dataset)
+        split = load_dataset_ref(args.dataset).train_test_split(test_size=0.1, seed=0)
+        rows, held_out = split["train"], split["test"]
 
     report = hf_sanity.preflight(model=model, tokenizer=tokenizer, dataset=rows, max_len=args.max_len)
     report.print()
@@ -105,8 +120,12 @@ def main(argv=None):
         sys.exit("preflight found errors (see above); fix them or pass --force")
 
     train = rows.map(encode_fn(tokenizer, args.max_len), remove_columns=rows.column_names)
+    evaluation = held_out.map(encode_fn(tokenizer, args.max_len), remove_columns=held_out.column_names)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    sanity = SanityCallback(abort_on="error")
+    # With --generate-every N: at evaluations from step N on, generate for 8 held-out prompts and run the
+    # output checks, so a run whose model will never stop is caught at its first such evaluation.
+    sanity = SanityCallback(abort_on="error", generate_every=args.generate_every)
+    every = args.generate_every or max(1, args.max_steps // 4)
     trainer = Trainer(
         model=model,
         args=TrainingArguments(
@@ -118,12 +137,15 @@ def main(argv=None):
             lr_scheduler_type="cosine",
             warmup_steps=max(1, args.max_steps // 20),
             logging_steps=max(1, args.max_steps // 20),
+            eval_strategy="steps",
+            eval_steps=every,
             save_strategy="no",
             bf16=args.bf16,
             report_to=[],
             seed=0,
         ),
         train_dataset=train,
+        eval_dataset=evaluation,
         data_collator=collate_fn(pad_id),
         processing_class=tokenizer,
         callbacks=[sanity],
@@ -134,13 +156,20 @@ def main(argv=None):
         sys.exit("preflight on the batches found errors (see above); fix them or pass --force")
 
     trainer.train()
-    trainer.save_model(
-        Path(args.output_dir) / "final"
-    )  # the tokenizer (and its chat template) travels with it
-    print(
-        f"\nmodel: {Path(args.output_dir) / 'final'}\ntraining report: {Path(args.output_dir) / 'hf-sanity'}"
+    final = Path(args.output_dir) / "final"
+    trainer.save_model(final)  # the tokenizer (and its chat template) travels with it
+
+    # 5. What the saved model says, reloaded as a server would, for held-out prompts.
+    said = hf_sanity.outputs(
+        model=AutoModelForCausalLM.from_pretrained(final, dtype=model.dtype),
+        tokenizer=AutoTokenizer.from_pretrained(final),
+        dataset=held_out,
+        max_new_tokens=args.max_new_tokens,
     )
-    return 1 if sanity.report.has_errors else 0
+    said.print()
+    said.write_json(Path(args.output_dir) / "hf-sanity" / "outputs.json")
+    print(f"\nmodel: {final}\ntraining report: {Path(args.output_dir) / 'hf-sanity'}")
+    return 1 if sanity.report.has_errors or said.has_errors else 0
 
 
 if __name__ == "__main__":

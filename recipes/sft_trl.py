@@ -7,12 +7,17 @@ Top to bottom:
   2. build the SFTTrainer with a LoRA config; TRL tokenizes, puts the loss on completions only
      (`completion_only_loss`) and collates;
   3. preflight the exact batches the trainer will feed (stop on errors);
-  4. train with `SanityCallback` watching every step, then save the adapter.
+  4. train with `SanityCallback` watching every step, then save the adapter;
+  5. check what the trained model says for held-out prompts, with and without its adapter: it must stop, not
+     echo the prompt, write no template markers, and answer differently from the base model.
 
 Run it:
     python recipes/sft_trl.py                     # the embedded tiny model and demo data, on CPU, in seconds
     python recipes/sft_trl.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl --max-len 2048 \\
         --max-steps 1000 --lr 2e-4 --bf16 --output-dir out/qwen-sft
+
+On the embedded tiny model (random weights) a few dozen LoRA steps teach no chat format: step 5 reports what
+such a model says (never-stops) and the recipe exits 1; on a real model and run it is the last gate.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ def parse_args(argv=None):
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--lora-r", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="output check: tokens per answer")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--force", action="store_true", help="train even when preflight finds errors")
     return parser.parse_args(argv)
@@ -64,6 +70,8 @@ def main(argv=None):
         from hf_sanity.measure.sources import load_dataset_ref
 
         data = load_dataset_ref(args.dataset)
+    split = data.train_test_split(test_size=0.1, seed=0)
+    data, held_out = split["train"], split["test"]  # held-out prompts for the output check
 
     sanity = SanityCallback(abort_on="error")
     trainer = SFTTrainer(
@@ -97,10 +105,21 @@ def main(argv=None):
 
     trainer.train()
     trainer.model.save_pretrained(Path(args.output_dir) / "adapter")
+
+    # 5. What the trained model says for held-out prompts; its base is the same model with the adapter off.
+    said = hf_sanity.outputs(
+        model=trainer.model,
+        tokenizer=tokenizer,
+        dataset=held_out,
+        base=trainer.model,
+        max_new_tokens=args.max_new_tokens,
+    )
+    said.print()
+    said.write_json(Path(args.output_dir) / "hf-sanity" / "outputs.json")
     print(
         f"\nadapter: {Path(args.output_dir) / 'adapter'}\ntraining report: {Path(args.output_dir) / 'hf-sanity'}"
     )
-    return 1 if sanity.report.has_errors else 0
+    return 1 if sanity.report.has_errors or said.has_errors else 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Every recipe runs end to end on the embedded tiny model with no arguments but a step budget."""
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +22,37 @@ def test_recipe_runs(recipe, tmp_path):
         timeout=600,
         cwd=tmp_path,
     )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    # Every recipe ends with the output check of the trained model. Six steps on the embedded tiny model's
+    # random weights teach no chat format, and the check says so (a model that never stops, or one that ends
+    # its answer at once); its errors, and only those, make the recipe exit 1.
+    said = json.loads((tmp_path / "out" / "hf-sanity" / "outputs.json").read_text())
+    found = {f["rule"] for f in said["findings"]}
+    assert found & {"never-stops", "answer-truncated"} and "internal-error" not in found
+    assert said["stats"]["prompts"] > 0 and "hf-sanity outputs:" in result.stdout
+    errors = any(f["severity"] == "error" for f in said["findings"])
+    assert result.returncode == (1 if errors else 0), result.stdout[-4000:] + result.stderr[-4000:]
     assert "hf-sanity preflight: no findings" in result.stdout
     report = tmp_path / "out" / "hf-sanity" / "report.json"
     assert report.is_file(), "SanityCallback writes its report at train end"
     if recipe == "lora_sft.py":
         assert "hf-sanity serving check: no findings" in result.stdout
         assert (tmp_path / "out" / "merged" / "model.safetensors").is_file()
+
+
+def test_a_full_finetune_trained_long_enough_passes_the_output_check(tmp_path):
+    """Trained long enough, the tiny model answers and stops: the recipe's last gate is green, and the callback
+    ran the same checks at both evaluations."""
+    result = subprocess.run(
+        [sys.executable, str(RECIPES / "full_finetune.py"), "--max-steps", "250", "--batch-size", "32", "--lr",
+         "3e-3", "--generate-every", "125", "--output-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "hf-sanity outputs: no findings" in result.stdout
+    report = json.loads((tmp_path / "out" / "hf-sanity" / "report.json").read_text())
+    assert report["stats"]["generate"]["checks"] == 2
+    assert [f["rule"] for f in report["findings"] if f["rule"] in OUTPUT_RULES] == []
+
+
+OUTPUT_RULES = {"never-stops", "stop-token-mismatch", "repeats-prompt", "stray-markers-in-output",
+                "adapter-no-effect", "repetition-loop", "answer-truncated"}  # fmt: skip

@@ -23,6 +23,7 @@ from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.encode import EncodeOptions, Encoder, template_kwargs
 from hf_sanity.measure.families import own_families
 from hf_sanity.measure.formats import conversation_of, read_as
+from hf_sanity.measure.generate import served_stop_ids
 from hf_sanity.measure.losses import token_loss
 from hf_sanity.measure.markers import Span, TemplateMarkers, derive_markers
 from hf_sanity.measure.tensors import pad_batches, pad_id
@@ -348,11 +349,7 @@ class Context:
         config = self._generation_config
         if config is None and self._model is not None:
             config = getattr(self._model, "generation_config", None)
-        if config is None:
-            return None
-        eos = getattr(config, "eos_token_id", None)
-        ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) | {self.tokenizer.eos_token_id}
-        return frozenset(int(i) for i in ids if i is not None)
+        return served_stop_ids(config, self.tokenizer)
 
     @cached_property
     def embedding_rows(self) -> int | None:

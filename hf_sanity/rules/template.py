@@ -268,7 +268,9 @@ STOP_TOKEN_MISMATCH = define(
     "the answer into a new turn (the early Llama-3 endless-generation bug).",
     detects="The token that closes an assistant turn in the training renders (derived from the chat template) is "
     "not among the ids that stop generation: `generation_config.eos_token_id` (from the model, or its folder's "
-    "generation_config.json) and the tokenizer's EOS. Not judged when no generation config is known.",
+    "generation_config.json) and the tokenizer's EOS. Not judged when no generation config is known. `outputs` "
+    "runs the same check on the generation config it generates with, and counts the generations that ended on "
+    "the end-of-turn token (served, they would not have stopped).",
     fix="Add the end-of-turn token to `generation_config.eos_token_id` (and save it with the model), or serve with "
     "`eos_token_id=[...]` including it.",
 )
@@ -283,19 +285,60 @@ def check_stop_token(ctx):
     closing = ctx.markers.end_of_turn[-1]
     if closing in stops:
         return
-    names = tok.convert_ids_to_tokens(sorted(stops))
-    turn_end = tok.decode(list(ctx.markers.end_of_turn))
-    yield STOP_TOKEN_MISMATCH.finding(
-        f"assistant turns end with {turn_end!r} in training, but generation stops only on {', '.join(map(repr, names))}: "
-        "the model will write its end of turn and go on",
-        evidence={
-            "end_of_turn": turn_end,
-            "end_of_turn_id": closing,
-            "stop_ids": sorted(stops),
-            "stop_tokens": names,
-        },
+    names = dict(zip(sorted(stops), tok.convert_ids_to_tokens(sorted(stops))))
+    yield _stop_token_mismatch(tok.decode(list(ctx.markers.end_of_turn)), closing, stops, names)
+
+
+@STOP_TOKEN_MISMATCH.detector(
+    "outputs", applies=lambda gens: gens.served_stop_ids is not None and bool(gens.end_of_turn_ids)
+)
+def outputs_stop_token(gens):
+    """The same check on the generation config `outputs` ran with, with what the model did there: each
+    generation that ended on the end-of-turn token would run on when served."""
+    closing = gens.end_of_turn_ids[-1]
+    stops = gens.served_stop_ids
+    if closing in stops:
+        return
+    from hf_sanity.outputview import side_by_side
+
+    ended = [s for s in gens.samples if s.stopped and s.ids[-1] == closing]
+    finding = _stop_token_mismatch(
+        gens.end_of_turn,
+        closing,
+        stops,
+        {i: gens.token_names.get(i, str(i)) for i in stops},
+        ended=(len(ended), len(gens.samples)),
+    )
+    if ended:
+        finding.example = side_by_side(gens, "ends on a token the served config does not stop on", ended)
+    yield finding
+
+
+def _stop_token_mismatch(turn_end: str, closing: int, stops, names: dict, ended=None):
+    """The finding: ``turn_end`` (id ``closing``) closes the trained turns but is not among ``stops``;
+    ``ended``: (generations that ended on it, generations) where the model was run."""
+    stop_names = [names[i] for i in sorted(stops)]
+    message = (
+        f"assistant turns end with {turn_end!r} in training, but generation stops only on "
+        f"{', '.join(map(repr, stop_names))}: the model will write its end of turn and go on"
+    )
+    evidence = {
+        "end_of_turn": turn_end,
+        "end_of_turn_id": closing,
+        "stop_ids": sorted(stops),
+        "stop_tokens": stop_names,
+    }
+    if ended is not None:
+        message += (
+            f" ({ended[0]} of {ended[1]} generations here ended on {turn_end!r}: served, they would not stop)"
+        )
+        evidence.update(ended_on_end_of_turn=ended[0], generations=ended[1])
+    return STOP_TOKEN_MISMATCH.finding(
+        message,
+        evidence=evidence,
         fix=f"Add {turn_end!r} (id {closing}) to `model.generation_config.eos_token_id` and save it with the model "
-        f"(e.g. `eos_token_id=[{', '.join(str(i) for i in sorted(stops | {closing}))}]`), or pass it to generate().",
+        f"(e.g. `eos_token_id=[{', '.join(str(i) for i in sorted(set(stops) | {closing}))}]`), or pass it to "
+        "generate().",
     )
 
 

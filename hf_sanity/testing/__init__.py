@@ -9,6 +9,10 @@ Public and documented: use them in your own tests.
 Variants (``template``): ``chatml`` (ChatML), ``llama3`` (header template, BOS in the template and added by
 the tokenizer), ``generation`` (ChatML with ``{% generation %}`` markers), ``base`` (no chat template).
 ``pad``: ``distinct`` (pad != EOS), ``eos`` (pad == EOS), ``none``.
+
+Fine-tuned fixtures (``trained_setup(variant)``, :mod:`hf_sanity.testing.trained`): the tiny model trained on
+the demo conversations correctly (``clean``: it answers and stops) and with one planted bug each
+(``eos-masked``, ``prompt-in-answer``, ``truncated``, ``wrong-template``), plus a LoRA adapter.
 """
 
 from hf_sanity.testing.data import (
@@ -30,10 +34,19 @@ from hf_sanity.testing.factory import (
     tiny_model_for,
     tiny_setup,
 )
+from hf_sanity.testing.trained import (
+    VARIANTS,
+    fine_tune,
+    held_out_conversations,
+    trained_adapter_dir,
+    trained_model_dir,
+    trained_setup,
+)
 
 __all__ = [
     "CHAT_TEMPLATES",
     "TEMPLATES",
+    "VARIANTS",
     "TinyConfig",
     "as_prompt_completion",
     "as_text",
@@ -41,10 +54,15 @@ __all__ = [
     "build_tokenizer",
     "cache_root",
     "demo_conversations",
+    "fine_tune",
+    "held_out_conversations",
     "reasoning_conversations",
     "synthetic_conversations",
     "tiny_model_dir",
     "tiny_model_for",
     "tiny_setup",
     "tool_conversations",
+    "trained_adapter_dir",
+    "trained_model_dir",
+    "trained_setup",
 ]

@@ -1,0 +1,143 @@
+"""`outputs()`: held-out prompts -> greedy generations, measured once -> every `outputs` detector -> one report.
+
+What the fine-tuned model actually says: it renders each held-out prompt with the chat template the model is
+served with, generates greedily in left-padded batches (seeded, on the model's device), and checks the
+generations: never stopping, stray template markers, echoing the prompt, repetition loops, answers cut short,
+outputs identical to the base model's, and the generation config's stop tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from hf_sanity import catalog
+from hf_sanity.errors import UserInputError
+from hf_sanity.measure.formats import check_alpaca_template
+from hf_sanity.measure.generate import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS
+from hf_sanity.report import Report
+from hf_sanity.selection import resolve
+
+DEFAULT_PROMPTS = 32
+
+
+def check_options(
+    *,
+    n: int = DEFAULT_PROMPTS,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    alpaca_template: str | None = None,
+) -> None:
+    """The numbers and choices of `outputs`, checked before anything is loaded."""
+    check_alpaca_template(alpaca_template)
+    for name, value in (("--n", n), ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserInputError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_adapter_folder(adapter: str | Path) -> None:
+    """A saved PEFT adapter folder, readable (or one line saying what is wrong)."""
+    from hf_sanity.measure.adapters import adapter_config, adapter_state
+
+    if not Path(adapter).is_dir():
+        raise UserInputError(
+            f"adapter {str(adapter)!r} is not a folder; pass the folder written by peft's save_pretrained"
+        )
+    adapter_config(adapter)
+    adapter_state(adapter)
+
+
+def outputs(
+    model=None,
+    tokenizer=None,
+    dataset=None,
+    *,
+    adapter: str | Path | None = None,
+    base=None,
+    inference_tokenizer=None,
+    generation_config=None,
+    n: int = DEFAULT_PROMPTS,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    format: str | None = None,
+    alpaca_template: str | None = None,
+    seed: int = 0,
+    select: str | Iterable[str] | None = None,
+    ignore: str | Iterable[str] | None = None,
+    use_config: bool = True,
+) -> Report:
+    """Generate for ``n`` held-out prompts of ``dataset`` and check what the model says; a :class:`Report`.
+
+    ``model``: the fine-tuned model (a PEFT model, a merged one, or a base model with ``adapter=``, a saved
+    adapter folder attached for the run and removed after). ``tokenizer``: its tokenizer; the prompts are
+    rendered with ``inference_tokenizer``'s chat template when given (the one you serve with), else with
+    ``tokenizer``'s. ``generation_config``: how the model is served (default: the model's own); generation is
+    greedy whatever it says, and stops on its ``eos_token_id``, the tokenizer's EOS and the template's end of
+    turn. ``base``: the base model, to compare outputs with (``adapter-no-effect``); pass the very ``model``
+    object (a PEFT model, or a base model with ``adapter=``) to compare with and without the adapter. ``dataset``: conversations
+    (``messages``, ShareGPT ``conversations``), ``prompt``/``completion`` rows (or ``prompt`` alone), Alpaca
+    rows; the prompt side of each row is what is sent, its last answer the reference. Nothing of the model,
+    its generation config or the tokenizer is changed.
+    """
+    from hf_sanity.measure.generate import generate, held_out_prompts, renderable, with_base
+
+    selection = resolve(select, ignore, use_config=use_config)
+    check_options(n=n, max_new_tokens=max_new_tokens, batch_size=batch_size, alpaca_template=alpaca_template)
+    if model is None or tokenizer is None or dataset is None:
+        raise UserInputError("outputs needs a model, a tokenizer and a dataset of held-out prompts")
+    if adapter is not None:
+        check_adapter_folder(adapter)
+    started = time.perf_counter()
+    served = inference_tokenizer or tokenizer
+    has_template = bool(getattr(served, "chat_template", None))
+    prompts = held_out_prompts(
+        dataset, n=n, fmt=format, has_template=has_template, alpaca_template=alpaca_template
+    )
+    if not prompts:
+        raise UserInputError(
+            f"the dataset has no prompts: none of its {len(dataset)} rows has a prompt side (a user turn before "
+            "the answer, a non-empty prompt)"
+        )
+    if not has_template and any(p.messages is not None for p in prompts):
+        raise UserInputError(
+            "the tokenizer has no chat template, so the conversations cannot be rendered as they will be served; "
+            "pass --inference-tokenizer with the tokenizer you serve with (or prompts as plain text)"
+        )
+    prompts, problems = renderable(served, prompts)
+    if not prompts:
+        row, problem = next(iter(problems.items()))
+        raise UserInputError(f"the tokenizer cannot render any of the prompts (row {row}: {problem})")
+    options = dict(
+        max_new_tokens=max_new_tokens, generation_config=generation_config, batch_size=batch_size, seed=seed
+    )
+    same_base = base is not None and base is model
+    if same_base and adapter is None and not hasattr(model, "disable_adapter"):
+        raise UserInputError(
+            "base is the fine-tuned model itself: pass the base model, or the model with adapter= (the outputs are "
+            "then compared with and without the adapter)"
+        )
+    with contextlib.ExitStack() as stack:
+        run = model
+        if adapter is not None:
+            from hf_sanity.measure.adapters import attached_adapter
+
+            run = stack.enter_context(attached_adapter(model, adapter))
+        gens = generate(run, served, prompts, **options)
+        if same_base:  # the same model with its adapter switched off
+            with run.disable_adapter():
+                base_gens = generate(run, served, prompts, **options)
+            gens = with_base(gens, base_gens)
+        elif base is not None:
+            gens = with_base(gens, generate(base, served, prompts, **options))
+    report = Report(title="hf-sanity outputs")
+    report.extend(catalog.run_all("outputs", gens, selection))
+    report.stats.update(gens.stats())
+    if problems:  # rows the chat template rejected: left out, and said
+        report.stats["prompts_not_rendered"] = {"count": len(problems), "rows": sorted(problems)[:10],
+                                                "first_problem": next(iter(problems.values()))}  # fmt: skip
+    if adapter is not None:
+        report.stats["adapter"] = str(adapter)
+    report.stats["seconds"] = round(time.perf_counter() - started, 2)
+    return report

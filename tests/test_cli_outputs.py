@@ -1,0 +1,102 @@
+"""`hf-sanity outputs` as a user runs it: exit codes, the report in the terminal, JSON and HTML, one-line
+errors for bad input. The models are the cached fine-tuned fixtures of `hf_sanity.testing.trained`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import assert_one_line_error, cli
+from hf_sanity.testing import (
+    as_prompt_completion,
+    held_out_conversations,
+    tiny_model_dir,
+    trained_adapter_dir,
+    trained_model_dir,
+)
+
+pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "held_out.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in held_out_conversations(16)) + "\n")
+    return str(path)
+
+
+def test_a_clean_model_exits_0(held_out):
+    result = cli("outputs", "--model", trained_model_dir("clean"), "--dataset", held_out, "--n", "16")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "hf-sanity outputs: no findings" in result.stdout
+    assert "prompts=16" in result.stdout and "stopped=16" in result.stdout
+
+
+def test_a_model_that_never_stops_exits_1_with_the_side_by_side_in_every_format(held_out, tmp_path):
+    out, page = tmp_path / "outputs.json", tmp_path / "outputs.html"
+    result = cli(
+        "outputs", "--model", trained_model_dir("eos-masked"), "--dataset", held_out, "--max-new-tokens", "64",
+        "--select", "never-stops", "--json", out, "--html", page,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "error   never-stops" in result.stdout and "eos-not-learned" in result.stdout
+    for column in ("prompt", "generation", "reference"):
+        assert column in result.stdout
+    (finding,) = json.loads(out.read_text())["findings"]
+    assert finding["rule"] == "never-stops" and finding["evidence"]["never_stopped"] == 16
+    first = finding["side_by_side"][0]
+    assert set(first) == {"row", "prompt", "generation", "reference", "note"}
+    assert "max_new_tokens reached" in first["note"]
+    assert '<table class="sidebyside"' in page.read_text()
+
+
+def test_stray_markers_of_a_model_saved_with_another_tokenizer(held_out):
+    result = cli(
+        "outputs", "--model", trained_model_dir("wrong-template"), "--dataset", held_out,
+        "--max-new-tokens", "48", "--select", "outputs",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "stray-markers-in-output" in result.stdout and "<|im_end|>" in result.stdout
+    # Rendered with the tokenizer it was trained with, it answers and stops.
+    clean = cli(
+        "outputs", "--model", trained_model_dir("wrong-template"), "--dataset", held_out,
+        "--inference-tokenizer", trained_model_dir("clean"), "--max-new-tokens", "48",
+    )  # fmt: skip
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+
+
+def test_an_adapter_compared_with_its_base(held_out):
+    base, adapter = trained_model_dir("clean"), trained_adapter_dir()
+    applied = cli("outputs", "--model", base, "--adapter", adapter, "--base", base, "--dataset", held_out)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert "base_generation_seconds" in applied.stdout
+    # The "fine-tuned" folder is the base itself: the adapter was never loaded into it.
+    missing = cli("outputs", "--model", base, "--base", base, "--dataset", held_out)
+    assert missing.returncode == 1, missing.stdout + missing.stderr
+    assert "adapter-no-effect" in missing.stdout and "identical" in missing.stdout
+
+
+def test_bad_input_is_one_line_and_exit_2(held_out, tmp_path):
+    model = trained_model_dir("clean")
+    assert_one_line_error(
+        cli("outputs", "--model", model, "--dataset", held_out, "--n", "0"), "--n must be a positive integer"
+    )
+    prose = tmp_path / "prose.jsonl"
+    prose.write_text(json.dumps({"text": "Just some prose."}) + "\n")
+    assert_one_line_error(cli("outputs", "--model", model, "--dataset", prose), "has no prompts")
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text(json.dumps({"messages": [{"role": "assistant", "content": "Hi"}]}) + "\n")
+    assert_one_line_error(cli("outputs", "--model", model, "--dataset", answers), "has no prompts")
+    no_template = str(tiny_model_dir("base", "distinct"))
+    assert_one_line_error(cli("outputs", "--model", no_template, "--dataset", held_out), "no chat template")
+    assert_one_line_error(
+        cli("outputs", "--model", model, "--dataset", held_out, "--adapter", tmp_path / "nope"),
+        "not a folder",
+    )
+    # A base model with plain-text prompts needs no template.
+    text = tmp_path / "text_prompts.jsonl"
+    text.write_text("\n".join(json.dumps(r) for r in as_prompt_completion(held_out_conversations(4))) + "\n")
+    result = cli("outputs", "--model", no_template, "--dataset", text, "--max-new-tokens", "8", "--select",
+                 "stray-markers-in-output")  # fmt: skip
+    assert result.returncode in (0, 1) and "prompts=4" in result.stdout, result.stdout + result.stderr
