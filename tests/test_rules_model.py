@@ -211,7 +211,11 @@ def test_checks_that_need_a_failed_precondition_are_skipped_not_crashed(setup, c
     assert report.by_rule("vocab-size-mismatch")[0].severity == "error"
     (skipped,) = report.by_rule("checks-skipped")
     assert skipped.severity == "info" and skipped.evidence["needs"] == "vocab-size-mismatch"
-    assert set(skipped.evidence["skipped"]) == {"init-loss-off-chance", "init-loss-above-base", "input-ignored"}
+    assert set(skipped.evidence["skipped"]) == {
+        "init-loss-off-chance",
+        "init-loss-above-base",
+        "input-ignored",
+    }
     # Selected alone, the step-0 check still measures its precondition first (without reporting it).
     alone = run(tok, rows, model=model, select="init-loss-off-chance")
     assert [f.rule for f in alone.findings] == ["checks-skipped"]
