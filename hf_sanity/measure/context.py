@@ -421,6 +421,11 @@ class Context:
         measured["answer_in_prompt"] = float(np.mean([_answer_in_prompt(i, lab) for i, lab in seqs]))
         return measured
 
+    @property
+    def step0_given(self) -> bool:
+        """The step-0 numbers came with the context (the callback measured them on the first real step)."""
+        return self._given_init_loss is not None
+
     @cached_property
     def trainer_loss(self) -> float | None:
         """What the trainer's own ``compute_loss`` returns on its first batch (with ``num_items_in_batch``, as
@@ -443,6 +448,11 @@ class Context:
         extra = {}
         if "num_items_in_batch" in parameters:
             items = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+            # Trainer counts the items of every process and compute_loss multiplies the loss back by their
+            # number (average_tokens_across_devices): this batch stands for each process's.
+            args = getattr(trainer, "args", None)
+            if getattr(args, "average_tokens_across_devices", False):
+                items *= int(getattr(getattr(trainer, "accelerator", None), "num_processes", 1) or 1)
             extra["num_items_in_batch"] = torch.tensor(items, device=device)
         with untouched(model), torch.no_grad():
             loss = trainer.compute_loss(model, dict(inputs), **extra)

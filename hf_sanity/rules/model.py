@@ -293,7 +293,10 @@ TRAINER_SCALED = 1.5  # a trainer loss 1.5x the model's own cross-entropy is sca
 
 
 @INIT_LOSS_OFF_CHANCE.check(
-    applies=lambda ctx: ctx.trainer is not None and ctx.first_batch is not None and ctx.has_model
+    # In a run, the callback judges the first step's loss as training_step returned it (Step0Monitor).
+    applies=lambda ctx: (
+        ctx.trainer is not None and ctx.first_batch is not None and ctx.has_model and not ctx.step0_given
+    )
 )
 def check_trainer_loss(ctx):
     """The loss that trains: the trainer's own compute_loss on its first batch, against chance and against the
