@@ -235,6 +235,12 @@ def test_predictions_frozen_while_the_loss_moves():
     assert feed(PredictionsMonitor(), changing) == []
     still = [(s, {"changed": 0.0, "loss_start": 6.9, "loss_level": 6.88}) for s in (10, 20, 30, 40)]
     assert feed(PredictionsMonitor(), still) == []  # nothing moves at all: that is loss-flat's business
+    # A run that converges: predictions change, then settle while the loss keeps falling as confidence grows.
+    settled = [
+        (s, {"changed": 0.3 if s <= 20 else 0.0, "loss_start": 6.9, "loss_level": 6.9 / s})
+        for s in range(10, 90, 10)
+    ]
+    assert feed(PredictionsMonitor(), settled) == []
 
 
 def test_ranks_diverged():

@@ -20,7 +20,8 @@ PREDICTIONS_FROZEN = define(
     severity="warning",
     stage="training",
     symptom="Loss decreases but generations never change.",
-    detects="Argmax predictions on a fixed probe batch are identical across checks while the loss moves.",
+    detects="Argmax predictions on a fixed probe batch never change, from the first probe on, while the loss "
+    "moves. (Predictions that changed and then settled are a run converging, not this.)",
     fix="Check what is being optimised (the loss may be connected to something other than the served weights, "
     "e.g. an adapter that is not active).",
 )
@@ -39,6 +40,7 @@ class PredictionsMonitor(Monitor):
         self.probes = probes
         self.first_loss: float | None = None
         self._frozen: list[int] = []
+        self._ever_changed = False  # once predictions moved, the weights that are served are being trained
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         start = values.get("loss_start", values.get("loss_level"))
@@ -47,8 +49,8 @@ class PredictionsMonitor(Monitor):
         changed = values.get("changed")
         if changed is None:
             return []
-        if changed > 0:
-            self._frozen = []
+        if changed > 0 or self._ever_changed:
+            self._ever_changed = True
             return []
         self._frozen.append(step)
         level = values.get("loss_level")
