@@ -369,6 +369,21 @@ def test_blowup_causes_from_numbers():
     assert blowup_cause(20, warmup_steps=0, ratios=[(19, 1e-3)], lrs=[], losses=losses)[0] == "unknown"
 
 
+@pytest.mark.planted("loss-diverged")
+def test_a_blow_up_at_the_second_step_is_divergence_from_the_first():
+    """LR 50 with AdamW: the loss leaves 6.9 for 10^4 at step 2. The starting level is the lowest of the first
+    steps, so the blow-up does not raise its own bar, and it is dated at step 2."""
+    from hf_sanity.rules.training.divergence import DivergenceMonitor
+
+    losses = [6.9, 1.2e4, 8.5e4, 9.1e4, 7.7e4, 8.8e4, 9.9e4, 8.1e4]
+    found = feed(DivergenceMonitor(vocab_size=1000), [(s, {"loss": v}) for s, v in enumerate(losses, 1)])
+    assert [(f.rule, f.step, f.evidence["start_loss"]) for f in found] == [("loss-diverged", 2, 6.9)]
+    healthy = feed(
+        DivergenceMonitor(vocab_size=1000), [(s, {"loss": v}) for s, v in enumerate(healthy_losses(), 1)]
+    )
+    assert healthy == []
+
+
 def test_a_flat_loss_after_a_divergence_is_blamed_on_the_divergence_not_the_gradient_path():
     """SGD at a huge LR: the loss explodes, activations saturate, gradients become exactly 0 and the loss sits
     at chance. The optimizer then "updates nothing", but the road is the LR, not the gradient path."""

@@ -18,7 +18,9 @@ from hf_sanity.findings import Finding
 from hf_sanity.numbers import fmt, median
 from hf_sanity.rules.training.base import Monitor, TrainingSetup
 
-START_POINTS = 3  # the starting level: median of the first 3 step losses
+# The starting level: the lowest of the first 3 step losses (a blow-up at step 2 must not raise its own bar;
+# chance ln(V) is a floor of the threshold, so a low pick cannot make noise look like divergence).
+START_POINTS = 3
 DIVERGE_FACTOR = 2.0  # diverged: above 2x the start ...
 DIVERGE_MARGIN = 1.0  # ... and 1 nat above it ...
 # ... and above chance, ln(V), when the vocabulary is known: worse than a uniform guess is confidently wrong
@@ -47,7 +49,7 @@ LOSS_DIVERGED = define(
     severity="error",
     stage="training",
     symptom="The loss climbs far above where it started and stays there: training diverged (without a NaN).",
-    detects=f"The step loss stays above {DIVERGE_FACTOR:g}x its starting level (median of the first "
+    detects=f"The step loss stays above {DIVERGE_FACTOR:g}x its starting level (the lowest of the first "
     f"{START_POINTS} steps), {DIVERGE_MARGIN:g} nat above it and above chance ln(V) for {DIVERGE_STEPS} "
     "consecutive steps. `evidence.cause`: warmup-ended (within "
     f"{WARMUP_WINDOW} steps after warmup ends), lr-too-high (an update/weight ratio above {HEALTHY_RATIO:g} per "
@@ -129,8 +131,11 @@ class DivergenceMonitor(Monitor):
         self.losses.append((step, float(loss)))
         if len(self.losses) <= START_POINTS:
             return []
-        start = median([v for _, v in self.losses[:START_POINTS]])
+        start = min(v for _, v in self.losses[:START_POINTS])
         threshold = diverge_threshold(start, self.vocab_size)
+        if len(self.losses) == START_POINTS + 1:  # a blow-up inside the starting steps counts from its step
+            for s, v in self.losses[:START_POINTS]:
+                self._above = [*self._above, s] if v > threshold else []
         if loss <= threshold:
             self._above = []
             return []
@@ -172,7 +177,7 @@ def loss_diverged(curves) -> list[Finding]:
     steps, loss, lr = train_points(curves)
     if len(loss) <= START_POINTS + DIVERGE_STEPS:
         return []
-    start = median(loss[:START_POINTS])
+    start = float(min(loss[:START_POINTS]))
     threshold = diverge_threshold(start, curves.vocab_size)
     above = 0
     for i in range(START_POINTS, len(loss)):
