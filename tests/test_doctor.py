@@ -543,6 +543,28 @@ def test_doctor_reads_the_callback_report(nan_run):
         assert report.exit_code == 1
 
 
+def test_without_the_report_doctor_reads_what_the_callback_counted(nan_run, tmp_path):
+    """A trainer_state.json copied away from its run (no report.json beside it): the hf_sanity/<rule> counters
+    in log_history still say what the callback found, and from which step."""
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    state = json.loads((nan_run / "checkpoint-12" / "trainer_state.json").read_text())
+    (lone / "trainer_state.json").write_text(json.dumps(state))
+    (nan,) = doctor([lone], use_config=False).by_rule("nonfinite-loss")  # the curves' own, annotated
+    assert (nan.evidence["callback_counted"], nan.evidence["callback_first_step"]) == (1, 3)
+    assert "SanityCallback counted it from step 3" in nan.message
+    state["log_history"][5]["hf_sanity/stale-gradients"] = 2  # a rule no curve detector can see
+    (lone / "trainer_state.json").write_text(json.dumps(state))
+    (stale,) = doctor([lone], use_config=False).by_rule("stale-gradients")
+    assert stale.severity == "error" and stale.step == state["log_history"][5]["step"]
+    assert stale.evidence == {
+        "run": str(lone),
+        "source": "SanityCallback",
+        "counted": 2,
+        "first_logged_step": 6,
+    }
+
+
 def write_callback_report(folder: Path, *findings: dict) -> Path:
     (folder / "hf-sanity").mkdir(parents=True, exist_ok=True)
     path = folder / "hf-sanity" / "report.json"

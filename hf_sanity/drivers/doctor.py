@@ -55,6 +55,57 @@ def _from_callback(run: Run) -> list[Finding]:
     return out
 
 
+COUNTER = "hf_sanity/"
+
+
+def _from_counters(run: Run) -> list[Finding]:
+    """Without SanityCallback's report.json (a checkpoint copied elsewhere), what it counted per rule, as it
+    logged into ``log_history``: the rule, how often, and the first step it was counted at."""
+    rules = catalog.load()
+    first: dict[str, int | None] = {}
+    counts: dict[str, int] = {}
+    for entry in run.state.get("log_history") or []:
+        if not isinstance(entry, dict):
+            continue
+        for key, value in entry.items():
+            slug = key[len(COUNTER) :] if key.startswith(COUNTER) else None
+            if slug not in rules or slug in catalog.ALWAYS_REPORTED or type(value) is not int or value < 1:
+                continue
+            counts[slug] = max(counts.get(slug, 0), value)
+            if slug not in first:
+                step = entry.get("step")
+                first[slug] = step if type(step) is int else None
+    out = []
+    for slug, count in counts.items():
+        rule = rules[slug]
+        out.append(
+            Finding(
+                rule=slug,
+                severity=rule.severity,
+                message=f"{CALLBACK} counted {count} {slug} finding{'s' if count > 1 else ''} during training, "
+                f"first logged at step {first[slug]} (its report.json, with the evidence, is not beside this run)",
+                evidence={"source": CALLBACK, "counted": count, "first_logged_step": first[slug]},
+                fix=rule.fix,
+                step=first[slug],
+            )
+        )
+    return out
+
+
+def _merge_counters(from_curves: list[Finding], counted: list[Finding]) -> list[Finding]:
+    """A rule the curves give too: its finding notes what the callback counted; the others are added."""
+    by_rule = {f.rule: f for f in from_curves}
+    added = []
+    for found in counted:
+        if found.rule in by_rule:
+            same, since = by_rule[found.rule], found.evidence["first_logged_step"]
+            same.evidence.update(callback_counted=found.evidence["counted"], callback_first_step=since)
+            same.message += f" ({CALLBACK} counted it from step {since})"
+        else:
+            added.append(found)
+    return from_curves + added
+
+
 def _merge(from_curves: list[Finding], from_callback: list[Finding]) -> list[Finding]:
     """One run's findings: its curves', then what SanityCallback found while it trained. The callback saw
     every step, the logs only every logging_steps; so its finding of a rule the curves also give replaces
@@ -117,7 +168,12 @@ def doctor(
     several = len(loaded) > 1
     per_run: list[list[Finding]] = []
     for run in loaded:
-        found = catalog.without_explained(_merge(analyze(run.curves, final=True), _from_callback(run)))
+        from_curves = analyze(run.curves, final=True)
+        if run.callback_report is not None:
+            merged = _merge(from_curves, _from_callback(run))
+        else:
+            merged = _merge_counters(from_curves, _from_counters(run))
+        found = catalog.without_explained(merged)
         per_run.append([_with_run(f, run, several) for f in found])
 
     run_set = RunSet(
