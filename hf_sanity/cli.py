@@ -593,9 +593,14 @@ def main() -> None:
         err_console.print("aborted")
         sys.exit(130)
     except Exception as exc:
-        # Usage errors from click (which typer may vendor): they know how to show themselves, exit 2.
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
-            exc.show()
+        # Usage errors from click (which typer may vendor): one line too, with where the help is.
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+            ctx = getattr(exc, "ctx", None)
+            where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            message = " ".join(exc.format_message().split())
+            err_console.print(
+                f"[bold red]error:[/bold red] {message}{where}", highlight=False, soft_wrap=True
+            )
             sys.exit(exc.exit_code)
         raise
 

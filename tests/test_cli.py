@@ -97,9 +97,11 @@ def test_unknown_select(model_dir, data_file):
                           "unknown rule or stage 'nope'")  # fmt: skip
 
 
-def test_usage_error_exits_2(model_dir):
-    result = cli("preflight", "--model", model_dir)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
+def test_usage_errors_are_one_line_too(model_dir):
+    assert_one_line_error(cli("preflight", "--model", model_dir), "Missing option '--dataset'",
+                          "preflight --help")  # fmt: skip
+    assert_one_line_error(cli("preflight", "--bogus"), "No such option: --bogus")
+    assert_one_line_error(cli("nosuch"), "No such command 'nosuch'", " --help)")
 
 
 def test_nothing_written_into_the_model_folder(model_dir, data_file, tmp_path):
