@@ -48,6 +48,13 @@ FORMAT_HELP = (
     "messages, sharegpt, prompt-completion, alpaca, text or tokens (default: detected from the columns)."
 )
 FormatOpt = Annotated[str | None, typer.Option("--format", help=FORMAT_HELP)]
+AlpacaOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Alpaca rows: chat (the chat template renders instruction+input, then output) or text (the "
+        "Alpaca prompt, for base models). Default: chat when the tokenizer has a chat template."
+    ),
+]
 TrustOpt = Annotated[bool, typer.Option(help="Allow custom model/tokenizer code.")]
 AdapterConfigOpt = Annotated[
     Path | None, typer.Option(help="A LoRA adapter_config.json (or its folder) to attach, as in training.")
@@ -167,13 +174,7 @@ def preflight_command(
         str, typer.Option(help="completion (labels on completions only) or all.")
     ] = "completion",
     format: FormatOpt = None,
-    alpaca_template: Annotated[
-        str | None,
-        typer.Option(
-            help="Alpaca rows: chat (the chat template renders instruction+input, then output) or text (the "
-            "Alpaca prompt, for base models). Default: chat when the tokenizer has a chat template."
-        ),
-    ] = None,
+    alpaca_template: AlpacaOpt = None,
     task: Annotated[
         str,
         typer.Option(
@@ -300,9 +301,7 @@ def outputs_command(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens generated at most per prompt.")] = 256,
     batch_size: Annotated[int, typer.Option(help="Prompts per generate() call (left-padded).")] = 32,
     format: FormatOpt = None,
-    alpaca_template: Annotated[
-        str | None, typer.Option(help="Alpaca rows: chat or text (the Alpaca prompt); default as preflight.")
-    ] = None,
+    alpaca_template: AlpacaOpt = None,
     seed: Annotated[int, typer.Option(help="Seed set before generating (generation is greedy).")] = 0,
     trust_remote_code: TrustOpt = False,
     json: JsonOpt = None,
@@ -483,11 +482,21 @@ def served_command(
     _finish(report, json, html)
 
 
-def _protocol_options(n: int, steps: int, lr: float | None, max_len: int | None, loss_on: str, format):
+def _protocol_options(
+    n: int, steps: int, lr: float | None, max_len: int | None, loss_on: str, format, alpaca_template=None
+):
     """The shared options of overfit and diagnose, checked before anything is imported or loaded."""
     from hf_sanity.protocol.options import ProtocolOptions
 
-    return ProtocolOptions(n=n, steps=steps, lr=lr, max_len=max_len, loss_on=loss_on, format=format)
+    return ProtocolOptions(
+        n=n,
+        steps=steps,
+        lr=lr,
+        max_len=max_len,
+        loss_on=loss_on,
+        format=format,
+        alpaca_template=alpaca_template,
+    )
 
 
 def _pipeline(options, *, model, dataset, tokenizer, split, adapter_config, lora_r, lora_alpha, lora_target,
@@ -520,13 +529,14 @@ def overfit_command(
     max_len: MaxLenOpt = None,
     loss_on: LossOnOpt = "completion",
     format: FormatOpt = None,
+    alpaca_template: AlpacaOpt = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the loss curve as a PNG.")] = None,
     trust_remote_code: TrustOpt = False,
     json: JsonOpt = None,
     html: HtmlOpt = None,
 ) -> None:
     """Overfit a handful of examples of your pipeline: if the loss does not reach near zero, name the broken link."""
-    options = _protocol_options(n, steps, lr, max_len, loss_on, format)
+    options = _protocol_options(n, steps, lr, max_len, loss_on, format, alpaca_template)
     pipeline = _pipeline(
         options, model=model, dataset=dataset, tokenizer=tokenizer, split=split, adapter_config=adapter_config,
         lora_r=lora_r, lora_alpha=lora_alpha, lora_target=lora_target, trust_remote_code=trust_remote_code,
@@ -555,6 +565,7 @@ def diagnose_command(
     max_len: MaxLenOpt = None,
     loss_on: LossOnOpt = "completion",
     format: FormatOpt = None,
+    alpaca_template: AlpacaOpt = None,
     repro: Annotated[
         Path | None,
         typer.Option(help="Folder for the single-batch reproduction (default: ./hf-sanity-repro/...)."),
@@ -565,7 +576,7 @@ def diagnose_command(
 ) -> None:
     """Run the debugging protocol in order (overfit, step-0 loss, shapes and masks, LR range, precision) and stop at
     the first broken layer, with its fix, a single-batch reproduction and the verification checklist."""
-    options = _protocol_options(n, steps, lr, max_len, loss_on, format)
+    options = _protocol_options(n, steps, lr, max_len, loss_on, format, alpaca_template)
     pipeline = _pipeline(
         options, model=model, dataset=dataset, tokenizer=tokenizer, split=split, adapter_config=adapter_config,
         lora_r=lora_r, lora_alpha=lora_alpha, lora_target=lora_target, trust_remote_code=trust_remote_code,

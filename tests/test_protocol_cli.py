@@ -136,3 +136,24 @@ def test_lora_targets_that_match_nothing_are_one_line(model_dir, data_file, tmp_
         cwd=tmp_path,
     )
     assert_one_line_error(result, "cannot attach the LoRA adapter")
+
+
+def test_alpaca_rows_are_read_with_the_template_asked_for(model_dir, tmp_path):
+    """overfit/diagnose read Alpaca rows as preflight does, with --alpaca-template; a bad value is one line."""
+    from transformers import AutoTokenizer
+
+    from hf_sanity.protocol.build import build
+    from hf_sanity.protocol.options import ProtocolOptions
+
+    rows = [{"instruction": f"Name a colour ({i}).", "input": "", "output": "Blue."} for i in range(8)]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for template, marker in (("text", "### Instruction:"), ("chat", "<|im_start|>user")):
+        pipeline = build(model=object(), tokenizer=tok, dataset=rows,
+                         options=ProtocolOptions(n=2, alpaca_template=template))  # fmt: skip
+        assert marker in tok.decode(pipeline.batches[0]["input_ids"][0])
+    path = tmp_path / "alpaca.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    bad = cli(
+        "overfit", "--model", model_dir, "--dataset", str(path), "--alpaca-template", "markdown", cwd=tmp_path
+    )
+    assert_one_line_error(bad, "alpaca")

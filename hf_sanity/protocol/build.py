@@ -82,7 +82,7 @@ def take_examples(batches: Iterable[Mapping[str, Any]], n: int) -> tuple[list[di
 
 
 def encode_examples(
-    tokenizer, dataset, n: int, *, fmt=None, loss_on="completion", max_len=None
+    tokenizer, dataset, n: int, *, fmt=None, loss_on="completion", max_len=None, alpaca_template=None
 ) -> list[dict]:
     """The first ``n`` rows that tokenize, as TRL would tokenize them (labels included)."""
     import datasets
@@ -95,7 +95,8 @@ def encode_examples(
     if len(dataset) == 0:
         raise UserInputError("the dataset is empty")
     fmt = detect_format(dataset.column_names, fmt)
-    encoder = Encoder(tokenizer, EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len))
+    options = EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len, alpaca_template=alpaca_template)
+    encoder = Encoder(tokenizer, options)
     rows, errors = [], []
     for i in range(min(len(dataset), 20 * n)):
         encoded = encoder.encode(dataset[i])
@@ -154,8 +155,9 @@ def from_objects(
             )
         model = attach_lora(copy.deepcopy(model), lora)  # the user's model is never modified
     rows = encode_examples(
-        tokenizer, dataset, opts.n, fmt=opts.format, loss_on=opts.loss_on, max_len=opts.max_len
-    )
+        tokenizer, dataset, opts.n, fmt=opts.format, loss_on=opts.loss_on, max_len=opts.max_len,
+        alpaca_template=opts.alpaca_template,
+    )  # fmt: skip
     batch = pad_batches([(r["input_ids"], r["labels"]) for r in rows], pad_id(tokenizer))[0]
     configured = opts.lr
     if opts.lr is None and optimizer is not None:

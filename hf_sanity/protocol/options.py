@@ -19,7 +19,8 @@ class ProtocolOptions:
     searched, at most 3 budgets in all); ``lr``: the overfit learning rate, used as is (default: searched, see
     `hf_sanity.protocol.lr_search`); ``max_len``: the training max_length (truncation keeps the start);
     ``loss_on``: ``completion`` (labels on completions only) or ``all``; ``format``: the dataset format
-    (default: detected from the columns).
+    (default: detected from the columns); ``alpaca_template``: ``chat`` or ``text`` for Alpaca rows (default:
+    chat when the tokenizer has a chat template).
     """
 
     n: int = 8
@@ -28,8 +29,12 @@ class ProtocolOptions:
     max_len: int | None = None
     loss_on: str = "completion"
     format: str | None = None
+    alpaca_template: str | None = None
 
     def __post_init__(self) -> None:
+        from hf_sanity.measure.formats import check_alpaca_template
+
+        check_alpaca_template(self.alpaca_template)
         if not MIN_EXAMPLES <= self.n <= MAX_EXAMPLES:
             raise UserInputError(
                 f"--n must be between {MIN_EXAMPLES} and {MAX_EXAMPLES} examples, got {self.n}"
