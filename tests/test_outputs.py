@@ -108,7 +108,7 @@ def test_a_model_trained_with_the_prompt_in_its_answers_echoes_the_user_turn(hel
     report = check(model, tok, held_out)
     assert rules_of(report) == {"repeats-prompt"}
     (finding,) = report.findings
-    assert finding.evidence["fraction"] >= 0.8 and "prompt-in-loss" in finding.fix
+    assert finding.evidence["fraction"] >= 0.8 and "answer-repeats-prompt" in finding.fix
     sample = finding.example.examples[0]
     prompt = dict(sample.columns)["prompt"].split("] ")[-1]
     assert dict(sample.columns)["generation"].startswith(prompt)

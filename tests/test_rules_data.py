@@ -131,3 +131,32 @@ def test_findings_carry_every_offending_row(chatml, conversations):
     bad = report.by_rule("bad-input-values")[0]
     assert bad.evidence["rows"] == broken[:10] and bad.rows == broken
     assert report.offending_rows() == {"bad-input-values": broken, "duplicate-examples": [40, 41, 42]}
+
+
+@pytest.mark.planted("answer-repeats-prompt")
+def test_completions_built_as_prompt_plus_answer(chatml):
+    """The data of the echoing fixture (hf_sanity.testing.trained): each answer opens with the user's message.
+    Upstream of `hf-sanity outputs`' repeats-prompt, caught before training, in either format."""
+    from hf_sanity.testing import as_prompt_completion
+    from hf_sanity.testing.trained import training_conversations
+
+    rows = training_conversations("prompt-in-answer")[:32]
+    for data in (rows, as_prompt_completion(rows, conversational=True)):
+        (finding,) = run(chatml, data, select="answer-repeats-prompt").findings
+        assert finding.severity == "error" and finding.evidence["fraction"] > 0.5  # prompts of 20+ characters
+    one = [*training_conversations("clean")[:31], rows[0]]
+    (finding,) = run(chatml, one, select="answer-repeats-prompt").findings
+    assert finding.severity == "warning" and finding.evidence["rows"] == [31]
+
+
+@pytest.mark.clean("answer-repeats-prompt")
+def test_answers_that_restate_the_question_in_their_own_words_are_not_echoes(chatml, conversations):
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": "What is the capital of France, please?"},
+                {"role": "assistant", "content": "The capital of France is Paris."},
+            ]
+        }  # fmt: skip
+    ] * 4
+    assert run(chatml, [*conversations, *rows], select="answer-repeats-prompt").findings == []

@@ -151,6 +151,9 @@ MEASURES: dict[str, Any] = {
     # (0.0: none found), and how many characters of that text follow it (-1: none found).
     "leak": 0.0,
     "leak_after": -1,
+    # Trained answers that open with the prompt (the user turn just before them) verbatim, 20+ characters: a
+    # completion built as prompt + answer.
+    "n_echo": 0,
     "max_id": -1,
     "special_ids": [],  # special/added token ids the example uses
     "n_dropped_supervised": 0,  # characters of trained messages the chat template does not render
@@ -327,6 +330,11 @@ class Encoder:
             content=self._strays(text for _, text in texts),
             hash=stable_hash(normalize(" ".join(f"{role}: {text}" for role, text in texts))),
             leak=self._leaks(answers),
+            echo=self._echoes(
+                (next((t for r, t in reversed(texts[:j]) if r != "assistant"), ""), text)
+                for j, (role, text) in enumerate(texts)
+                if role == "assistant" and j >= first
+            ),
             **dropped_content(messages, first, full),
         )
         return self._finish(out)
@@ -400,6 +408,7 @@ class Encoder:
             content=self._strays([own_prompt, own_completion]),
             hash=stable_hash(normalize(prompt + " " + completion)),
             leak=self._leaks([(own_prompt, own_completion)]),
+            echo=self._echoes([(own_prompt, own_completion)]),
         )
         return self._finish(out)
 
@@ -504,6 +513,15 @@ class Encoder:
             found.update(self._stray_re.findall(text))
         return sorted(found)
 
+    def _echoes(self, pairs) -> int:
+        """How many (prompt, answer) pairs have the answer open with the whole prompt (normalized)."""
+        count = 0
+        for prompt, answer in pairs:
+            prompt = normalize(prompt)
+            if len(prompt) >= self.options.min_leak_chars and normalize(answer).startswith(prompt):
+                count += 1
+        return count
+
     def _leaks(self, answers: list[tuple[str, str]]) -> tuple[float, int]:
         """For (text before, answer) pairs: the largest answer/text length ratio among the answers found
         verbatim in their text before, and the fewest characters of that text after one (see ``MEASURES``).
@@ -599,6 +617,7 @@ class Encoder:
         row["n_gp_mismatch"], row["n_gp_merge"] = out.get("gp", (0, 0))
         row["content_markers"] = out.get("content", [])
         row["leak"], row["leak_after"] = out.get("leak", (0.0, -1))
+        row["n_echo"] = out.get("echo", 0)
         row["text_families"] = out.get("families", [])
         for key in ("n_dropped_supervised", "n_supervised_chars", "n_dropped_other", "dropped_text"):
             row[key] = out.get(key, MEASURES[key])

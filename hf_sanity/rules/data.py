@@ -117,6 +117,41 @@ LABEL_LEAKAGE = define(
     '(`task="extractive"`).',
 )
 
+ANSWER_REPEATS_PROMPT = define(
+    "answer-repeats-prompt",
+    severity="error",
+    stage="data",
+    symptom="The fine-tuned model repeats the question before answering, or only echoes it.",
+    detects="Trained answers (completions, assistant turns) that open with the whole prompt before them (the "
+    "user turn; 20+ characters, normalized): a completion built as prompt + answer. An error when half the "
+    "examples or more do it (the formatting function), a warning below.",
+    fix="Build the completion from the answer alone: the prompt goes in the prompt (or the user turn), once; "
+    "the model learns to write whatever its completions hold.",
+)
+ECHO_ERROR_SHARE = 0.5
+
+
+@ANSWER_REPEATS_PROMPT.check
+def check_answer_repeats_prompt(ctx):
+    echo = ctx.valid & (ctx.col("n_echo") > 0)
+    if not echo.any():
+        return
+    n, count = int(ctx.valid.sum()), int(echo.sum())
+    rows = ctx.first(echo)
+    yield ANSWER_REPEATS_PROMPT.finding(
+        f"in {count} of {n} examples ({count / n:.1%}) the answer opens with the prompt before it, verbatim",
+        evidence={
+            "count": count,
+            "fraction": count / n,
+            "answers": int(ctx.col("n_echo")[ctx.valid].sum()),
+            "rows": rows,
+        },
+        example=ctx.view(rows[0]),
+        severity="error" if count / n >= ECHO_ERROR_SHARE else "warning",
+        rows=echo,
+    )
+
+
 # Pasted, not quoted: the answer is at least this share of the text before it, ...
 PASTED_SHARE = 0.5
 # ... or at most this many characters of that text follow it (a label such as "Answer:" or a newline).

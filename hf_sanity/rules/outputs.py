@@ -212,8 +212,9 @@ REPEATS_PROMPT = define(
     f"user turn or the system prompt, in order: at least {ECHO_MIN_WORDS} words and {ECHO_COVER:.0%} of that "
     "text (restating part of the question, as in 'The capital of France is Paris.', is not an echo); a "
     f"warning when {ECHO_SHARE:.0%} or more of the generations echo.",
-    fix="The model learned to write the prompt: put the loss on the answers only (prompt-in-loss) and check "
-    "that the completions do not contain the prompt (a completion built as prompt + answer).",
+    fix="The model learned to write the prompt: check that the completions do not open with it (a completion "
+    "built as prompt + answer: `hf-sanity preflight` reports it as answer-repeats-prompt) and that the loss is "
+    "on the answers only (prompt-in-loss).",
 )
 
 
