@@ -157,6 +157,6 @@ def test_answers_that_restate_the_question_in_their_own_words_are_not_echoes(cha
                 {"role": "user", "content": "What is the capital of France, please?"},
                 {"role": "assistant", "content": "The capital of France is Paris."},
             ]
-        }  # fmt: skip
+        }
     ] * 4
     assert run(chatml, [*conversations, *rows], select="answer-repeats-prompt").findings == []
