@@ -87,6 +87,24 @@ def test_collapsed_special_token_rows(setup, conversations):
     )
 
 
+def test_embedding_rows_are_read_in_chunks_and_a_partitioned_embedding_is_not_measured(setup, monkeypatch):
+    """Rows compared in chunks find what the whole matrix does; a ZeRO-3 partition (an empty local tensor)
+    is not judged at all, rather than judged empty."""
+    from hf_sanity.rules import model as rules
+
+    model, tok = setup
+    ids = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    with torch.no_grad():
+        model.get_input_embeddings().weight[ids[1]] = 0.0
+    whole = rules.untrained_rows(model.get_input_embeddings(), ids)
+    monkeypatch.setattr(rules, "EMBEDDING_CHUNK", 7)  # 1000 rows in 143 chunks
+    assert rules.untrained_rows(model.get_input_embeddings(), ids) == whole == {
+        "near_zero": [ids[1]], "near_mean": [], "collapsed": []
+    }  # fmt: skip
+    partition = torch.nn.Embedding(0, 64)  # what ZeRO-3 leaves on a rank outside a gathered context
+    assert rules.untrained_rows(partition, ids) is None
+
+
 def lora(model, **kwargs):
     from peft import LoraConfig, get_peft_model
 

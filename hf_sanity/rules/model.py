@@ -89,8 +89,12 @@ UNTRAINED_SPECIAL_TOKENS = define(
 TINY_FRACTION = 0.05
 
 
-def untrained_rows(embeddings, ids: list[int]) -> dict[str, list[int]]:
-    """Which of ``ids`` have embedding rows that look untrained.
+EMBEDDING_CHUNK = 8192  # rows read at a time: no float32 copy of a 152k-row embedding
+
+
+def untrained_rows(embeddings, ids: list[int]) -> dict[str, list[int]] | None:
+    """Which of ``ids`` have embedding rows that look untrained; None when the rows are not all here to read
+    (a ZeRO-3 partition or an FSDP shard: the check is not measured, so it says nothing).
 
     ``near_zero``: norm below 5% of the median row norm (zero-initialised); ``near_mean``: within 5% of the
     median distance from the mean row (``resize_token_embeddings`` initialises new rows at the mean);
@@ -98,20 +102,25 @@ def untrained_rows(embeddings, ids: list[int]) -> dict[str, list[int]]:
     """
     import torch
 
+    weight = embeddings.weight
+    if hasattr(weight, "full_tensor") or weight.dim() != 2 or weight.numel() == 0:
+        return None
     with torch.no_grad():
-        weight = embeddings.weight.detach().float()
-        ids = [i for i in ids if i < weight.shape[0]]
+        n = weight.shape[0]
+        ids = [i for i in ids if i < n]
         if not ids:
             return {"near_zero": [], "near_mean": [], "collapsed": []}
-        norms = weight.norm(dim=1)
-        mean = weight.mean(dim=0)
-        to_mean = (weight - mean).norm(dim=1)
+        chunks = range(0, n, EMBEDDING_CHUNK)
+        total = sum(weight[lo : lo + EMBEDDING_CHUNK].float().sum(dim=0) for lo in chunks)
+        mean = total / n
+        norms = torch.cat([weight[lo : lo + EMBEDDING_CHUNK].float().norm(dim=1) for lo in chunks])
+        to_mean = torch.cat([(weight[lo : lo + EMBEDDING_CHUNK].float() - mean).norm(dim=1) for lo in chunks])
         median_norm, median_to_mean = float(norms.median()), float(to_mean.median())
         near_zero = [i for i in ids if float(norms[i]) < TINY_FRACTION * median_norm]
         near_mean = [
             i for i in ids if i not in near_zero and float(to_mean[i]) < TINY_FRACTION * median_to_mean
         ]
-        rows = weight[ids]
+        rows = weight[ids].float()
         collapsed = []
         if len(ids) >= 2:
             close = torch.cdist(rows, rows) < 1e-3 * max(median_norm, 1e-12)
@@ -135,6 +144,8 @@ def check_untrained_special_tokens(ctx):
     if not used or embeddings is None:
         return
     health = untrained_rows(embeddings, used)
+    if health is None:
+        return
     suspect = sorted({i for group in health.values() for i in group})
     if not suspect:
         return
@@ -200,6 +211,8 @@ def check_new_tokens_frozen(ctx):
     if not added or not ctx.has_model or ctx.model.get_input_embeddings() is None:
         return
     health = untrained_rows(ctx.model.get_input_embeddings(), added)
+    if health is None:
+        return
     used = sorted({i for group in health.values() for i in group})  # trained added tokens need no training
     if not used:
         return
