@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from hf_sanity import progress
-from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.encode import EncodeOptions, Encoder, template_kwargs
 from hf_sanity.measure.families import own_families
 from hf_sanity.measure.formats import conversation_of, read_as
@@ -268,35 +267,14 @@ class Context:
 
     @cached_property
     def left_padding_shift(self) -> dict[str, Any] | None:
-        """The first left-padded example run as the batch holds it and alone, without its padding: the largest
-        difference of their logits on its tokens, against the logits' scale. They differ when the model's
-        positions count the padding (no position_ids given, absolute position embeddings); rotary embeddings
-        are relative and agree to rounding. None without a left-padded example, or a model."""
-        import torch
-
-        from hf_sanity.measure.tensors import forward_kwargs, model_device, to_device
-        from hf_sanity.untouched import untouched
+        """The first left-padded example of the first batch, run padded and alone (``forwards``); None
+        without one (or with position_ids given), or without a model."""
+        from hf_sanity.measure.forwards import left_padding_shift
 
         facts = self.attention
         if facts is None or not facts.left_padded_rows or facts.position_ids_given or not self.has_model:
             return None
-        r = facts.left_padded_rows[0]
-        mask = self.first_batch["attention_mask"][r].bool()
-        ids = self.first_batch["input_ids"][r]
-        model = self.model
-        device = model_device(model)
-        padded = to_device({"input_ids": ids[None], "attention_mask": mask[None].long()}, device)
-        alone = to_device({"input_ids": ids[mask][None]}, device)
-        with untouched(model), torch.no_grad():
-            as_batched = model(**forward_kwargs(model, padded, use_cache=False)).logits[0, mask.to(device)]
-            by_itself = model(**forward_kwargs(model, alone, use_cache=False)).logits[0]
-        diff = float((as_batched.float() - by_itself.float()).abs().max())
-        return {
-            "max_logit_difference": diff,
-            "logit_scale": float(by_itself.float().abs().max()) or 1.0,
-            "pads": int((~mask).sum()),
-            "half": by_itself.dtype in (torch.float16, torch.bfloat16),
-        }
+        return left_padding_shift(self.model, self.first_batch, facts.left_padded_rows[0])
 
     @cached_property
     def served(self):
@@ -386,40 +364,17 @@ class Context:
         return pad_batches(seqs, pad_id(self.tokenizer), batch_size)
 
     @cached_property
-    def input_ablation(self) -> dict[str, float] | None:
-        """The loss on the supervised tokens of a few sampled examples as they are, with everything else
-        (the prompt and the template's scaffolding) replaced by one filler token, and with every input token
-        replaced: what the prompt contributes to predicting the answer, and whether the input reaches the
-        model at all. None without a model or supervised tokens."""
+    def input_ablation(self) -> dict[str, Any] | None:
+        """A few sampled examples as they are, with their prompts blanked, and with their whole input blanked
+        (``forwards.input_ablation``); None without a model or supervised tokens."""
+        from hf_sanity.measure.forwards import input_ablation
+
         if not self.has_model or not self.sample_indices:
             return None
         rows = [self.row(i) for i in self.sample_indices[:ABLATION_EXAMPLES]]
         max_len = self.options.max_len
         seqs = [(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows]
-        tok = self.tokenizer
-        filler = next(t for t in (tok.pad_token_id, tok.unk_token_id, tok.eos_token_id, 0) if t is not None)
-        keep = {tok.bos_token_id}
-
-        def blank(ids, labels, everything):
-            return [
-                i if i in keep or (not everything and lab != IGNORE_INDEX) else filler
-                for i, lab in zip(ids, labels, strict=True)
-            ], labels
-
-        measured = {}
-        for name, variant in (
-            ("as_is", seqs),
-            ("prompt_blanked", [blank(i, lab, False) for i, lab in seqs]),
-            ("input_blanked", [blank(i, lab, True) for i, lab in seqs]),
-        ):
-            result = token_loss(self.model, self.batches(variant), max_tokens=None)
-            if not result["tokens"]:
-                return None
-            measured[name] = result["loss"]
-        measured["examples"] = len(seqs)
-        measured["filler"] = tok.convert_ids_to_tokens(filler)
-        measured["answer_in_prompt"] = float(np.mean([_answer_in_prompt(i, lab) for i, lab in seqs]))
-        return measured
+        return input_ablation(self.model, self.tokenizer, seqs, self.batches)
 
     @property
     def step0_given(self) -> bool:
@@ -428,36 +383,14 @@ class Context:
 
     @cached_property
     def trainer_loss(self) -> float | None:
-        """What the trainer's own ``compute_loss`` returns on its first batch (with ``num_items_in_batch``, as
-        Trainer passes it): the loss that trains, which a custom compute_loss may scale or replace. None
+        """What the trainer's own compute_loss returns on its first batch (``forwards.trainer_loss``); None
         without a trainer and a batch with labels."""
-        import inspect
-
-        import torch
-
-        from hf_sanity.measure.tensors import model_device, to_device
-        from hf_sanity.untouched import untouched
+        from hf_sanity.measure.forwards import trainer_loss
 
         trainer, batch = self.trainer, self.first_batch
         if trainer is None or batch is None or "labels" not in batch or not hasattr(trainer, "compute_loss"):
             return None
-        model = trainer.model
-        device = model_device(model)
-        inputs = to_device({k: v for k, v in batch.items() if hasattr(v, "shape")}, device)
-        parameters = inspect.signature(trainer.compute_loss).parameters
-        extra = {}
-        if "num_items_in_batch" in parameters:
-            items = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-            # Trainer counts the items of every process and compute_loss multiplies the loss back by their
-            # number (average_tokens_across_devices): this batch stands for each process's.
-            args = getattr(trainer, "args", None)
-            if getattr(args, "average_tokens_across_devices", False):
-                items *= int(getattr(getattr(trainer, "accelerator", None), "num_processes", 1) or 1)
-            extra["num_items_in_batch"] = torch.tensor(items, device=device)
-        with untouched(model), torch.no_grad():
-            loss = trainer.compute_loss(model, dict(inputs), **extra)
-        loss = loss[0] if isinstance(loss, tuple) else loss
-        return float(loss.detach().float().mean())
+        return trainer_loss(trainer, batch)
 
     @cached_property
     def init_loss(self) -> dict[str, float] | None:
@@ -468,19 +401,3 @@ class Context:
         if not self.has_model or not self.sample_indices:
             return None
         return token_loss(self.model, self.sample_batches())
-
-
-def _answer_in_prompt(ids: Sequence[int], labels: Sequence[int]) -> float:
-    """The share of an example's supervised token pairs (bigrams) that also occur in its unsupervised part:
-    1.0 when the answer is copied into the prompt, in pieces or whole; ~0 for an answer the prompt does not
-    contain."""
-    supervised = [i for i, lab in enumerate(labels) if lab != IGNORE_INDEX]
-    pairs = [(ids[i - 1], ids[i]) for i in supervised if i > 0]
-    if not pairs:
-        return 0.0
-    prompt = {
-        (ids[i - 1], ids[i])
-        for i in range(1, len(ids))
-        if labels[i] == IGNORE_INDEX and labels[i - 1] == IGNORE_INDEX
-    }
-    return sum(pair in prompt for pair in pairs) / len(pairs)

@@ -1,0 +1,118 @@
+"""Measurements that run the model on a changed input and compare: what the padding, the prompt, the input
+and the trainer's own loss do to what the model computes. Each runs in `untouched` (eval mode, no gradient,
+RNG, modes and grads as they were); the context calls them once and keeps the result."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure.losses import token_loss
+
+
+def left_padding_shift(model, batch: dict[str, Any], row: int) -> dict[str, Any]:
+    """Row ``row`` of ``batch`` (left-padded) run as the batch holds it and alone, without its padding: the
+    largest difference of their logits on its tokens, against the logits' scale. They differ when the model's
+    positions count the padding (no position_ids given, absolute position embeddings); rotary embeddings are
+    relative and agree to rounding."""
+    import torch
+
+    from hf_sanity.measure.tensors import forward_kwargs, model_device, to_device
+    from hf_sanity.untouched import untouched
+
+    mask = batch["attention_mask"][row].bool()
+    ids = batch["input_ids"][row]
+    device = model_device(model)
+    padded = to_device({"input_ids": ids[None], "attention_mask": mask[None].long()}, device)
+    alone = to_device({"input_ids": ids[mask][None]}, device)
+    with untouched(model), torch.no_grad():
+        as_batched = model(**forward_kwargs(model, padded, use_cache=False)).logits[0, mask.to(device)]
+        by_itself = model(**forward_kwargs(model, alone, use_cache=False)).logits[0]
+    return {
+        "max_logit_difference": float((as_batched.float() - by_itself.float()).abs().max()),
+        "logit_scale": float(by_itself.float().abs().max()) or 1.0,
+        "pads": int((~mask).sum()),
+        "half": by_itself.dtype in (torch.float16, torch.bfloat16),
+    }
+
+
+def input_ablation(
+    model, tokenizer, seqs: Sequence[tuple[list[int], list[int]]], batches: Callable[[list], list[dict]]
+) -> dict[str, Any] | None:
+    """The loss on the supervised tokens of ``seqs`` ((input_ids, labels) pairs) as they are, with everything
+    else (the prompt and the template's scaffolding) replaced by one filler token, and with every input token
+    replaced: what the prompt contributes to predicting the answer, and whether the input reaches the model at
+    all. ``batches`` pads pairs into tensor batches. None without supervised tokens."""
+    filler = next(
+        t
+        for t in (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.eos_token_id, 0)
+        if t is not None
+    )
+    keep = {tokenizer.bos_token_id}
+
+    def blank(ids, labels, everything):
+        return [
+            i if i in keep or (not everything and lab != IGNORE_INDEX) else filler
+            for i, lab in zip(ids, labels, strict=True)
+        ], labels
+
+    measured: dict[str, Any] = {}
+    for name, variant in (
+        ("as_is", list(seqs)),
+        ("prompt_blanked", [blank(i, lab, False) for i, lab in seqs]),
+        ("input_blanked", [blank(i, lab, True) for i, lab in seqs]),
+    ):
+        result = token_loss(model, batches(variant), max_tokens=None)
+        if not result["tokens"]:
+            return None
+        measured[name] = result["loss"]
+    measured["examples"] = len(seqs)
+    measured["filler"] = tokenizer.convert_ids_to_tokens(filler)
+    measured["answer_in_prompt"] = float(np.mean([answer_in_prompt(i, lab) for i, lab in seqs]))
+    return measured
+
+
+def answer_in_prompt(ids: Sequence[int], labels: Sequence[int]) -> float:
+    """The share of an example's supervised token pairs (bigrams) that also occur in its unsupervised part:
+    1.0 when the answer is copied into the prompt, in pieces or whole; ~0 for an answer the prompt does not
+    contain."""
+    supervised = [i for i, lab in enumerate(labels) if lab != IGNORE_INDEX]
+    pairs = [(ids[i - 1], ids[i]) for i in supervised if i > 0]
+    if not pairs:
+        return 0.0
+    prompt = {
+        (ids[i - 1], ids[i])
+        for i in range(1, len(ids))
+        if labels[i] == IGNORE_INDEX and labels[i - 1] == IGNORE_INDEX
+    }
+    return sum(pair in prompt for pair in pairs) / len(pairs)
+
+
+def trainer_loss(trainer, batch: dict[str, Any]) -> float:
+    """What the trainer's own ``compute_loss`` returns on ``batch`` (with ``num_items_in_batch``, as Trainer
+    passes it): the loss that trains, which a custom compute_loss may scale or replace."""
+    import inspect
+
+    import torch
+
+    from hf_sanity.measure.tensors import model_device, to_device
+    from hf_sanity.untouched import untouched
+
+    model = trainer.model
+    device = model_device(model)
+    inputs = to_device({k: v for k, v in batch.items() if hasattr(v, "shape")}, device)
+    extra = {}
+    if "num_items_in_batch" in inspect.signature(trainer.compute_loss).parameters:
+        items = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        # Trainer counts the items of every process and compute_loss multiplies the loss back by their number
+        # (average_tokens_across_devices): this batch stands for each process's.
+        if getattr(getattr(trainer, "args", None), "average_tokens_across_devices", False):
+            items *= int(getattr(getattr(trainer, "accelerator", None), "num_processes", 1) or 1)
+        extra["num_items_in_batch"] = torch.tensor(items, device=device)
+    with untouched(model), torch.no_grad():
+        loss = trainer.compute_loss(model, dict(inputs), **extra)
+    loss = loss[0] if isinstance(loss, tuple) else loss
+    return float(loss.detach().float().mean())
