@@ -29,6 +29,7 @@ from hf_sanity.measure.generate import (
 )
 from hf_sanity.rules import outputs as rules
 from hf_sanity.testing import (
+    ADAPTER_PREFIX,
     as_prompt_completion,
     build_tokenizer,
     held_out_conversations,
@@ -183,8 +184,8 @@ def test_an_applied_adapter_changes_the_outputs_and_leaves_the_model_as_it_was(h
     from peft import PeftModel
 
     peft_model = PeftModel.from_pretrained(copy.deepcopy(model), str(adapter))
-    gens = generate(peft_model, tok, held_out_prompts(held_out, n=4))
-    assert all(s.text.startswith("Sure.") for s in gens.samples)
+    gens = generate(peft_model, tok, held_out_prompts(held_out, n=8))
+    assert all(s.text.startswith(ADAPTER_PREFIX) for s in gens.samples), [s.text for s in gens.samples]
     assert check(peft_model, tok, held_out, base=model, select="adapter-no-effect").findings == []
     # The PEFT model as its own base: compared with its adapter switched off.
     assert check(peft_model, tok, held_out, base=peft_model, select="adapter-no-effect").findings == []

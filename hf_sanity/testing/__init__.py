@@ -35,6 +35,7 @@ from hf_sanity.testing.factory import (
     tiny_setup,
 )
 from hf_sanity.testing.trained import (
+    ADAPTER_PREFIX,
     VARIANTS,
     fine_tune,
     held_out_conversations,
@@ -44,6 +45,7 @@ from hf_sanity.testing.trained import (
 )
 
 __all__ = [
+    "ADAPTER_PREFIX",
     "CHAT_TEMPLATES",
     "TEMPLATES",
     "VARIANTS",

@@ -55,6 +55,9 @@ STEPS = 250
 LEARNING_RATE = 3e-3
 BATCH_SIZE = 32
 ADAPTER_PREFIX = "Sure."
+# The adapter learns to open every answer with "Sure."; at half this rate some answers still did not.
+ADAPTER_STEPS = 160
+ADAPTER_LR = 6e-3
 TRAINED_REVISION = 1  # bump when what a fixture folder holds changes
 
 
@@ -212,10 +215,11 @@ def trained_setup(variant: Variant = "clean", seed: int = 0):
 def trained_adapter_dir(seed: int = 0) -> Path:
     """A cached LoRA adapter folder (peft's ``save_pretrained``), trained on top of ``trained_model_dir("clean",
     seed)`` to open every answer with "Sure.": with it applied, the outputs differ from the base model's."""
-    parts = dict(variant="adapter", seed=seed, rev=TRAINED_REVISION)
+    parts = dict(variant="adapter", seed=seed, steps=ADAPTER_STEPS, lr=ADAPTER_LR, rev=TRAINED_REVISION)
     final = cache_root() / f"trained-adapter-{_key(**parts)}"
 
     def build(folder: Path) -> None:
+        import torch
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -223,8 +227,11 @@ def trained_adapter_dir(seed: int = 0) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(base_dir)
         base = AutoModelForCausalLM.from_pretrained(base_dir)
         lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
-        model = get_peft_model(base, lora)
-        fine_tune(model, tokenizer, training_conversations("adapter", seed), steps=120, seed=seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # LoRA's A matrices draw from the global generator
+            model = get_peft_model(base, lora)
+        rows = training_conversations("adapter", seed)
+        fine_tune(model, tokenizer, rows, steps=ADAPTER_STEPS, lr=ADAPTER_LR, seed=seed)
         model.save_pretrained(folder)
 
     # _build_atomically treats a folder with config.json as built; an adapter has adapter_config.json.
