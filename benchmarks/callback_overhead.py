@@ -1,7 +1,11 @@
-"""SanityCallback's cost: the median step time of the same training with and without it.
+"""SanityCallback's cost: the same training with and without it, by the whole ``train()`` wall clock and by
+the median step time, and the callback's own seconds, by hook and by check.
 
-A ~10M-parameter Llama on the demo data; after a warm-up run, runs alternate in ABBA order so that drift and
-background load hit both alike; each run's median step time comes from a timing callback present in both.
+Two setups: the ~10M-parameter Llama of the existing row (steps of ~0.8 s on a 2-core CPU), and a small model
+with short steps (~15 ms on one CPU thread), where any per-step host work of the callback shows. After a
+warm-up run, runs alternate in ABBA order (same seed, same batches) so that drift and background load hit both
+alike; the wall clock covers the whole ``trainer.train()`` call, its first steps included, on both sides.
+CUDA and bf16 are picked automatically where present.
 """
 
 from __future__ import annotations
@@ -9,9 +13,11 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
+# The ~10M-parameter Llama (steps of ~0.8 s on a 2-core CPU).
 BENCH_CONFIG = dict(
     hidden_size=384,
     num_hidden_layers=4,
@@ -20,6 +26,38 @@ BENCH_CONFIG = dict(
     intermediate_size=1536,
     max_position_embeddings=512,
 )
+# The small model with short steps (~15 ms on one CPU thread at batch 8 x 64).
+SMALL_CONFIG = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+)
+# What the callback does in a step, as Trainer and the instruments call it.
+HOOKS = (
+    "on_step_begin",
+    "before_micro",
+    "pre_forward",
+    "post_forward",
+    "after_micro",
+    "grad_norm",
+    "on_pre_optimizer_step",
+    "on_optimizer_step",
+    "on_step_end",
+    "on_log",
+)
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    config: dict
+    batch: int
+    seq: int | None  # rows cut and padded to this length (None: the demo data as it comes, padded to 64s)
+    steps: int
+    threads: int | None = None  # torch threads on the CPU (None: torch's default)
 
 
 class StepTimer(TrainerCallback):
@@ -34,7 +72,37 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def one_run(with_callback: bool, steps: int, device: str, dtype) -> list[float]:
+@dataclass
+class HookClock:
+    """The callback's own seconds per hook: each hook of the instance wrapped with a clock."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def attach(self, callback) -> None:
+        for name in HOOKS:
+            original = getattr(callback, name)
+            setattr(callback, name, self._timed(name, original))
+
+    def _timed(self, name, original):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+        return timed
+
+
+@dataclass
+class Run:
+    wall: float
+    steps: list[float]
+    hooks: dict[str, float]
+    stats: dict
+
+
+def one_run(setup: Setup, with_callback: bool, device: str, dtype, steps: int | None = None) -> Run:
     import datasets
     import torch
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
@@ -44,16 +112,24 @@ def one_run(with_callback: bool, steps: int, device: str, dtype) -> list[float]:
     from hf_sanity.testing import TinyConfig, build_tokenizer, demo_conversations, tiny_model_for
 
     tokenizer = build_tokenizer("chatml", "distinct")
-    model = tiny_model_for(tokenizer, TinyConfig(**BENCH_CONFIG)).to(device=device, dtype=dtype)
+    model = tiny_model_for(tokenizer, TinyConfig(**setup.config)).to(device=device, dtype=dtype)
     encoder = Encoder(tokenizer, EncodeOptions(fmt="messages"))
     rows = [encoder.encode(r) for r in demo_conversations(128)]
+    if setup.seq:  # fixed-length rows: each repeated up to the length, then cut (every batch one shape)
+        rows = [
+            {k: (r[k] * (1 + setup.seq // len(r[k])))[: setup.seq] for k in ("input_ids", "labels")}
+            for r in rows
+        ]
     train = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
     timer = StepTimer()
-    callbacks = [timer] + ([SanityCallback(print_findings=False, use_config=False)] if with_callback else [])
+    sanity = SanityCallback(print_findings=False, use_config=False) if with_callback else None
+    clock = HookClock()
+    if sanity is not None:
+        clock.attach(sanity)
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf-sanity-bench-"),
-        max_steps=steps,
-        per_device_train_batch_size=16,
+        max_steps=steps or setup.steps,
+        per_device_train_batch_size=setup.batch,
         learning_rate=1e-4,
         logging_steps=10,
         report_to=[],
@@ -66,44 +142,95 @@ def one_run(with_callback: bool, steps: int, device: str, dtype) -> list[float]:
     # Padding to a multiple of 64 gives most batches one shape, so step times vary less with the data.
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100, pad_to_multiple_of=64)
     trainer = Trainer(
-        model=model, args=args, train_dataset=train, callbacks=callbacks, data_collator=collator
+        model=model,
+        args=args,
+        train_dataset=train,
+        callbacks=[timer] + ([sanity] if sanity is not None else []),
+        data_collator=collator,
     )
-    trainer.train()
-    return timer.times[2:]  # the first steps warm up caches and allocators
+    threads = torch.get_num_threads()
+    if setup.threads and device == "cpu":
+        torch.set_num_threads(setup.threads)
+    try:
+        started = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - started
+    finally:
+        torch.set_num_threads(threads)
+    stats = dict(sanity.report.stats) if sanity is not None else {}
+    return Run(wall, timer.times, clock.seconds, stats)
 
 
-def run(*, quick: bool = False, device: str | None = None, dtype=None) -> list[dict]:
+def compare(setup: Setup, *, repeats: int, device: str, dtype) -> tuple[dict, dict]:
+    """(the overhead row, the callback's own clock) for ``setup``: ABBA runs after one warm-up run."""
+    from hf_sanity.testing import TinyConfig, build_tokenizer, tiny_model_for
+
+    one_run(setup, False, device, dtype, steps=max(setup.steps // 4, 10))  # allocator, kernels, file caches
+    runs: dict[bool, list[Run]] = {False: [], True: []}
+    paired = []
+    for i in range(repeats):  # ABBA order: neither variant always runs first
+        pair = {}
+        for watched in (False, True) if i % 2 == 0 else (True, False):
+            pair[watched] = one_run(setup, watched, device, dtype)
+            runs[watched].append(pair[watched])
+        # Same seed, same batches: step i of one run is step i of the other, so compare them pairwise.
+        paired.append(statistics.median(w / b for w, b in zip(pair[True].steps[2:], pair[False].steps[2:])))
+    wall = {w: statistics.median(r.wall for r in runs[w]) for w in runs}
+    step = {w: statistics.median(statistics.median(r.steps[2:]) for r in runs[w]) for w in runs}
+    wall_ratios = [a.wall / b.wall for a, b in zip(runs[True], runs[False])]
+    params = sum(
+        p.numel() for p in tiny_model_for(build_tokenizer("chatml"), TinyConfig(**setup.config)).parameters()
+    )
+    steps = setup.steps
+    own = statistics.median(r.stats.get("callback_seconds", 0.0) for r in runs[True])
+    row = {
+        "model": f"{setup.name}: Llama {params / 1e6:.1f}M, batch {setup.batch}",
+        "device": device + (f" ({setup.threads} thread)" if setup.threads and device == "cpu" else ""),
+        "dtype": str(dtype).removeprefix("torch."),
+        "steps": steps,
+        "repeats": repeats,
+        "wall_s_without": wall[False],
+        "wall_s_with": wall[True],
+        "wall_ratio": statistics.median(wall_ratios),
+        "step_ms_without": 1e3 * step[False],
+        "step_ms_with": 1e3 * step[True],
+        "step_ratio": step[True] / step[False],
+        "paired_step_ratio": statistics.median(paired),
+        "callback_ms_per_step": 1e3 * own / steps,
+    }
+    hooks: dict[str, float] = {}
+    for run in runs[True]:
+        for name, seconds in run.hooks.items():
+            hooks.setdefault(name, []).append(seconds)
+    checks: dict[str, list[float]] = {}
+    for run in runs[True]:
+        for name, seconds in run.stats.get("callback_seconds_by_check", {}).items():
+            checks.setdefault(name, []).append(seconds)
+    clock = {
+        "model": row["model"],
+        "hooks_us_per_step": {k: round(1e6 * statistics.median(v) / steps, 1) for k, v in hooks.items()},
+        "top_checks_s_per_run": {k: round(statistics.median(v), 3) for k, v in checks.items()},
+        "hooks_ms_per_step_total": round(1e3 * sum(statistics.median(v) for v in hooks.values()) / steps, 3),
+    }
+    return row, clock
+
+
+def run(*, quick: bool = False, device: str | None = None, dtype=None, only: str | None = None):
+    """Rows for both setups (``only``: "large" or "small"), and the callback's own clock for each."""
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
-    steps, repeats = (20, 1) if quick else (60, 6)
-    one_run(False, steps // 2, device, dtype)  # warm-up: allocator, kernels, file caches
-    without, with_, paired = [], [], []
-    for i in range(repeats):  # ABBA order: neither variant always runs first
-        times = {}
-        for watched in (False, True) if i % 2 == 0 else (True, False):
-            times[watched] = one_run(watched, steps, device, dtype)
-        without.append(statistics.median(times[False]))
-        with_.append(statistics.median(times[True]))
-        # Same seed, same batches: step i of one run is step i of the other, so compare them pairwise.
-        paired.append(statistics.median(w / b for w, b in zip(times[True], times[False])))
-    base, watched = statistics.median(without), statistics.median(with_)
-    from hf_sanity.testing import TinyConfig, build_tokenizer, tiny_model_for
-
-    params = sum(
-        p.numel() for p in tiny_model_for(build_tokenizer("chatml"), TinyConfig(**BENCH_CONFIG)).parameters()
-    )
-    return [
-        {
-            "device": device,
-            "dtype": str(dtype).removeprefix("torch."),
-            "params_M": params / 1e6,
-            "steps": steps,
-            "repeats": repeats,
-            "step_ms_without": 1e3 * base,
-            "step_ms_with": 1e3 * watched,
-            "ratio": watched / base,
-            "paired_step_ratio": statistics.median(paired),
-        }
+    setups = [
+        Setup("large", BENCH_CONFIG, batch=16, seq=None, steps=20 if quick else 100),
+        Setup("small", SMALL_CONFIG, batch=8, seq=64, steps=100 if quick else 500, threads=1),
     ]
+    rows, clocks = [], []
+    for setup in setups:
+        if only and setup.name != only:
+            continue
+        repeats = 2 if quick else (4 if setup.name == "large" else 6)
+        row, clock = compare(setup, repeats=repeats, device=device, dtype=dtype)
+        rows.append(row)
+        clocks.append(clock)
+    return rows, clocks

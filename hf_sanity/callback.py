@@ -142,10 +142,7 @@ class SanityCallback(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs):
         with self.sink.guard("callback-update-ratio"):
             if self.sampler is not None:
-                skipped = getattr(
-                    getattr(self.trainer, "accelerator", None), "optimizer_step_was_skipped", False
-                )
-                self.sampler.after_optimizer(self.recorder, state.global_step + 1, skipped=bool(skipped))
+                self.sampler.after_optimizer(self.recorder, state.global_step + 1, trainer=self.trainer)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -503,9 +503,13 @@ def _pipeline(options, *, model, dataset, tokenizer, split, adapter_config, lora
               trust_remote_code):  # fmt: skip
     """The pipeline overfit and diagnose train on, loaded from the command line's paths."""
     _show_progress()
-    _quiet_libraries()
-    from hf_sanity.protocol.build import from_paths
+    from hf_sanity import progress
 
+    with progress.phase("importing torch and transformers"):  # on screen before the slow imports, not after
+        _quiet_libraries()
+        import torch  # noqa: F401
+
+        from hf_sanity.protocol.build import from_paths
     return from_paths(
         model, dataset, options=options, tokenizer=tokenizer, split=split, adapter_config=adapter_config,
         lora_r=lora_r, lora_alpha=lora_alpha, lora_target=lora_target, trust_remote_code=trust_remote_code,

@@ -73,7 +73,7 @@ def test_zero3_update_ratio_is_the_whole_tensors_measured_from_step_begin():
         layer.weight.ds_tensor[12:] = -7.0  # padding is never read
         layer.bias += 0.02
     measured.before_optimizer(recorder, 1, None)
-    measured.after_optimizer(recorder, 1, skipped=False)
+    measured.after_optimizer(recorder, 1)
     values = recorder.read()[1]
     expected = sorted([0.01 * math.sqrt(12) / float(full.norm()), 0.02 * math.sqrt(3) / float(bias.norm())])
     assert values["update_ratio"][0] == pytest.approx(expected[0], rel=1e-4)  # torch's median: the lower one

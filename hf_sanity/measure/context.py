@@ -12,14 +12,14 @@ from __future__ import annotations
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hf_sanity import progress
-from hf_sanity.measure.encode import EncodeOptions, Encoder, template_kwargs
+from hf_sanity.measure.encode import MEASURES, EncodeOptions, Encoder, template_kwargs
 from hf_sanity.measure.families import own_families
 from hf_sanity.measure.formats import conversation_of, read_as
 from hf_sanity.measure.generate import served_stop_ids
@@ -32,16 +32,64 @@ CALIBRATION_ROWS = 64
 ABLATION_EXAMPLES = 16  # examples whose inputs are blanked to see what the prompt and the input contribute
 
 
-class _Counted:
-    """The encoder as ``datasets.map`` calls it in this process, each batch counted in the progress phase."""
+class _Mapped:
+    """The encoder as ``datasets.map`` calls it: its columns handed over as one Arrow table of fixed types
+    (:func:`arrow_schema`), each batch counted in the progress phase when ``counted`` (this process only).
 
-    def __init__(self, encoder) -> None:
-        self.encoder = encoder
+    Fixed types, because datasets infers a column's type from the first batch: a list column empty in every
+    row of the first batch (no stray marker in its first 256 rows) would become ``list<null>``, and the first
+    later row with a value could not be written. And no per-value inference: it is faster."""
 
-    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        out = self.encoder(batch)
-        progress.advance(len(next(iter(batch.values()), ())))
-        return out
+    def __init__(self, encoder, counted: bool = False) -> None:
+        self.encoder, self.counted = encoder, counted
+
+    def __call__(self, batch: dict[str, list]):
+        table = to_arrow(self.encoder(batch))
+        if self.counted:
+            progress.advance(len(next(iter(batch.values()), ())))
+        return table
+
+
+# The list columns' item types (``input_ids`` in int32, as datasets stores a column of that name).
+LIST_ITEMS = {
+    "input_ids": "int32",
+    "labels": "int64",
+    "spans": "int64",
+    "special_ids": "int64",
+    "content_markers": "string",
+    "text_families": "string",
+}
+
+
+@lru_cache(maxsize=1)
+def arrow_schema():
+    """The Arrow type of every column the encoder writes (``encode.MEASURES``)."""
+    import pyarrow as pa
+
+    def scalar(empty):
+        return {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}[type(empty)]
+
+    return pa.schema(
+        [
+            (key, pa.list_(pa.type_for_alias(LIST_ITEMS[key])) if key in LIST_ITEMS else scalar(empty))
+            for key, empty in MEASURES.items()
+        ]
+    )
+
+
+def to_arrow(columns: dict[str, list]):
+    """The encoder's columns as an Arrow table of :func:`arrow_schema`'s types; a column whose values do not
+    fit its type (token ids beyond int32) keeps the type Arrow infers for it."""
+    import pyarrow as pa
+
+    schema = arrow_schema()
+    arrays = []
+    for field in schema:
+        try:
+            arrays.append(pa.array(columns[field.name], type=field.type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+            arrays.append(pa.array(columns[field.name]))
+    return pa.Table.from_arrays(arrays, names=schema.names)
 
 
 class Context:
@@ -159,7 +207,7 @@ class Context:
         counted = progress.active() and not (self.num_proc and self.num_proc > 1)  # other processes: no count
         try:
             with progress.phase(f"tokenizing {len(dataset):,} rows", total=len(dataset) if counted else None):
-                return self._map_rows(dataset, _Counted(self.encoder) if counted else self.encoder)
+                return self._map_rows(dataset, _Mapped(self.encoder, counted))
         finally:
             if quiet:
                 datasets.enable_progress_bars()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -214,7 +215,7 @@ def eval_points(curves: Curves) -> tuple[np.ndarray, np.ndarray]:
     return finite_points(curves.eval_steps, curves.eval_loss)
 
 
-def is_flat(loss: np.ndarray, *, rel: float, swing: float, min_points: int) -> bool:
+def is_flat(loss: np.ndarray | list[float], *, rel: float, swing: float, min_points: int) -> bool:
     """The loss does not move: the medians of the first points and of each third lie within ``rel`` of each
     other, and the typical step-to-step swing stays below ``swing`` of the level (large swings around one
     level are an oscillation, not a flat loss)."""
@@ -222,12 +223,15 @@ def is_flat(loss: np.ndarray, *, rel: float, swing: float, min_points: int) -> b
     if n < min_points:
         return False
     third = n // 3
-    levels = [
-        median(loss[: head_points(n)]),
-        median(loss[:third]),
-        median(loss[third : 2 * third]),
-        median(loss[2 * third :]),
-    ]
+    first, last = median(loss[:third]), median(loss[2 * third :])
+    if isinstance(loss, list) and abs(first - last) > rel * max(map(abs, loss)):
+        # Every level lies within the values, so the largest |level| is at most the largest |value|: levels
+        # this far apart cannot be flat (the step detectors run this test at every step).
+        return False
+    levels = [median(loss[: head_points(n)]), first, median(loss[third : 2 * third]), last]
     top = max(abs(v) for v in levels)
-    typical_swing = float(np.median(np.abs(np.diff(loss))))
+    if isinstance(loss, list):  # a short list of floats: the same numbers without numpy's per-call cost
+        typical_swing = median([abs(b - a) for a, b in pairwise(loss)])
+    else:
+        typical_swing = float(np.median(np.abs(np.diff(loss))))
     return top > 0 and (max(levels) - min(levels)) <= rel * top and typical_swing < swing * top

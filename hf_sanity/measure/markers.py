@@ -51,7 +51,7 @@ class TemplateMarkers:
     probe_render: str = ""  # the template's render of a probe exchange (its own markers, as text)
     # Tokens that may legitimately close a completion: the template's end-of-turn token and EOS.
     stop_ids: frozenset[int] = frozenset()
-    whitespace_ids: frozenset[int] = field(default_factory=frozenset)
+    whitespace_ids: frozenset[int] | WhitespaceIds = field(default_factory=frozenset)  # supports `in` only
     generation_prompt: str = ""
     # The probe's tokens after the user message: as the inference prompt has them (rendered with the
     # generation prompt) and as a training sequence has them (rendered with the answer). They differ when
@@ -105,14 +105,44 @@ def find_sequence(ids: Sequence[int], needle: tuple[int, ...], start: int, stop:
 
 
 def whitespace_token_ids(tokenizer) -> frozenset[int]:
-    """Ids that decode to whitespace only (``\\n``, ``\\n\\n``, ``▁``): template glue between turns."""
+    """Ids that decode to whitespace only (``\\n``, ``\\n\\n``, ``▁``): template glue between turns. The whole
+    vocabulary is read: :class:`WhitespaceIds` answers the same question id by id, for the ids asked about."""
     out = set()
     for token, idx in tokenizer.get_vocab().items():
-        # Filter on the raw piece first (byte-level and sentencepiece spellings): decoding 150k ids is slow.
-        raw_blank = token and (token.strip(_RAW_WHITESPACE) == "" or token in _BYTE_WHITESPACE)
-        if raw_blank and tokenizer.decode([idx]).strip() == "":
+        if _blank(tokenizer, token, idx):
             out.add(idx)
     return frozenset(out)
+
+
+def _blank(tokenizer, token, idx: int) -> bool:
+    # Filter on the raw piece first (byte-level and sentencepiece spellings): decoding 150k ids is slow.
+    raw_blank = token and (token.strip(_RAW_WHITESPACE) == "" or token in _BYTE_WHITESPACE)
+    return bool(raw_blank) and tokenizer.decode([idx]).strip() == ""
+
+
+class WhitespaceIds:
+    """:func:`whitespace_token_ids` as a set that decides each id the first time it is asked about (and
+    remembers): listing a 150k vocabulary costs a tenth of a second per tokenizer, while turns are located by
+    looking at a few hundred distinct ids. Supports ``in`` only."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._known: dict[int, bool] = {}
+
+    def __contains__(self, idx) -> bool:
+        try:
+            return self._known[idx]
+        except KeyError:
+            pass
+        except TypeError:  # unhashable: no token id
+            return False
+        try:
+            token = self._tokenizer.convert_ids_to_tokens(int(idx))
+            blank = isinstance(token, str) and _blank(self._tokenizer, token, int(idx))
+        except (TypeError, ValueError, IndexError, OverflowError):  # not an id of this vocabulary
+            blank = False
+        self._known[idx] = blank
+        return blank
 
 
 _RAW_WHITESPACE = "ĠĊĉč▁ \n\t\r"
@@ -128,7 +158,7 @@ def boundary_ids(tokenizer) -> frozenset[int]:
 def derive_markers(tokenizer) -> TemplateMarkers:
     """Derive the markers by rendering a probe conversation with the tokenizer's template."""
     stop_ids = {tokenizer.eos_token_id} - {None}
-    whitespace = whitespace_token_ids(tokenizer)
+    whitespace = WhitespaceIds(tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         return TemplateMarkers(False, stop_ids=frozenset(stop_ids), whitespace_ids=whitespace)
     user = [{"role": "user", "content": PROBE_USER}]

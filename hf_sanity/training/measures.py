@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import attrgetter, is_not
 from typing import Any
 
 from hf_sanity.constants import IGNORE_INDEX
@@ -35,13 +37,17 @@ def max_lr(optimizer) -> float | None:
 
 
 def gradient_path(trainable: Sequence[Any], in_optimizer: set[int] | None) -> dict[str, int]:
-    """Right before the optimizer step: how many parameters require grad, got one, and will be stepped."""
-    required = [p for p in trainable if p.requires_grad]
-    with_grad = [p for p in required if p.grad is not None]
+    """Right before the optimizer step: how many parameters require grad, got one, and will be stepped. (It
+    runs at every step and reads two attributes of every trainable tensor: the loops run in C.)"""
+    required = list(compress(trainable, map(_requires_grad, trainable)))
+    with_grad = list(compress(required, map(is_not, map(_grad, required), repeat(None))))
     out = {"n_trainable": len(required), "n_with_grad": len(with_grad)}
     if in_optimizer is not None:
-        out["n_in_optimizer"] = sum(1 for p in with_grad if id(p) in in_optimizer)
+        out["n_in_optimizer"] = sum(map(in_optimizer.__contains__, map(id, with_grad)))
     return out
+
+
+_requires_grad, _grad = attrgetter("requires_grad"), attrgetter("grad")
 
 
 def spread(items: Sequence[Any], n: int) -> list[Any]:
@@ -60,9 +66,11 @@ def update_squares(parts: Sequence[Any], before: Sequence[Any]):
     a (k, 2) float32 device tensor, to be summed over ranks when the parts are shards."""
     import torch
 
-    return torch.stack(
-        [torch.stack([squares(now.float() - old.float()), squares(old)]) for now, old in zip(parts, before)]
-    )
+    sums = []
+    for now, old in zip(parts, before):
+        same = now.dtype == old.dtype == torch.float32  # .float() would return them as they are
+        sums += (squares(now - old if same else now.float() - old.float()), squares(old))
+    return torch.stack(sums).reshape(-1, 2)
 
 
 def update_ratio(sums):
@@ -109,12 +117,21 @@ def vocab_size(model) -> int | None:
 
 
 def count_labels(counts, labels) -> None:
-    """Add a batch's supervised label ids (after the shift) into ``counts``, a device vector over the vocabulary."""
-    if not hasattr(labels, "dim") or labels.dim() < 2 or labels.is_floating_point():
+    """Add batches' supervised label ids (after the shift) into ``counts``, a device vector over the
+    vocabulary; ``labels``: one batch's labels or a list of them (counted in one pass)."""
+    import torch
+
+    batches = [x for x in (labels if isinstance(labels, list) else [labels]) if _countable(x)]
+    if not batches:
         return
-    shifted = labels[..., 1:].reshape(-1).to(counts.device, non_blocking=True)
+    parts = [x[..., 1:].reshape(-1).to(counts.device, non_blocking=True) for x in batches]
+    shifted = parts[0] if len(parts) == 1 else torch.cat(parts)
     ids = shifted.clamp(0, counts.numel() - 1)
     counts.index_add_(0, ids, (shifted != IGNORE_INDEX).float())
+
+
+def _countable(labels) -> bool:
+    return hasattr(labels, "dim") and labels.dim() >= 2 and not labels.is_floating_point()
 
 
 def label_entropy(counts):
@@ -125,6 +142,7 @@ def label_entropy(counts):
 
 SAMPLED_PARAMS = 4  # tensors sampled for the update ratio and the stale-gradient check
 SAMPLE_MAX_ELEMENTS = 1 << 24  # ... each at most 16M elements (cloned at measured steps)
+LABEL_BATCHES = 64  # micro-batches' labels held at most before they are counted
 EARLY_MEASURE_STEPS = 10  # the update ratio is measured at every one of the first steps, then every check
 
 
@@ -151,6 +169,7 @@ class StepSampler:
         self.sharding = shards.detect(trainer, model, world_size)
         self.total_params = sum(full_numel(p) for _, p in params)
         self.trainable = [(n, p) for n, p in params if p.requires_grad]
+        self._trainable_params = [p for _, p in self.trainable]
         accelerator = getattr(trainer, "accelerator", None)
         precision = getattr(accelerator, "mixed_precision", "no") if accelerator is not None else "no"
         native = bool(getattr(accelerator, "native_amp", False))
@@ -191,6 +210,7 @@ class StepSampler:
         self.device = params[0][1].device if params else torch.device("cpu")
         if rows and wants("loss-plateau-prior"):
             self.label_counts = torch.zeros(rows, dtype=torch.float32, device=self.device)
+        self._labels: list[Any] = []  # the batches' labels since the last count (counted at each read)
         self._snapshot = None
         self._measuring = False
 
@@ -240,8 +260,12 @@ class StepSampler:
         recorder.push(step, "stale_norm", self._summed(local, 1)[0].sqrt())
 
     def batch(self, batch) -> None:
+        """A micro-batch's labels, counted at the next read (one pass then, not a few operations every step:
+        the counts, adds of one, come out the same in any order)."""
         if self.label_counts is not None and "labels" in batch:
-            count_labels(self.label_counts, batch["labels"])
+            self._labels.append(batch["labels"])
+            if len(self._labels) >= LABEL_BATCHES:
+                self._count_labels()
 
     def before_optimizer(self, recorder, step: int, optimizer) -> None:
         if self.update_sample and not self.sharding.steps_in_backward:
@@ -250,16 +274,20 @@ class StepSampler:
         if lr is not None:
             recorder.push(step, "lr", lr)
         if self.watch_path:
-            path = gradient_path([p for _, p in self.trainable], self.optimizer_ids)
+            path = gradient_path(self._trainable_params, self.optimizer_ids)
             if not self.sharding.gradients_in_params:
                 path.pop("n_with_grad")  # p.grad is not where this layout keeps gradients: 0 would be a lie
             for key, value in path.items():
                 recorder.push(step, key, value)
 
-    def after_optimizer(self, recorder, step: int, *, skipped: bool) -> None:
+    def after_optimizer(self, recorder, step: int, *, trainer=None) -> None:
+        """After the optimizer step of a measured step: the update ratio (not recorded when the step was
+        skipped: a GradScaler found inf gradients)."""
         if not self._measuring:
             return
         self._measuring = False
+        accelerator = getattr(trainer, "accelerator", None)
+        skipped = bool(getattr(accelerator, "optimizer_step_was_skipped", False))
         before, self._snapshot = self._snapshot, None
 
         reduce = self._reduces(self.update_sample)
@@ -281,7 +309,12 @@ class StepSampler:
     def push_label_entropy(self, recorder, step: int) -> None:
         """The entropy of the labels seen so far (for loss-plateau-prior), recorded at ``step``."""
         if self.label_counts is not None:
+            self._count_labels()
             recorder.push(step, "label_entropy", label_entropy(self.label_counts))
+
+    def _count_labels(self) -> None:
+        pending, self._labels = self._labels, []
+        count_labels(self.label_counts, pending)
 
     # -- sums over ranks -----------------------------------------------------------------------------
     def _start_update(self, step: int) -> None:

@@ -38,10 +38,11 @@ def graph_tensors(
     found: dict[str, int] = {}
     seen: set[int] = set()
     counted: set[int] = set()
-    stack: list[tuple[str, Any, int]] = [(name, obj, 0) for name, obj in roots]
+    # A path is spelled out only for a tensor found: each stack entry carries (parent, how, key) instead.
+    stack: list[tuple[Any, Any, int]] = [((None, _ROOT, name), obj, 0) for name, obj in roots]
     visited = 0
     while stack and visited < limit:
-        path, obj, level = stack.pop()
+        node, obj, level = stack.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
@@ -49,25 +50,45 @@ def graph_tensors(
         if isinstance(obj, torch.Tensor):
             if obj.grad_fn is not None and id(obj) not in counted:
                 counted.add(id(obj))
-                holder = path.rsplit("[", 1)[0]
+                holder = _spelled(node).rsplit("[", 1)[0]
                 found[holder] = found.get(holder, 0) + 1
             continue
         if level >= depth or isinstance(obj, _ATOMS):
             continue
         if isinstance(obj, dict):
             items = list(obj.items())[:10_000]
-            stack.extend((f"{path}[{k!r}]", v, level + 1) for k, v in items)
+            stack.extend(((node, _KEY, k), v, level + 1) for k, v in items)
         elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
-            stack.extend((f"{path}[{i}]", v, level + 1) for i, v in enumerate(list(obj)[:10_000]))
+            stack.extend(((node, _INDEX, i), v, level + 1) for i, v in enumerate(list(obj)[:10_000]))
         elif isinstance(obj, torch.nn.Module):
             attrs = {k: v for k, v in vars(obj).items() if not k.startswith("_")}
-            stack.extend((f"{path}.{k}", v, level + 1) for k, v in attrs.items())
-            stack.extend((f"{path}.{k}", v, level) for k, v in obj.named_children())
+            stack.extend(((node, _ATTR, k), v, level + 1) for k, v in attrs.items())
+            stack.extend(((node, _ATTR, k), v, level) for k, v in obj.named_children())
         elif isinstance(obj, torch.optim.Optimizer):
             continue
         elif hasattr(obj, "__dict__") and (level == 0 or not _library_object(obj)):
-            stack.extend((f"{path}.{k}", v, level + 1) for k, v in vars(obj).items())
+            stack.extend(((node, _ATTR, k), v, level + 1) for k, v in vars(obj).items())
     return found
+
+
+_ROOT, _KEY, _INDEX, _ATTR = range(4)
+
+
+def _spelled(node) -> str:
+    """The path of a walk node: ``root.attr[index]['key']``."""
+    parts = []
+    while node is not None:
+        node, how, key = node
+        parts.append(
+            key
+            if how == _ROOT
+            else f"[{key!r}]"
+            if how == _KEY
+            else f"[{key}]"
+            if how == _INDEX
+            else f".{key}"
+        )
+    return "".join(reversed(parts))
 
 
 def _library_object(obj) -> bool:

@@ -19,15 +19,26 @@ class MonitorSet:
         self.ran: set[str] = (
             set()
         )  # detectors that ran on their inputs at least once (monitors, curve detectors)
+        # Per monitor, set up once: the keys it reads, its guard's name (the rules it would leave unwatched if
+        # it broke) and its detector's name.
+        self._plan = [
+            (
+                monitor,
+                frozenset(monitor.reads),
+                ", ".join(r.slug for r in monitor.rules if sink.selection.enabled(r.slug)),
+                catalog.Detector("", "step", type(monitor)).name,
+            )
+            for monitor in self.monitors
+        ]
 
     def feed(self, step: int, values: Mapping[str, Any]) -> None:
         """Every monitor that still watches something and reads one of ``values``' keys gets them; each runs in
         its own guard, named by the rules it would leave unwatched if it broke."""
-        for monitor in self.monitors:
-            if monitor.done or not any(key in values for key in monitor.reads):
+        keys = values.keys()
+        for monitor, reads, name, detector in self._plan:
+            if monitor.done or reads.isdisjoint(keys):
                 continue
-            name = ", ".join(r.slug for r in monitor.rules if self.sink.selection.enabled(r.slug))
-            self.ran.add(catalog.Detector("", "step", type(monitor)).name)
+            self.ran.add(detector)
             with self.sink.guard(name, step):
                 self.sink.emit(monitor.update(step, values))
 

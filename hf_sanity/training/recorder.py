@@ -14,6 +14,7 @@ the answer is read only once the event has completed (Trainer synchronises after
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -22,6 +23,8 @@ class Recorder:
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
         self.buffer = None
+        self._host_view = None  # the buffer as a numpy array, when it lives on the CPU
+        self._exact: tuple = ()
         self.slots: list[tuple[int, str]] = []
         self.host: list[tuple[int, str, Any]] = []
         self.transfers = 0
@@ -32,16 +35,28 @@ class Recorder:
         if isinstance(value, torch.Tensor):
             value = value.detach()
             if self.buffer is None:
-                self.buffer = torch.zeros(self.capacity, dtype=torch.float32, device=value.device)
+                self._allocate(self.capacity, value.device)
             index = len(self.slots)
             if index >= self.buffer.numel():  # grow without a transfer
-                grown = torch.zeros(2 * self.buffer.numel(), dtype=torch.float32, device=self.buffer.device)
-                grown[: self.buffer.numel()].copy_(self.buffer)
-                self.buffer = grown
-            self.buffer[index].copy_(value.reshape(-1)[0] if value.numel() else value.new_zeros(()))
+                old = self.buffer
+                self._allocate(2 * old.numel(), old.device)
+                self.buffer[: old.numel()].copy_(old)
+            if self._host_view is not None and value.is_cpu and value.dtype in self._exact and value.numel():
+                # On the CPU the value is already on the host: written into the same float32 buffer without a
+                # tensor operation (these dtypes hold float32 values: nothing to round).
+                self._host_view[index] = value.item() if value.numel() == 1 else value.reshape(-1)[0].item()
+            else:
+                self.buffer[index].copy_(value.reshape(-1)[0] if value.numel() else value.new_zeros(()))
             self.slots.append((step, name))
         else:
             self.host.append((step, name, value))
+
+    def _allocate(self, size: int, device) -> None:
+        import torch
+
+        self._exact = (torch.float32, torch.bfloat16, torch.float16)  # float32 holds their values exactly
+        self.buffer = torch.zeros(size, dtype=torch.float32, device=device)
+        self._host_view = self.buffer.numpy() if self.buffer.device.type == "cpu" else None
 
     def __len__(self) -> int:
         return len(self.slots) + len(self.host)
@@ -74,7 +89,8 @@ class EarlyFlags:
 
         loss = loss.detach()
         if loss.device.type == "cpu":
-            self.pending.append((step, micro, not bool(torch.isfinite(loss).all()), None))
+            finite = math.isfinite(loss.item()) if loss.numel() == 1 else bool(torch.isfinite(loss).all())
+            self.pending.append((step, micro, not finite, None))
         elif loss.device.type == "cuda":
             if self._pinned is None:
                 self._pinned = torch.zeros(self.ring, dtype=torch.bool, device="cpu", pin_memory=True)

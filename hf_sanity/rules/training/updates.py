@@ -136,13 +136,9 @@ FIX_BY_CAUSE = {
 
 def flat(losses: Sequence[float]) -> bool:
     """A loss that does not move (the curve form of loss-flat; doctor's detector uses the same test)."""
-    import numpy as np
-
     from hf_sanity.measure.curves import is_flat
 
-    return is_flat(
-        np.asarray(losses, dtype=float), rel=FLAT_REL, swing=FLAT_SWING, min_points=FLAT_MIN_POINTS
-    )
+    return is_flat([float(v) for v in losses], rel=FLAT_REL, swing=FLAT_SWING, min_points=FLAT_MIN_POINTS)
 
 
 @monitor
@@ -239,10 +235,10 @@ class UpdateMonitor(Monitor):
 
     def _flat_curve(self, step: int) -> list[Finding]:
         """The gradient path is intact but the loss stays where it started (or where a divergence left it)."""
-        after = [(s, v) for s, v in self._losses if s > self.warmup_steps]
-        if len(after) < ONLINE_FLAT_STEPS:
+        # The last steps after warmup (the losses come in step order: the tail, when its first is past warmup).
+        window = self._losses[-ONLINE_FLAT_STEPS:]
+        if len(window) < ONLINE_FLAT_STEPS or window[0][0] <= self.warmup_steps:
             return []
-        window = after[-ONLINE_FLAT_STEPS:]
         if not flat([v for _, v in window]):
             return []
         first = window[0][0]
