@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -225,6 +226,7 @@ def preflight_command(
         load_tokenizer,
     )
 
+    loading = time.perf_counter()
     config = load_config(model, trust_remote_code=trust_remote_code)  # fails early on a broken model folder
     if adapter:  # an unreadable adapter fails now, not after the dataset is tokenized
         if not Path(adapter).is_dir():
@@ -247,6 +249,7 @@ def preflight_command(
         if inference_tokenizer
         else None
     )
+    loaded = time.perf_counter() - loading
     report = preflight(
         model=lambda: load_model(model, trust_remote_code=trust_remote_code),
         model_config=config,
@@ -266,6 +269,9 @@ def preflight_command(
         select=select,
         ignore=ignore,
     )
+    phases = report.stats.get("seconds_by_phase")
+    if phases is not None:  # config, tokenizer and data loading come first, then preflight's own phases
+        report.stats["seconds_by_phase"] = {"load": round(loaded, 2), **phases}
     _finish(report, json, html, rows_out)
 
 

@@ -48,6 +48,11 @@ def test_clean_preflight_exits_0_and_writes_json(model_dir, data_file, tmp_path)
     report = json.loads(out.read_text())
     assert [f for f in report["findings"] if f["severity"] != "info"] == []
     assert report["stats"]["examples"] == 24
+    # Where the time went: loading, the scan, the model (loaded only for the model checks), the checks.
+    phases = report["stats"]["seconds_by_phase"]
+    assert list(phases) == ["load", "setup", "scan", "model_load", "checks"]
+    assert phases["model_load"] > 0 and phases["scan"] > 0
+    assert sum(phases.values()) - phases["load"] <= report["stats"]["seconds"] + 0.05
 
 
 def test_errors_exit_1(model_dir, data_file, tmp_path):

@@ -42,7 +42,7 @@ def batches():
 def test_chunked_loss_equals_the_full_logits_loss(batches, chunk, monkeypatch):
     model, padded = batches
     monkeypatch.setattr(losses, "CHUNK_ELEMENTS", chunk)
-    measured = losses.token_loss(model, padded)
+    measured = losses.token_loss(model, padded, entropy=True)
     loss, entropy = full_logits_loss(model, padded)
     assert measured["loss"] == pytest.approx(loss, abs=1e-4)
     assert measured["entropy"] == pytest.approx(entropy, abs=1e-4)
@@ -70,3 +70,10 @@ def test_bf16_model_is_scored_with_float32_sums(batches):
     measured = losses.token_loss(half, padded)
     reference, _ = full_logits_loss(half, padded)
     assert measured["loss"] == pytest.approx(reference, abs=1e-2)  # bf16 logits, float32 log-softmax
+
+
+def test_entropy_is_measured_only_when_asked(batches):
+    model, padded = batches
+    measured = losses.token_loss(model, padded)
+    assert "entropy" not in measured
+    assert measured["loss"] == pytest.approx(full_logits_loss(model, padded)[0], abs=1e-4)

@@ -100,13 +100,23 @@ def preflight(
     from hf_sanity.measure import distributed
 
     # Every rank encodes its shard here (collectives under torchrun), before rank 0 alone runs the rules.
+    scan_started = time.perf_counter()
     ctx.encoded  # noqa: B018
     if ctx.eval_dataset is not None:
         ctx.eval_encoded  # noqa: B018
+    scanned = time.perf_counter()
     rank, size = distributed.world() if ctx.shard else (0, 1)
     if rank != 0:
         return distributed.broadcast(None)
     report = run_checks(ctx, selection)
+    checked = time.perf_counter()
+    model_load = getattr(ctx, "model_load_seconds", 0.0)
+    report.stats["seconds_by_phase"] = {  # where the wall time went (the CLI adds its own loading)
+        "setup": round(scan_started - started, 2),
+        "scan": round(scanned - scan_started, 2),
+        "model_load": round(model_load, 2),
+        "checks": round(checked - scanned - model_load, 2),
+    }
     report.stats.update(
         format=ctx.fmt,
         examples=len(ctx),

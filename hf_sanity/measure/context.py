@@ -10,9 +10,10 @@ Rules only read it: after construction the context refuses attribute writes, and
 from __future__ import annotations
 
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Sequence
-from functools import cached_property, lru_cache
+from functools import cached_property, lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,9 @@ from hf_sanity.tokenview import TokenView
 
 CALIBRATION_ROWS = 64
 ABLATION_EXAMPLES = 16  # examples whose inputs are blanked to see what the prompt and the input contribute
+# Sampled examples the step-0 loss is measured on: its 1,024 scored positions, 16 per example, need no more (the
+# transformer runs on every one of them).
+INIT_LOSS_EXAMPLES = 64
 
 
 class _Mapped:
@@ -364,9 +368,14 @@ class Context:
 
     @cached_property
     def model(self):
-        if self._model is not None:
+        if self._model is not None or self._model_loader is None:
             return self._model
-        return self._model_loader() if self._model_loader is not None else None
+        started = time.perf_counter()
+        try:
+            return self._model_loader()
+        finally:
+            # The context's own record of its loading (the report's split of the wall time), not a rule's write.
+            super().__setattr__("model_load_seconds", time.perf_counter() - started)
 
     @cached_property
     def generation_stop_ids(self) -> frozenset[int] | None:
@@ -399,22 +408,35 @@ class Context:
         picks = np.linspace(0, len(valid) - 1, self.sample).round().astype(int)
         return [int(valid[i]) for i in picks]
 
-    def sample_batches(self, batch_size: int = 8) -> list[dict[str, Any]]:
-        """The sampled examples, truncated to max_len, padded, as tensor batches."""
+    def sample_batches(
+        self, batch_size: int = 8, *, by_length: bool = False, limit: int | None = None
+    ) -> list[dict[str, Any]]:
+        """The sampled examples (the first ``limit``), truncated to max_len, padded, as tensor batches
+        (``pad_batches``)."""
         max_len = self.options.max_len
-        rows = [self.row(i) for i in self.sample_indices]
-        return self.batches([(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows], batch_size)
+        rows = [self.row(i) for i in self.sample_indices[:limit]]
+        seqs = [(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows]
+        return self.batches(seqs, batch_size, by_length=by_length)
 
     def batches(
-        self, seqs: Sequence[tuple[list[int], list[int]]], batch_size: int = 8
+        self, seqs: Sequence[tuple[list[int], list[int]]], batch_size: int = 8, *, by_length: bool = False
     ) -> list[dict[str, Any]]:
-        """(input_ids, labels) pairs as right-padded tensor batches."""
-        return pad_batches(seqs, pad_id(self.tokenizer), batch_size)
+        """(input_ids, labels) pairs as right-padded tensor batches (``by_length``: see ``pad_batches``)."""
+        return pad_batches(seqs, pad_id(self.tokenizer), batch_size, by_length=by_length)
 
     @cached_property
     def input_ablation(self) -> dict[str, Any] | None:
-        """A few sampled examples as they are, with their prompts blanked, and with their whole input blanked
-        (``forwards.input_ablation``); None without a model or supervised tokens."""
+        """A few sampled examples as they are and with their whole input blanked (``forwards.input_ablation``);
+        None without a model or supervised tokens."""
+        return self._ablation(("as_is", "input_blanked"))
+
+    @cached_property
+    def prompt_ablation(self) -> dict[str, Any] | None:
+        """The same examples as they are and with their prompts blanked, and how much of each answer its prompt
+        holds (``forwards.input_ablation``); None without a model or supervised tokens."""
+        return self._ablation(("as_is", "prompt_blanked"))
+
+    def _ablation(self, variants) -> dict[str, Any] | None:
         from hf_sanity.measure.forwards import input_ablation
 
         if not self.has_model or not self.sample_indices:
@@ -422,7 +444,9 @@ class Context:
         rows = [self.row(i) for i in self.sample_indices[:ABLATION_EXAMPLES]]
         max_len = self.options.max_len
         seqs = [(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows]
-        return input_ablation(self.model, self.tokenizer, seqs, self.batches)
+        return input_ablation(
+            self.model, self.tokenizer, seqs, partial(self.batches, by_length=True), variants
+        )
 
     @property
     def step0_given(self) -> bool:
@@ -448,4 +472,5 @@ class Context:
             return dict(self._given_init_loss)
         if not self.has_model or not self.sample_indices:
             return None
-        return token_loss(self.model, self.sample_batches())
+        batches = self.sample_batches(by_length=True, limit=INIT_LOSS_EXAMPLES)
+        return token_loss(self.model, batches, entropy=True)

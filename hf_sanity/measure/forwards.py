@@ -39,13 +39,24 @@ def left_padding_shift(model, batch: dict[str, Any], row: int) -> dict[str, Any]
     }
 
 
+ABLATION_TOKENS = (
+    512  # answer positions scored in each variant: a paired comparison, nats apart when it matters
+)
+BLANKINGS = ("as_is", "prompt_blanked", "input_blanked")
+
+
 def input_ablation(
-    model, tokenizer, seqs: Sequence[tuple[list[int], list[int]]], batches: Callable[[list], list[dict]]
+    model,
+    tokenizer,
+    seqs: Sequence[tuple[list[int], list[int]]],
+    batches: Callable[[list], list[dict]],
+    variants: Sequence[str] = BLANKINGS,
 ) -> dict[str, Any] | None:
-    """The loss on the supervised tokens of ``seqs`` ((input_ids, labels) pairs) as they are, with everything
-    else (the prompt and the template's scaffolding) replaced by one filler token, and with every input token
-    replaced: what the prompt contributes to predicting the answer, and whether the input reaches the model at
-    all. ``batches`` pads pairs into tensor batches. None without supervised tokens."""
+    """The loss on the supervised tokens of ``seqs`` ((input_ids, labels) pairs) for each of ``variants``: as
+    they are, with everything else (the prompt and the template's scaffolding) replaced by one filler token,
+    and with every input token replaced: what the prompt contributes to predicting the answer, and whether
+    the input reaches the model at all. ``batches`` pads pairs into tensor batches. None without supervised
+    tokens."""
     filler = next(
         t
         for t in (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.eos_token_id, 0)
@@ -59,19 +70,22 @@ def input_ablation(
             for i, lab in zip(ids, labels, strict=True)
         ], labels
 
+    built = {
+        "as_is": lambda: list(seqs),
+        "prompt_blanked": lambda: [blank(i, lab, False) for i, lab in seqs],
+        "input_blanked": lambda: [blank(i, lab, True) for i, lab in seqs],
+    }
     measured: dict[str, Any] = {}
-    for name, variant in (
-        ("as_is", list(seqs)),
-        ("prompt_blanked", [blank(i, lab, False) for i, lab in seqs]),
-        ("input_blanked", [blank(i, lab, True) for i, lab in seqs]),
-    ):
-        result = token_loss(model, batches(variant), max_tokens=None)
+    for name in variants:
+        # The variants share their labels, so a cap scores the same positions in each: a paired comparison.
+        result = token_loss(model, batches(built[name]()), max_tokens=ABLATION_TOKENS)
         if not result["tokens"]:
             return None
         measured[name] = result["loss"]
     measured["examples"] = len(seqs)
     measured["filler"] = tokenizer.convert_ids_to_tokens(filler)
-    measured["answer_in_prompt"] = float(np.mean([answer_in_prompt(i, lab) for i, lab in seqs]))
+    if "prompt_blanked" in variants:
+        measured["answer_in_prompt"] = float(np.mean([answer_in_prompt(i, lab) for i, lab in seqs]))
     return measured
 
 

@@ -23,12 +23,21 @@ def pad_id(tokenizer) -> int:
 
 
 def pad_batches(
-    seqs: Sequence[tuple[Sequence[int], Sequence[int]]], pad: int, batch_size: int | None = None, device=None
+    seqs: Sequence[tuple[Sequence[int], Sequence[int]]],
+    pad: int,
+    batch_size: int | None = None,
+    device=None,
+    *,
+    by_length: bool = False,
 ) -> list[dict[str, Any]]:
     """(input_ids, labels) pairs as right-padded tensor batches: ``pad`` in input_ids, -100 in labels, 0 in
-    attention_mask. The one padder of hf-sanity; ``batch_size=None`` puts every pair in one batch."""
+    attention_mask. The one padder of hf-sanity; ``batch_size=None`` puts every pair in one batch.
+    ``by_length``: batched in order of length (stable), so that little of a batch is padding, for sums over
+    examples whose order does not matter."""
     import torch
 
+    if by_length:
+        seqs = sorted(seqs, key=lambda pair: len(pair[0]))
     size = batch_size or max(len(seqs), 1)
     out = []
     for lo in range(0, len(seqs), size):

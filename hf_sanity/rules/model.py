@@ -254,7 +254,7 @@ def check_init_loss(ctx):
         "model_entropy": round(entropy, 4),
         "label_entropy": round(measured["label_entropy"], 4),
         "tokens": measured["tokens"],
-        "examples": len(ctx.sample_indices),
+        "examples": measured.get("examples", len(ctx.sample_indices)),
     }
     # A calibrated model's loss is close to its own predictive entropy; a fresh head's is ln(V).
     if far_above_chance(loss, chance) or loss > entropy + max(2.0, 0.5 * chance):
@@ -265,7 +265,7 @@ def check_init_loss(ctx):
         )
     elif loss < FAR_BELOW_FRACTION * chance:
         # What the prompt contributes: blanked, a copied answer can no longer be copied.
-        ablation = ctx.input_ablation or {}
+        ablation = ctx.prompt_ablation or {}
         blanked, as_is = ablation.get("prompt_blanked"), ablation.get("as_is")
         copied = ablation.get("answer_in_prompt", 0.0)
         if blanked is None:
@@ -405,9 +405,9 @@ INIT_LOSS_ABOVE_BASE = define(
     needs=("vocab-size-mismatch",),
 )
 
-ABOVE_BASE_SAMPLE = 64  # conversations compared ...
+ABOVE_BASE_SAMPLE = 32  # conversations compared ...
 ABOVE_BASE_TOKENS = (
-    1024  # ... on this many answer tokens each way (a difference of 0.5 nat shows at far fewer)
+    512  # ... on this many answer tokens each way (a difference of 0.5 nat shows at far fewer)
 )
 
 
@@ -435,8 +435,9 @@ def check_init_loss_above_base(ctx):
         plain.append((prefix + answer, [IGNORE_INDEX] * len(prefix) + answer))
     if len(templated) < 2:
         return
-    in_template = token_loss(ctx.model, ctx.batches(templated), max_tokens=ABOVE_BASE_TOKENS)["loss"]
-    as_text = token_loss(ctx.model, ctx.batches(plain), max_tokens=ABOVE_BASE_TOKENS)["loss"]
+    in_template = token_loss(ctx.model, ctx.batches(templated, by_length=True), max_tokens=ABOVE_BASE_TOKENS)
+    as_text = token_loss(ctx.model, ctx.batches(plain, by_length=True), max_tokens=ABOVE_BASE_TOKENS)
+    in_template, as_text = in_template["loss"], as_text["loss"]
     if in_template > as_text + 0.5 and in_template > 1.5 * as_text:
         yield INIT_LOSS_ABOVE_BASE.finding(
             f"the answers cost {in_template:.2f} nats/token in the chat template but {as_text:.2f} as plain text",
