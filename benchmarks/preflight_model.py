@@ -73,7 +73,9 @@ def worker(kind: str, n: int, words: int) -> dict:
 def measured(kind: str, n: int, words: int) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     args = [sys.executable, "-m", "benchmarks.preflight_model", kind, str(n), str(words)]
-    done = subprocess.run(args, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        args, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1]
+    )
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-2000:])
     return json.loads(done.stdout.strip().splitlines()[-1])
