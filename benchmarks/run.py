@@ -1,6 +1,6 @@
 """`make bench`: every benchmark of hf-sanity, printed as tables (figures go to docs/benchmarks.md).
 
-python -m benchmarks.run [--quick] [--only preflight|callback|outputs]
+python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs]
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def machine() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat (a smoke run)")
-    parser.add_argument("--only", choices=["preflight", "callback", "outputs"], default=None)
+    parser.add_argument(
+        "--only", choices=["preflight", "model", "callback", "overfit", "outputs"], default=None
+    )
     args = parser.parse_args()
     print(f"machine: {machine()}\n")
     if args.only in (None, "preflight"):
@@ -57,15 +59,33 @@ def main() -> None:
             rows += preflight_speed.run(tok, sizes=sizes, repeats=1 if args.quick else 3, label=label)
         print("preflight scan vs bare chat-template tokenization (median of repeats, seconds)")
         print(table(rows), "\n")
+    if args.only in (None, "model"):
+        from benchmarks import preflight_model
+
+        rows = preflight_model.run(quick=args.quick)
+        print(
+            "preflight with the model checks (defaults) vs data-only preflight and vs a bare map (Qwen2.5 tokenizer)"
+        )
+        print(table(rows), "\n")
     if args.only in (None, "callback"):
-        try:
-            from benchmarks import callback_overhead
-        except ImportError:
-            print("callback overhead: benchmark not available yet\n")
-        else:
-            rows = callback_overhead.run(quick=args.quick)
-            print("SanityCallback overhead: median step time with and without it")
-            print(table(rows), "\n")
+        from benchmarks import callback_overhead
+
+        rows, clocks = callback_overhead.run(quick=args.quick)
+        print("SanityCallback overhead: whole train() wall time and median step time, with and without it")
+        print(table(rows), "\n")
+        print("SanityCallback's own clock: microseconds per step by hook, seconds per run by check")
+        for clock in clocks:
+            print(clock["model"], "| hooks total", clock["hooks_ms_per_step_total"], "ms/step")
+            print("  ", clock["hooks_us_per_step"])
+            top = sorted(clock["top_checks_s_per_run"].items(), key=lambda kv: -kv[1])[:8]
+            print("  ", dict(top))
+        print()
+    if args.only in (None, "overfit"):
+        from benchmarks import protocol_speed
+
+        rows = protocol_speed.run(quick=args.quick)
+        print("hf-sanity overfit vs a bare PyTorch loop over the same batches (one CPU thread each)")
+        print(table(rows), "\n")
     if args.only in (None, "outputs"):
         from benchmarks import outputs_speed
 
