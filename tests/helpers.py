@@ -103,3 +103,18 @@ def extractive_qa(n: int = 30) -> list[dict]:
             "completion": " " + facts[(i + 3) % len(facts)],
         })  # fmt: skip
     return rows
+
+
+def torchrun(script, *args, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``script`` under ``torchrun --nproc_per_node 2`` on this machine (gloo, one thread a process)."""
+    import socket
+
+    with socket.socket() as sock:  # a free port, so that parallel runs do not collide
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(port), str(script), *map(str, args),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)

@@ -5,34 +5,21 @@ bypass DDP and drift apart are ranks-diverged."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import torchrun
 
 pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
 
 SCRIPT = Path(__file__).parent / "dist" / "ddp_run.py"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(SCRIPT), str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    result = torchrun(SCRIPT, out)
     assert result.returncode == 0, result.stderr[-3000:]
     (out / "stderr.txt").write_text(result.stderr)  # both ranks' (torchrun passes them through)
     return out

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import torchrun
 
 pytestmark = pytest.mark.slow  # torchrun: `make test-fast` leaves it out
 
@@ -23,21 +21,10 @@ TOLERANCE = 1e-4  # relative: the runs differ by float rounding (reduce-scatter 
 # norm differs from the whole tensor's by tens of percent
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fsdp_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(SCRIPT), str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    result = torchrun(SCRIPT, out)
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 

@@ -1,14 +1,12 @@
 """preflight under torchrun: 2 processes (gloo, CPU) give the same findings as one."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import datasets
 import pytest
 
+from helpers import torchrun
 from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing import build_tokenizer, demo_conversations
 
@@ -23,23 +21,7 @@ def comparable(report: dict) -> list:
 
 def test_two_processes_match_one(tmp_path):
     out = tmp_path / "report.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            str(SCRIPT),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-    )
+    result = torchrun(SCRIPT, out, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     sharded = json.loads(out.read_text())
 
