@@ -23,6 +23,7 @@ from transformers import TrainerCallback
 
 from hf_sanity.selection import resolve
 from hf_sanity.training import first_batch, memory, outcome, replay, shards
+from hf_sanity.training.budget import Budget
 from hf_sanity.training.generation import GenerationCheck
 from hf_sanity.training.instrument import Instruments, find_trainer, move_before_reporters
 from hf_sanity.training.measures import StepSampler, train_only_modules, vocab_size
@@ -88,7 +89,7 @@ class SanityCallback(TrainerCallback):
         self.recorder, self.early, self.history = Recorder(), EarlyFlags(), StepHistory()
         self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch()
         self._step = self._micro = self._reads = 0
-        self._autocast = None
+        self._autocast, self.memory_budget = None, Budget()
 
     report = property(lambda self: self.sink.report, doc="The findings so far; written at train end.")
 
@@ -277,8 +278,8 @@ class SanityCallback(TrainerCallback):
         return self.sampler is None or self.sampler.sharding.probe_skip is None
 
     def _memory_check(self, step: int) -> None:
-        if self.sink.wants("memory-growth", "oom"):
-            with self.sink.guard("memory-growth"):
+        if self.sink.wants("memory-growth", "oom") and self.memory_budget.due():  # the walk: 0.5% of the run
+            with self.sink.guard("memory-growth"), self.memory_budget.spend():
                 self.monitors.feed(step, memory.held_now(self.trainer, self.model, skip=self))
 
     def _curves(self, state, *, final: bool) -> None:
@@ -292,4 +293,4 @@ class SanityCallback(TrainerCallback):
                 outcome.stop(self.sink, control, self.trainer, step)
 
     def _stats(self, steps: int) -> dict[str, Any]:
-        return outcome.stats(self.sink, self.sampler, self.recorder, steps=steps, reads=self._reads)
+        return outcome.stats(self, steps=steps)

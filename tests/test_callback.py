@@ -330,6 +330,7 @@ def test_memory_growth_names_the_list_that_holds_the_graphs(tmp_path):
     finding = only(cb, "memory-growth")
     assert finding.step == 1 and finding.evidence["per_step"] == 1.0
     assert finding.evidence["holder"] == "trainer.losses"
+    assert cb.report.stats["memory_walks"] >= 4  # the walks its time budget ran (the first 4 always run)
 
 
 @pytest.mark.planted("oom")

@@ -410,3 +410,25 @@ def test_labels_counted_at_the_read_as_batch_by_batch():
         count_labels(one_by_one, labels)
     count_labels(at_once, batches)
     assert torch.equal(one_by_one, at_once) and one_by_one.sum() > 0
+
+
+def test_the_memory_walk_keeps_to_its_share_of_the_run():
+    """The walk runs its first checks whatever they cost, then only while it has cost at most 0.5% of the
+    time since its first run: a walk of 1 s is due again 200 s later, not before."""
+    from hf_sanity.training.budget import Budget
+
+    now = [0.0]
+    budget = Budget(share=0.005, free=2, clock=lambda: now[0])
+
+    def walk(seconds):
+        assert budget.due()
+        with budget.spend():
+            now[0] += seconds
+
+    walk(1.0)
+    walk(1.0)  # the free runs: due however much they cost
+    now[0] = 300.0  # 2 s spent, 0.5% of 300 s is 1.5 s: not yet
+    assert not budget.due() and budget.skipped == 1
+    now[0] = 400.0  # 0.5% of 400 s is 2 s: due again
+    walk(0.001)
+    assert (budget.runs, budget.skipped) == (3, 1)
