@@ -90,6 +90,8 @@ class SanityCallback(TrainerCallback):
         self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch()
         self._step = self._micro = self._reads = 0
         self._autocast, self.memory_budget = None, Budget()
+        if self.generation is not None:  # a second train() checks its outputs from the start again
+            self.generation.reset()
 
     report = property(lambda self: self.sink.report, doc="The findings so far; written at train end.")
 

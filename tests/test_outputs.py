@@ -479,7 +479,9 @@ def tokenized(tok, rows, *, labels: bool = True) -> datasets.Dataset:
     return datasets.Dataset.from_list(out)
 
 
-def test_generation_check_validates_and_waits_for_its_step():
+def test_generation_check_validates_and_waits_for_its_step(tmp_path):
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
     from hf_sanity.callback import SanityCallback
     from hf_sanity.training.generation import GenerationCheck
 
@@ -495,6 +497,13 @@ def test_generation_check_validates_and_waits_for_its_step():
     assert [check.due(s) for s in (50, 100)] == [False, True]
     check.last = 100
     assert [check.due(s) for s in (150, 200)] == [False, True]
+    # A second train() with the same callback starts its checks over, as at its first.
+    callback = SanityCallback(generate_every=100, use_config=False)
+    callback.generation.last, callback.generation.checks = 200, 2
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    model, _ = tiny_setup("chatml")
+    callback.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+    assert callback.generation.checks == 0 and callback.generation.due(100)
 
 
 @pytest.mark.slow

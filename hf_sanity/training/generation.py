@@ -41,6 +41,10 @@ class GenerationCheck:
     ):
         self.validate(every, prompts)
         self.every, self.source, self.max_new_tokens = every, prompts, max_new_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the run so far (a new ``train()``): no check yet, prompts taken again from its eval data."""
         self.last: int | None = None
         self.prompts: list[Prompt] | None = None
         self.checks = 0
