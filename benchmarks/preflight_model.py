@@ -53,6 +53,11 @@ def worker(kind: str, n: int, words: int) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(QWEN)
     data = datasets.Dataset.from_list(synthetic_conversations(n, words=words))
     model = tiny_model_for(tokenizer, TinyConfig(**MODEL)) if kind == "full" else None
+    if model is not None:
+        import torch
+
+        if torch.cuda.is_available():  # where there is a GPU, the model checks run there in bf16
+            model = model.to(device="cuda", dtype=torch.bfloat16)
     before = _rss_gb("VmRSS")
     started = time.perf_counter()
     stats: dict = {}
@@ -90,7 +95,10 @@ def compare(base_kind: str, n: int, words: int, repeats: int) -> dict:
     wall = {k: statistics.median(r["wall_s"] for r in v) for k, v in runs.items()}
     peak = {k: statistics.median(r["peak_gb"] for r in v) for k, v in runs.items()}
     phases = full[0]["seconds_by_phase"]
+    import torch
+
     return {
+        "model_on": "cuda (bf16)" if torch.cuda.is_available() else "cpu (float32)",
         "conversations": n,
         "tokens_per_conversation": round(full[0]["tokens"] / n),
         "baseline": "bare map" if base_kind == "bare" else "data-only preflight",
