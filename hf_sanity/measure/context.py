@@ -10,7 +10,6 @@ Rules only read it: after construction the context refuses attribute writes, and
 from __future__ import annotations
 
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from functools import cached_property, lru_cache, partial
@@ -368,14 +367,9 @@ class Context:
 
     @cached_property
     def model(self):
-        if self._model is not None or self._model_loader is None:
+        if self._model is not None:
             return self._model
-        started = time.perf_counter()
-        try:
-            return self._model_loader()
-        finally:
-            # The context's own record of its loading (the report's split of the wall time), not a rule's write.
-            super().__setattr__("model_load_seconds", time.perf_counter() - started)
+        return self._model_loader() if self._model_loader is not None else None
 
     @cached_property
     def generation_stop_ids(self) -> frozenset[int] | None:
@@ -413,10 +407,13 @@ class Context:
     ) -> list[dict[str, Any]]:
         """The sampled examples (the first ``limit``), truncated to max_len, padded, as tensor batches
         (``pad_batches``)."""
+        return self.batches(self.sample_seqs(limit), batch_size, by_length=by_length)
+
+    def sample_seqs(self, limit: int | None = None) -> list[tuple[list[int], list[int]]]:
+        """(input_ids, labels) of the sampled examples (the first ``limit``), truncated to max_len."""
         max_len = self.options.max_len
         rows = [self.row(i) for i in self.sample_indices[:limit]]
-        seqs = [(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows]
-        return self.batches(seqs, batch_size, by_length=by_length)
+        return [(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows]
 
     def batches(
         self, seqs: Sequence[tuple[list[int], list[int]]], batch_size: int = 8, *, by_length: bool = False
@@ -425,28 +422,26 @@ class Context:
         return pad_batches(seqs, pad_id(self.tokenizer), batch_size, by_length=by_length)
 
     @cached_property
-    def input_ablation(self) -> dict[str, Any] | None:
-        """A few sampled examples as they are and with their whole input blanked (``forwards.input_ablation``);
-        None without a model or supervised tokens."""
-        return self._ablation(("as_is", "input_blanked"))
-
-    @cached_property
-    def prompt_ablation(self) -> dict[str, Any] | None:
-        """The same examples as they are and with their prompts blanked, and how much of each answer its prompt
-        holds (``forwards.input_ablation``); None without a model or supervised tokens."""
-        return self._ablation(("as_is", "prompt_blanked"))
-
-    def _ablation(self, variants) -> dict[str, Any] | None:
-        from hf_sanity.measure.forwards import input_ablation
+    def ablation(self):
+        """A few sampled examples with parts of their input blanked (``forwards.InputAblation``: each variant
+        measured once, when a rule first reads it); None without a model or a sample."""
+        from hf_sanity.measure.forwards import InputAblation
 
         if not self.has_model or not self.sample_indices:
             return None
-        rows = [self.row(i) for i in self.sample_indices[:ABLATION_EXAMPLES]]
-        max_len = self.options.max_len
-        seqs = [(r["input_ids"][:max_len], r["labels"][:max_len]) for r in rows]
-        return input_ablation(
-            self.model, self.tokenizer, seqs, partial(self.batches, by_length=True), variants
-        )
+        seqs = self.sample_seqs(ABLATION_EXAMPLES)
+        return InputAblation(self.model, self.tokenizer, seqs, partial(self.batches, by_length=True))
+
+    @property
+    def input_ablation(self) -> dict[str, Any] | None:
+        """The examples as they are and with their whole input blanked; None without supervised tokens."""
+        return self.ablation.measured("as_is", "input_blanked") if self.ablation is not None else None
+
+    @property
+    def prompt_ablation(self) -> dict[str, Any] | None:
+        """The examples as they are and with their prompts blanked, and how much of each answer its prompt
+        holds; None without supervised tokens."""
+        return self.ablation.measured("as_is", "prompt_blanked") if self.ablation is not None else None
 
     @property
     def step0_given(self) -> bool:

@@ -39,54 +39,66 @@ def left_padding_shift(model, batch: dict[str, Any], row: int) -> dict[str, Any]
     }
 
 
-ABLATION_TOKENS = (
-    512  # answer positions scored in each variant: a paired comparison, nats apart when it matters
-)
-BLANKINGS = ("as_is", "prompt_blanked", "input_blanked")
+ABLATION_TOKENS = 512  # answer positions scored per variant (a paired comparison: nats apart when it matters)
 
 
-def input_ablation(
-    model,
-    tokenizer,
-    seqs: Sequence[tuple[list[int], list[int]]],
-    batches: Callable[[list], list[dict]],
-    variants: Sequence[str] = BLANKINGS,
-) -> dict[str, Any] | None:
-    """The loss on the supervised tokens of ``seqs`` ((input_ids, labels) pairs) for each of ``variants``: as
-    they are, with everything else (the prompt and the template's scaffolding) replaced by one filler token,
-    and with every input token replaced: what the prompt contributes to predicting the answer, and whether
-    the input reaches the model at all. ``batches`` pads pairs into tensor batches. None without supervised
-    tokens."""
-    filler = next(
-        t
-        for t in (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.eos_token_id, 0)
-        if t is not None
-    )
-    keep = {tokenizer.bos_token_id}
+class InputAblation:
+    """The loss on the supervised tokens of ``seqs`` ((input_ids, labels) pairs) as they are (``as_is``), with
+    everything else (the prompt and the template's scaffolding) replaced by one filler token
+    (``prompt_blanked``), and with every input token replaced (``input_blanked``): what the prompt contributes
+    to predicting the answer, and whether the input reaches the model at all. Each variant is measured once,
+    when first asked for. ``batches`` pads pairs into tensor batches."""
 
-    def blank(ids, labels, everything):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        seqs: Sequence[tuple[list[int], list[int]]],
+        batches: Callable[[list], list[dict[str, Any]]],
+    ) -> None:
+        self.model, self.seqs, self.batches = model, list(seqs), batches
+        self.filler = next(
+            t
+            for t in (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.eos_token_id, 0)
+            if t is not None
+        )
+        self.filler_token = tokenizer.convert_ids_to_tokens(self.filler)
+        self._keep = {tokenizer.bos_token_id}
+        self._losses: dict[str, float | None] = {}
+
+    def measured(self, *variants: str) -> dict[str, Any] | None:
+        """The loss of each of ``variants`` and what they were measured on; None without supervised tokens."""
+        out: dict[str, Any] = {}
+        for variant in variants:
+            out[variant] = self.loss(variant)
+            if out[variant] is None:
+                return None
+        out.update(examples=len(self.seqs), filler=self.filler_token)
+        if "prompt_blanked" in variants:
+            out["answer_in_prompt"] = float(np.mean([answer_in_prompt(i, lab) for i, lab in self.seqs]))
+        return out
+
+    def loss(self, variant: str) -> float | None:
+        if variant not in self._losses:
+            # The variants share their labels, so a cap scores the same positions in each: a paired comparison.
+            result = token_loss(self.model, self.batches(self._blanked(variant)), max_tokens=ABLATION_TOKENS)
+            self._losses[variant] = result["loss"] if result["tokens"] else None
+        return self._losses[variant]
+
+    def _blanked(self, variant: str) -> list[tuple[list[int], list[int]]]:
+        if variant == "as_is":
+            return self.seqs
+        everything = {"prompt_blanked": False, "input_blanked": True}[variant]
         return [
-            i if i in keep or (not everything and lab != IGNORE_INDEX) else filler
-            for i, lab in zip(ids, labels, strict=True)
-        ], labels
-
-    built = {
-        "as_is": lambda: list(seqs),
-        "prompt_blanked": lambda: [blank(i, lab, False) for i, lab in seqs],
-        "input_blanked": lambda: [blank(i, lab, True) for i, lab in seqs],
-    }
-    measured: dict[str, Any] = {}
-    for name in variants:
-        # The variants share their labels, so a cap scores the same positions in each: a paired comparison.
-        result = token_loss(model, batches(built[name]()), max_tokens=ABLATION_TOKENS)
-        if not result["tokens"]:
-            return None
-        measured[name] = result["loss"]
-    measured["examples"] = len(seqs)
-    measured["filler"] = tokenizer.convert_ids_to_tokens(filler)
-    if "prompt_blanked" in variants:
-        measured["answer_in_prompt"] = float(np.mean([answer_in_prompt(i, lab) for i, lab in seqs]))
-    return measured
+            (
+                [
+                    i if i in self._keep or (not everything and lab != IGNORE_INDEX) else self.filler
+                    for i, lab in zip(ids, labels, strict=True)
+                ],
+                labels,
+            )
+            for ids, labels in self.seqs
+        ]
 
 
 def answer_in_prompt(ids: Sequence[int], labels: Sequence[int]) -> float:

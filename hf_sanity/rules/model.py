@@ -406,9 +406,7 @@ INIT_LOSS_ABOVE_BASE = define(
 )
 
 ABOVE_BASE_SAMPLE = 32  # conversations compared ...
-ABOVE_BASE_TOKENS = (
-    512  # ... on this many answer tokens each way (a difference of 0.5 nat shows at far fewer)
-)
+ABOVE_BASE_TOKENS = 512  # ... on this many answer tokens each way (0.5 nat shows at far fewer)
 
 
 @INIT_LOSS_ABOVE_BASE.check(
@@ -435,9 +433,11 @@ def check_init_loss_above_base(ctx):
         plain.append((prefix + answer, [IGNORE_INDEX] * len(prefix) + answer))
     if len(templated) < 2:
         return
-    in_template = token_loss(ctx.model, ctx.batches(templated, by_length=True), max_tokens=ABOVE_BASE_TOKENS)
-    as_text = token_loss(ctx.model, ctx.batches(plain, by_length=True), max_tokens=ABOVE_BASE_TOKENS)
-    in_template, as_text = in_template["loss"], as_text["loss"]
+
+    def loss(seqs):
+        return token_loss(ctx.model, ctx.batches(seqs, by_length=True), max_tokens=ABOVE_BASE_TOKENS)["loss"]
+
+    in_template, as_text = loss(templated), loss(plain)
     if in_template > as_text + 0.5 and in_template > 1.5 * as_text:
         yield INIT_LOSS_ABOVE_BASE.finding(
             f"the answers cost {in_template:.2f} nats/token in the chat template but {as_text:.2f} as plain text",
