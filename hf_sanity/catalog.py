@@ -31,8 +31,7 @@ import importlib
 import pkgutil
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -295,20 +294,36 @@ def internal_error(check: str, exc: BaseException, step: int | None = None) -> F
     )
 
 
-@contextmanager
-def guard(
-    check: str, found: list[Finding], *, step: int | None = None, user_errors: bool = False
-) -> Iterator[None]:
+class Guard:
     """The one guard every check runs in: an exception inside becomes an ``internal-error`` finding appended
     to ``found`` and the caller goes on. Bad user input (:class:`UserInputError`) is not a broken check: it
     propagates, to become the one-line error of exit code 2, unless ``user_errors`` (inside a training run,
-    nothing may escape into the user's loop)."""
-    try:
-        yield
-    except Exception as exc:
-        if isinstance(exc, UserInputError) and not user_errors:
-            raise
-        found.append(internal_error(check, exc, step))
+    nothing may escape into the user's loop). A plain class, not a generator: the callback enters one a dozen
+    times a step."""
+
+    __slots__ = ("check", "found", "step", "user_errors")
+
+    def __init__(
+        self, check: str, found: list[Finding] | None, *, step: int | None = None, user_errors: bool = False
+    ) -> None:
+        self.check, self.found, self.step, self.user_errors = check, found, step, user_errors
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if kind is None or not issubclass(kind, Exception):
+            return False
+        if isinstance(exc, UserInputError) and not self.user_errors:
+            return False
+        self.broken(exc)
+        return True
+
+    def broken(self, exc: Exception) -> None:
+        self.found.append(internal_error(self.check, exc, self.step))
+
+
+guard = Guard
 
 
 def run(detector: Detector, subject: Any, *, step: int | None = None) -> list[Finding]:

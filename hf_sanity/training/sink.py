@@ -20,11 +20,15 @@ from hf_sanity.report import Report
 from hf_sanity.selection import Selection
 
 
-class _Guard:
-    __slots__ = ("check", "sink", "started", "step")
+class _TimedGuard(catalog.Guard):
+    """``catalog.Guard`` for the callback: the check's seconds counted, and an internal-error reported once per
+    check (the run goes on)."""
+
+    __slots__ = ("sink", "started")
 
     def __init__(self, sink: FindingSink, check: str, step: int | None) -> None:
-        self.sink, self.check, self.step = sink, check, step
+        super().__init__(check, None, step=step, user_errors=True)
+        self.sink = sink
 
     def __enter__(self) -> None:
         self.started = time.perf_counter()
@@ -34,12 +38,12 @@ class _Guard:
         elapsed = time.perf_counter() - self.started
         sink.seconds += elapsed
         sink.timings[check] = sink.timings.get(check, 0.0) + elapsed
-        if kind is None or not issubclass(kind, Exception):
-            return False
-        if check not in sink._failed:
-            sink._failed.add(check)
-            sink.emit([catalog.internal_error(check, exc, self.step)])
-        return True  # the check is broken, the run goes on
+        return super().__exit__(kind, exc, tb)
+
+    def broken(self, exc: Exception) -> None:
+        if self.check not in self.sink._failed:
+            self.sink._failed.add(self.check)
+            self.sink.emit([catalog.internal_error(self.check, exc, self.step)])
 
 
 class FindingSink:
@@ -65,11 +69,10 @@ class FindingSink:
     def wants(self, *slugs: str) -> bool:
         return any(self.selection.enabled(slug) for slug in slugs)
 
-    def guard(self, check: str, step: int | None = None) -> _Guard:
+    def guard(self, check: str, step: int | None = None) -> _TimedGuard:
         """Run one check: an exception becomes an internal-error finding (once per check), never the run's; its
-        seconds are counted. (``catalog.guard`` with ``user_errors``, as a plain class: it runs a dozen times a
-        step.)"""
-        return _Guard(self, check, step)
+        seconds are counted."""
+        return _TimedGuard(self, check, step)
 
     def emit(self, findings: Iterable[Finding]) -> None:
         for finding in findings:
