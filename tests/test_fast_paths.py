@@ -7,9 +7,14 @@ import pytest
 
 from conftest import REAL_TOKENIZERS, real_tokenizer
 from hf_sanity.measure.encode import EncodeOptions, Encoder, normalize, stable_hash
-from hf_sanity.measure.markers import WhitespaceIds, whitespace_token_ids
+from hf_sanity.measure.markers import WhitespaceIds, _blank
 from hf_sanity.testing import build_tokenizer, demo_conversations, tool_conversations
 from hf_sanity.testing.factory import TEMPLATES
+
+
+def whitespace_token_ids(tokenizer) -> frozenset[int]:
+    """The whole vocabulary read, id by id: what WhitespaceIds must answer for every id."""
+    return frozenset(idx for token, idx in tokenizer.get_vocab().items() if _blank(tokenizer, token, idx))
 
 
 @pytest.mark.parametrize("template", TEMPLATES)

@@ -104,16 +104,6 @@ def find_sequence(ids: Sequence[int], needle: tuple[int, ...], start: int, stop:
         start = i + 1
 
 
-def whitespace_token_ids(tokenizer) -> frozenset[int]:
-    """Ids that decode to whitespace only (``\\n``, ``\\n\\n``, ``▁``): template glue between turns. The whole
-    vocabulary is read: :class:`WhitespaceIds` answers the same question id by id, for the ids asked about."""
-    out = set()
-    for token, idx in tokenizer.get_vocab().items():
-        if _blank(tokenizer, token, idx):
-            out.add(idx)
-    return frozenset(out)
-
-
 def _blank(tokenizer, token, idx: int) -> bool:
     # Filter on the raw piece first (byte-level and sentencepiece spellings): decoding 150k ids is slow.
     raw_blank = token and (token.strip(_RAW_WHITESPACE) == "" or token in _BYTE_WHITESPACE)
@@ -121,9 +111,10 @@ def _blank(tokenizer, token, idx: int) -> bool:
 
 
 class WhitespaceIds:
-    """:func:`whitespace_token_ids` as a set that decides each id the first time it is asked about (and
-    remembers): listing a 150k vocabulary costs a tenth of a second per tokenizer, while turns are located by
-    looking at a few hundred distinct ids. Supports ``in`` only."""
+    """The ids that decode to whitespace only (``\\n``, ``\\n\\n``, ``▁``: template glue between turns), as a
+    set that decides each id the first time it is asked about (and remembers): listing a 150k vocabulary costs
+    a tenth of a second per tokenizer, while turns are located by looking at a few hundred distinct ids.
+    Supports ``in`` only."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer

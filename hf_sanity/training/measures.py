@@ -66,11 +66,9 @@ def update_squares(parts: Sequence[Any], before: Sequence[Any]):
     a (k, 2) float32 device tensor, to be summed over ranks when the parts are shards."""
     import torch
 
-    sums = []
-    for now, old in zip(parts, before):
-        same = now.dtype == old.dtype == torch.float32  # .float() would return them as they are
-        sums += (squares(now - old if same else now.float() - old.float()), squares(old))
-    return torch.stack(sums).reshape(-1, 2)
+    return torch.stack(
+        [torch.stack([squares(now.float() - old.float()), squares(old)]) for now, old in zip(parts, before)]
+    )
 
 
 def update_ratio(sums):
