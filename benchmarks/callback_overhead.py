@@ -100,6 +100,7 @@ class Run:
     steps: list[float]
     hooks: dict[str, float]
     stats: dict
+    cpu: float = 0.0  # the process's CPU seconds in train()
 
 
 def one_run(setup: Setup, with_callback: bool, device: str, dtype, steps: int | None = None) -> Run:
@@ -152,13 +153,13 @@ def one_run(setup: Setup, with_callback: bool, device: str, dtype, steps: int | 
     if setup.threads and device == "cpu":
         torch.set_num_threads(setup.threads)
     try:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         trainer.train()
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     finally:
         torch.set_num_threads(threads)
     stats = dict(sanity.report.stats) if sanity is not None else {}
-    return Run(wall, timer.times, clock.seconds, stats)
+    return Run(wall, timer.times, clock.seconds, stats, cpu)
 
 
 def compare(setup: Setup, *, repeats: int, device: str, dtype) -> tuple[dict, dict]:
@@ -192,6 +193,7 @@ def compare(setup: Setup, *, repeats: int, device: str, dtype) -> tuple[dict, di
         "wall_s_without": wall[False],
         "wall_s_with": wall[True],
         "wall_ratio": statistics.median(wall_ratios),
+        "wall_ratio_range": f"{min(wall_ratios):.3f}-{max(wall_ratios):.3f}",
         "step_ms_without": 1e3 * step[False],
         "step_ms_with": 1e3 * step[True],
         "step_ratio": step[True] / step[False],
@@ -215,6 +217,48 @@ def compare(setup: Setup, *, repeats: int, device: str, dtype) -> tuple[dict, di
     return row, clock
 
 
+def feed_growth(steps: int = 20_000, window: int = 1_000) -> dict:
+    """The callback's per-step host work at the read, early and late in a long run: every step's values (as
+    the recorder returns them) turned into the detectors' values and fed to every step detector, on a clean
+    loss curve (nothing fires, so every detector keeps watching). Microseconds per step over the first and the
+    last ``window`` steps: work that grows with the run's length shows as a ratio above 1."""
+    import math
+    import random
+
+    from hf_sanity.rules.training.base import TrainingSetup
+    from hf_sanity.selection import resolve
+    from hf_sanity.training.monitors import MonitorSet
+    from hf_sanity.training.sink import FindingSink
+    from hf_sanity.training.values import StepHistory
+
+    sink = FindingSink(resolve(None, None, use_config=False), print_findings=False)
+    monitors, history = MonitorSet(sink, TrainingSetup(vocab_size=32_000)), StepHistory()
+    rng = random.Random(0)
+    seconds = {}
+    started = time.perf_counter()
+    for step in range(1, steps + 1):
+        raw = {
+            "loss": [1.5 + 8.0 * math.exp(-step / 300) + rng.gauss(0, 0.05)],
+            "grad_norm": [1.0 + rng.random()], "lr": [2e-4], "stale_norm": [0.0], "training": [True],
+        }  # fmt: skip
+        if step <= 10 or step % 10 == 0:  # what the sampler measures at its measured steps
+            raw.update(update_ratio=[1e-3], updated=[1.0], n_trainable=[200], n_with_grad=[200])
+            raw.update(n_in_optimizer=[200])
+        monitors.feed(step, history.values(step, raw))
+        if step in (window, steps):
+            seconds[step] = time.perf_counter() - started
+        if step == steps - window:
+            started = time.perf_counter()
+    first, last = 1e6 * seconds[window] / window, 1e6 * seconds[steps] / window
+    return {
+        "steps": steps,
+        "us_per_step_first_1k": first,
+        "us_per_step_last_1k": last,
+        "growth": last / first,
+        "findings": ", ".join(f.rule for f in sink.report.findings) or "none",
+    }
+
+
 def run(*, quick: bool = False, device: str | None = None, dtype=None, only: str | None = None):
     """Rows for both setups (``only``: "large" or "small"), and the callback's own clock for each."""
     import torch
@@ -223,7 +267,7 @@ def run(*, quick: bool = False, device: str | None = None, dtype=None, only: str
     dtype = dtype or (torch.bfloat16 if device == "cuda" else torch.float32)
     setups = [
         Setup("large", BENCH_CONFIG, batch=16, seq=None, steps=20 if quick else 100),
-        Setup("small", SMALL_CONFIG, batch=8, seq=64, steps=100 if quick else 500, threads=1),
+        Setup("small", SMALL_CONFIG, batch=8, seq=64, steps=100 if quick else 1000, threads=1),
     ]
     rows, clocks = [], []
     for setup in setups:

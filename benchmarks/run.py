@@ -80,6 +80,9 @@ def main() -> None:
             top = sorted(clock["top_checks_s_per_run"].items(), key=lambda kv: -kv[1])[:8]
             print("  ", dict(top))
         print()
+        row = callback_overhead.feed_growth(steps=2_000 if args.quick else 20_000)
+        print("SanityCallback's per-step work at the reads, early and late in a long run (no Trainer)")
+        print(table([row]), "\n")
     if args.only in (None, "overfit"):
         from benchmarks import protocol_speed
 

@@ -150,7 +150,8 @@ class SanityCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
-        if self.first.probe_due(step, self.probe_every, self.sink) and self._probes_run():
+        sharded = self.sampler is not None and self.sampler.sharded
+        if self.first.probe_due(step, self.probe_every, self.sink, sharded=sharded) and self._probes_run():
             with self.sink.guard("predictions-frozen"), self.instruments.quiet():
                 self.first.probe(self.model, self.recorder, step)
         if step % self.check_every == 0 or control.should_log:
@@ -280,7 +281,7 @@ class SanityCallback(TrainerCallback):
         return self.sampler is None or self.sampler.sharding.probe_skip is None
 
     def _memory_check(self, step: int) -> None:
-        if self.sink.wants("memory-growth", "oom") and self.memory_budget.due():  # the walk: 0.5% of the run
+        if self.sink.wants("memory-growth", "oom") and self.memory_budget.due():  # the walk: 0.25% of the run
             with self.sink.guard("memory-growth"), self.memory_budget.spend():
                 self.monitors.feed(step, memory.held_now(self.trainer, self.model, skip=self))
 

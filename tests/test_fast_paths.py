@@ -287,7 +287,8 @@ def test_is_flat_on_a_list_answers_as_on_an_array():
 
 def test_update_monitor_findings_match_filtering_every_loss_at_every_step():
     """loss-flat's online test reads the last 20 losses after warmup from the tail of the history (the losses
-    arrive in step order) instead of filtering the whole history at every step."""
+    arrive in step order) and keeps the first blow-up as the losses arrive, instead of filtering the whole
+    history at every step."""
     import math
     import random
 
@@ -321,6 +322,15 @@ def test_update_monitor_findings_match_filtering_every_loss_at_every_step():
                 )
             return []
 
+        def _diverged_before(self, first):  # the whole history scanned at every call
+            from hf_sanity.rules.training.divergence import START_POINTS, diverge_threshold
+
+            if len(self._losses) <= START_POINTS:
+                return None
+            start = updates.median([v for _, v in self._losses[:START_POINTS]])
+            threshold = diverge_threshold(start, self.vocab_size)
+            return next((s for s, v in self._losses if s < first and v > threshold), None)
+
     rng = random.Random(2)
     fired = 0
     for trial in range(300):
@@ -352,6 +362,35 @@ def test_update_monitor_findings_match_filtering_every_loss_at_every_step():
             assert a == b, (trial, s)
             fired += bool(a)
     assert fired >= 50
+
+
+def test_update_ratio_on_the_cpu_is_the_tensor_computation():
+    """On the CPU the update ratio of a few sampled tensors is computed in Python: the same numbers as the
+    tensor operations that run on an accelerator (NaN, zero norms, even counts: torch's lower median)."""
+    import math
+
+    import torch
+
+    from hf_sanity.training.measures import update_ratio
+
+    def on_device(sums):  # what runs on an accelerator, without a transfer
+        diff, norm = sums[:, 0].sqrt(), sums[:, 1].sqrt()
+        ratio = torch.where(norm > 0, diff / norm.clamp_min(1e-30), torch.full_like(diff, math.nan))
+        return ratio.nanmedian().item(), bool(((diff > 0) | diff.isnan()).any())
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.rand(k, 2, generator=gen) ** 4 for k in (1, 2, 3, 4, 7)]
+    cases += [
+        torch.tensor([[0.0, 0.0], [0.0, 0.0]]),  # no norm anywhere: NaN, nothing moved
+        torch.tensor([[math.nan, 1.0], [1e-4, 1.0]]),  # NaN weights changed
+        torch.tensor([[0.0, 1.0]] * 3),  # nothing moved
+        torch.tensor([[1e-8, 4.0], [4e-6, 1.0], [0.0, 9.0], [1e-6, 0.0]]),  # a zero-norm tensor left out
+    ]
+    for sums in cases:
+        ratio, updated = update_ratio(sums)
+        expected, expected_updated = on_device(sums)
+        assert updated == expected_updated
+        assert (math.isnan(ratio) and math.isnan(expected)) or ratio == pytest.approx(expected, rel=1e-6)
 
 
 def test_recorder_on_the_cpu_keeps_what_a_device_copy_keeps():
@@ -418,8 +457,9 @@ def test_labels_counted_at_the_read_as_batch_by_batch():
 
 
 def test_the_memory_walk_keeps_to_its_share_of_the_run():
-    """The walk runs its first checks whatever they cost, then only while it has cost at most 0.5% of the
-    time since its first run: a walk of 1 s is due again 200 s later, not before."""
+    """The walk (and the predictions probe where it runs alone) runs its first checks whatever they cost, then
+    only while it has cost at most its share of the time since its first run: at 0.5%, a walk of 1 s is due
+    again 200 s later, not before."""
     from hf_sanity.training.budget import Budget
 
     now = [0.0]
@@ -437,3 +477,29 @@ def test_the_memory_walk_keeps_to_its_share_of_the_run():
     now[0] = 400.0  # 0.5% of 400 s is 2 s: due again
     walk(0.001)
     assert (budget.runs, budget.skipped) == (3, 1)
+
+
+def test_probes_keep_to_their_budget_alone_and_to_the_interval_under_sharded_parameters():
+    """Alone, a predictions probe is due at its interval only while probes have cost at most their share of
+    the run; under sharded parameters (its forward gathers every rank's shards) at every interval, whatever
+    it costs, so every rank probes at the same steps."""
+    from hf_sanity.training.budget import Budget
+    from hf_sanity.training.first_batch import FirstBatch
+
+    class Sink:
+        wants = staticmethod(lambda *slugs: True)
+
+    now = [0.0]
+    first = FirstBatch()
+    first.budget = Budget(share=0.005, free=3, clock=lambda: now[0])
+    assert not first.probe_due(50, 50, Sink())  # no probe batch yet (the first forward keeps it)
+    first._probe_batch = {}
+    for step in (50, 100, 150):  # the free probes, 1 s each
+        assert first.probe_due(step, 50, Sink())
+        with first.budget.spend():
+            now[0] += 1.0
+    now[0] = 300.0  # 3 s spent, 0.5% of 300 s is 1.5 s
+    assert not first.probe_due(200, 50, Sink()) and not first.probe_due(199, 50, Sink(), sharded=True)
+    assert first.probe_due(200, 50, Sink(), sharded=True)
+    now[0] = 700.0  # 0.5% of 700 s is 3.5 s: due again
+    assert first.probe_due(250, 50, Sink())

@@ -1,4 +1,5 @@
-"""A share of the run's wall time for an optional check that has no collective in it (the memory walk).
+"""A share of the run's wall time for an optional check that has no collective in it (the memory walk, the
+predictions probe where it runs alone).
 
 The check runs when what it has cost so far is within ``share`` of the time since its first run, so on a run
 of short steps it runs at a sparser cadence than the reads that offer it, and on long steps at every one. Its
@@ -11,7 +12,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
-SHARE = 0.005  # at most 0.5% of the run's wall time
+SHARE = 0.0025  # at most 0.25% of the run's wall time for each such check
 FREE_RUNS = 4  # a growth shows over 3 rises: the first 4 checks always run
 
 

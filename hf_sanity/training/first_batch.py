@@ -12,7 +12,9 @@ from typing import Any
 
 from hf_sanity import catalog
 from hf_sanity.findings import Finding
+from hf_sanity.rules.training.predictions import FROZEN_PROBES
 from hf_sanity.selection import Selection
+from hf_sanity.training.budget import Budget
 
 ALIGNED = ("input_ids", "labels", "attention_mask", "inputs_embeds")
 TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -53,6 +55,10 @@ class FirstBatch:
         self._shapes: dict[str, tuple[int, ...]] | None = None  # waiting for the logits
         self._probe_batch = None
         self._probe_prev = None
+        # Probes where the model runs alone are on a time budget; the first ones always run (what
+        # predictions-frozen needs to fire). Under sharded parameters the probe's forward gathers every rank's
+        # shards: there every rank must probe at the same steps, so only the fixed interval decides.
+        self.budget = Budget(free=FROZEN_PROBES)
 
     def labels_seen(self, batch: Mapping[str, Any]) -> None:
         if not self.done and "labels" in batch:
@@ -103,9 +109,11 @@ class FirstBatch:
         logits = getattr(output, "logits", None)
         return {"shapes": shapes, "logits_shape": tuple(logits.shape) if logits is not None else None}
 
-    def probe_due(self, step: int, every: int | None, sink) -> bool:
-        """A `predictions-frozen` probe runs at the end of this step."""
-        return bool(every) and step % every == 0 and sink.wants("predictions-frozen")
+    def probe_due(self, step: int, every: int | None, sink, *, sharded: bool = False) -> bool:
+        """A `predictions-frozen` probe runs at the end of this step: every ``every`` steps, within its time
+        budget unless the parameters are ``sharded``."""
+        due = bool(every) and step % every == 0 and sink.wants("predictions-frozen")
+        return due and self._probe_batch is not None and (sharded or self.budget.due())
 
     def probe(self, model, recorder, step: int) -> None:
         """Re-run the probe batch: the share of its argmax predictions that changed since the last probe."""
@@ -113,7 +121,8 @@ class FirstBatch:
 
         if self._probe_batch is None or model is None:
             return
-        current = probe.probe(model, self._probe_batch).get("argmax")
+        with self.budget.spend():
+            current = probe.probe(model, self._probe_batch).get("argmax")
         if current is None:
             return
         if self._probe_prev is not None and self._probe_prev.shape == current.shape:

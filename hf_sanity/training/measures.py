@@ -66,16 +66,24 @@ def update_squares(parts: Sequence[Any], before: Sequence[Any]):
     a (k, 2) float32 device tensor, to be summed over ranks when the parts are shards."""
     import torch
 
+    old = [t.float() for t in before]
+    change = torch._foreach_sub([t.float() for t in parts], old)  # one kernel launch per list, not per tensor
     return torch.stack(
-        [torch.stack([squares(now.float() - old.float()), squares(old)]) for now, old in zip(parts, before)]
-    )
+        [torch.stack(torch._foreach_norm(change)), torch.stack(torch._foreach_norm(old))], 1
+    ).square()
 
 
 def update_ratio(sums):
     """(median |Δw|/|w| over the tensors with a non-zero norm, whether any weight changed), as device tensors,
-    from :func:`update_squares` summed over every part of each tensor."""
+    from :func:`update_squares` summed over every part of each tensor (as Python numbers when they are on the
+    CPU: already on the host, a few numbers cost less in Python than in tensor operations)."""
     import torch
 
+    if sums.device.type == "cpu":
+        pairs = [(math.sqrt(d), math.sqrt(n)) for d, n in sums.tolist()]
+        ratios = sorted(d / n for d, n in pairs if n > 0 and not math.isnan(d / n))
+        ratio = ratios[(len(ratios) - 1) // 2] if ratios else math.nan  # torch's nanmedian: the lower middle
+        return ratio, any(d > 0 or math.isnan(d) for d, _ in pairs)
     diff, norm = sums[:, 0].sqrt(), sums[:, 1].sqrt()
     ratio = torch.where(norm > 0, diff / norm.clamp_min(1e-30), torch.full_like(diff, math.nan)).nanmedian()
     return ratio, ((diff > 0) | diff.isnan()).any()  # NaN weights did change
@@ -243,8 +251,8 @@ class StepSampler:
     def step_begins(self, recorder, step: int) -> None:
         if self.update_sample and self.sharding.steps_in_backward:
             self._start_update(step)  # DeepSpeed steps inside backward: the update is measured from here
-        if not self.stale_sample:
-            return
+        if not self.stale_sample or not self.measured(step):
+            return  # gradients that are not cleared stay so: the measured steps see them
         if not self._reduces(self.stale_sample):
             present = gradient_squares(self.stale_sample, [1.0] * len(self.stale_sample))
             recorder.push(step, "stale_norm", 0.0 if present is None else present.sqrt())
@@ -271,7 +279,7 @@ class StepSampler:
         lr = max_lr(optimizer)
         if lr is not None:
             recorder.push(step, "lr", lr)
-        if self.watch_path:
+        if self.watch_path and self.measured(step):  # a broken path stays broken: measured steps see it
             path = gradient_path(self._trainable_params, self.optimizer_ids)
             if not self.sharding.gradients_in_params:
                 path.pop("n_with_grad")  # p.grad is not where this layout keeps gradients: 0 would be a lie

@@ -35,12 +35,19 @@ class MonitorSet:
         """Every monitor that still watches something and reads one of ``values``' keys gets them; each runs in
         its own guard, named by the rules it would leave unwatched if it broke."""
         keys = values.keys()
+        finished = False
         for monitor, reads, name, detector in self._plan:
-            if monitor.done or reads.isdisjoint(keys):
+            if reads.isdisjoint(keys):
                 continue
             self.ran.add(detector)
+            found = None
             with self.sink.guard(name, step):
-                self.sink.emit(monitor.update(step, values))
+                found = monitor.update(step, values)
+            if found:
+                self.sink.emit(found)
+                finished = finished or monitor.done
+        if finished:  # a monitor whose every rule has fired watches nothing more: it leaves the plan
+            self._plan = [entry for entry in self._plan if not entry[0].done]
 
     def curves(self, history, state, *, vocab_size: int | None, final: bool) -> None:
         """The online curve detectors on the run's curves so far (main process): at an evaluation and, with

@@ -92,11 +92,12 @@ def _line(step: int, why: str, folder) -> Any:
 
 
 def stats(callback, *, steps: int) -> dict[str, Any]:
-    """The run's figures for the report: the callback's own clock, reads and transfers, the memory walks its
-    time budget ran and skipped, and the sharding layout."""
+    """The run's figures for the report: the callback's own clock, reads and transfers, the memory walks and
+    probes their time budgets ran and skipped, and the sharding layout."""
     sink, sampler, budget = callback.sink, callback.sampler, callback.memory_budget
     out = sink.stats(steps=steps, reads=callback._reads, transfers=callback.recorder.transfers)
     out.update(memory_walks=budget.runs, memory_walks_skipped=budget.skipped)
+    out.update(probes=callback.first.budget.runs, probes_skipped=callback.first.budget.skipped)
     sharding = sampler.sharding if sampler is not None else None
     if sharding is not None and (sharding.engine or sharding.sharded):
         out["sharding"] = sharding.stats()  # what ran on which layout, and what did not, with why

@@ -11,7 +11,9 @@ weight changed at all).
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 from hf_sanity.catalog import define, monitor
@@ -171,7 +173,9 @@ class UpdateMonitor(Monitor):
         self.low_measures = low_measures
         self._nonfinite_steps: set[int] = set()
         self._runs: dict[str, list[int]] = {}  # cause -> consecutive steps where it held
-        self._losses: list[tuple[int, float]] = []
+        self._losses: list[tuple[int, float]] = []  # (step, loss), in step order
+        self._blowup: int | None = None  # the first step whose loss stood above the divergence threshold
+        self._threshold: float | None = None  # ... set once the starting steps are in
         self._low: list[tuple[int, float, float]] = []  # (step, ratio, lr) of consecutive low measurements
 
     @classmethod
@@ -194,9 +198,12 @@ class UpdateMonitor(Monitor):
         return out
 
     def _flat(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
+        if LOSS_FLAT.slug in self.fired:
+            return []  # it fires once: nothing left to keep (the per-step work must not grow with the run)
         loss = values.get("loss")
         if loss is not None and math.isfinite(loss):
             self._losses.append((step, float(loss)))
+            self._watch_blowup(step, float(loss))
         ratio = values.get("update_ratio")
         if ratio is not None and math.isfinite(ratio):
             self._ratios.append((step, float(ratio)))
@@ -218,7 +225,7 @@ class UpdateMonitor(Monitor):
 
     def _fell(self, first: int, last: int) -> bool:
         """The loss fell clearly over these steps (something else is learning: not a flat loss)."""
-        losses = [v for s, v in self._losses if first <= s <= last]
+        losses = [v for s, v in self._since(self._losses, first) if s <= last]
         if len(losses) < 4:
             return False
         head, tail = median(losses[:2]), median(losses[-2:])
@@ -239,16 +246,17 @@ class UpdateMonitor(Monitor):
         window = self._losses[-ONLINE_FLAT_STEPS:]
         if len(window) < ONLINE_FLAT_STEPS or window[0][0] <= self.warmup_steps:
             return []
-        if not flat([v for _, v in window]):
-            return []
         first = window[0][0]
-        if self._diverged_before(first) is not None:
-            return self._fire_flat(first, step, "diverged")
+        diverged = self._diverged_before(first) is not None
         start = median([v for _, v in self._losses[:3]])
         level = median([v for _, v in window])
-        if abs(level - start) > STARTING_LEVEL * abs(start):
-            return []  # it learned, then levelled off: a plateau, not a loss that never moved
-        ratios = [r for s, r in self._ratios if s >= first]
+        if not diverged and abs(level - start) > STARTING_LEVEL * abs(start):
+            return []  # it learned, or levelled off after learning: not a loss that never moved
+        if not flat([v for _, v in window]):
+            return []
+        if diverged:
+            return self._fire_flat(first, step, "diverged")
+        ratios = [r for _, r in self._since(self._ratios, first)]
         if not ratios:
             return []
         if median(ratios) < FLAT_LOW_RATIO:
@@ -260,22 +268,35 @@ class UpdateMonitor(Monitor):
             )
         return []  # flat, low and moving weights: data the model already knows
 
-    def _diverged_before(self, first: int) -> int | None:
-        """The step where the loss blew up before ``first`` (None when it did not)."""
+    def _watch_blowup(self, step: int, loss: float) -> None:
+        """Keep the first step whose loss stood above the divergence threshold (set from the starting steps'
+        median once they are in), as the losses arrive: no pass over the whole history at each step."""
         from hf_sanity.rules.training.divergence import START_POINTS, diverge_threshold
 
-        if len(self._losses) <= START_POINTS:
-            return None
-        start = median([v for _, v in self._losses[:START_POINTS]])
-        threshold = diverge_threshold(start, self.vocab_size)
-        return next((s for s, v in self._losses if s < first and v > threshold), None)
+        if self._blowup is not None or len(self._losses) <= START_POINTS:
+            return
+        if self._threshold is None:
+            start = median([v for _, v in self._losses[:START_POINTS]])
+            self._threshold = diverge_threshold(start, self.vocab_size)
+            self._blowup = next((s for s, v in self._losses if v > self._threshold), None)
+        elif loss > self._threshold:
+            self._blowup = step
+
+    def _diverged_before(self, first: int) -> int | None:
+        """The step where the loss blew up before ``first`` (None when it did not)."""
+        return self._blowup if self._blowup is not None and self._blowup < first else None
+
+    @staticmethod
+    def _since(points: list[tuple[int, float]], first: int) -> list[tuple[int, float]]:
+        """The (step, value) points from step ``first`` on (points come in step order)."""
+        return points[bisect_left(points, first, key=_STEP) :]
 
     def _fire_flat(self, first: int, step: int, cause: str, **measured) -> list[Finding]:
         diverged = self._diverged_before(first) if cause != "diverged" else None
         then = None
         if diverged is not None:  # a dead network after a blow-up: the blow-up is the cause
             cause, then = "diverged", cause
-        losses = [v for s, v in self._losses if first <= s <= step]
+        losses = [v for s, v in self._since(self._losses, first) if s <= step]
         text = CAUSE_TEXT[cause]
         if cause == "diverged":
             at = diverged if diverged is not None else self._diverged_before(first)
@@ -327,6 +348,9 @@ class UpdateMonitor(Monitor):
                 "steps": [s for s, _, _ in self._low],
             },
         )
+
+
+_STEP = itemgetter(0)
 
 
 def setup_findings(
