@@ -199,8 +199,8 @@ class SanityCallback(TrainerCallback):
     def after_micro(self, loss) -> None:
         with self.sink.guard("callback-loss"):
             if hasattr(loss, "detach"):
-                self.recorder.push(self._step or 1, "loss", loss)
-                self.early.mark(self._step or 1, self._micro, loss)
+                host = self.recorder.push(self._step or 1, "loss", loss)
+                self.early.mark(self._step or 1, self._micro, loss, host=host)
             self._micro += 1
 
     def grad_norm(self, norm) -> None:
@@ -208,10 +208,9 @@ class SanityCallback(TrainerCallback):
             self.recorder.push(self._step or 1, "grad_norm", shards.plain(norm))
 
     def pre_forward(self, module, args, kwargs) -> None:
-        step = self._step or 1
-        if self.sink.wants("train-mode-off"):
+        if self.sampler is not None and self.sampler.watch_mode:
             with self.sink.guard("train-mode-off"):
-                self.recorder.push(step, "training", bool(module.training))
+                self.sampler.forward(self.recorder, self._step or 1, module)
         if self._autocast is None:
             with self.sink.guard("callback-precision"):
                 self._autocast = replay.autocast_state(module) or False
@@ -281,7 +280,7 @@ class SanityCallback(TrainerCallback):
         return self.sampler is None or self.sampler.sharding.probe_skip is None
 
     def _memory_check(self, step: int) -> None:
-        if self.sink.wants("memory-growth", "oom") and self.memory_budget.due():  # the walk: 0.25% of the run
+        if self.sink.wants("memory-growth", "oom") and self.memory_budget.due():  # the walk: 0.1% of the run
             with self.sink.guard("memory-growth"), self.memory_budget.spend():
                 self.monitors.feed(step, memory.held_now(self.trainer, self.model, skip=self))
 

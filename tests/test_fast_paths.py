@@ -433,6 +433,14 @@ def test_recorder_on_the_cpu_keeps_what_a_device_copy_keeps():
     for micro, value in enumerate(values[:-2]):
         flags.mark(1, micro, value)
     assert flags.nonfinite() == (1, 6)
+    # The loss read on the host by the push marks the step as the tensor does.
+    flags, fresh = EarlyFlags(), Recorder()
+    for micro, value in enumerate(values[:-2]):
+        host = fresh.push(1, "loss", value)
+        kept = fresh.read()[1]["loss"][-1]
+        assert host is None or host == kept or (math.isnan(host) and math.isnan(kept))
+        flags.mark(1, micro, value, host=host)
+    assert flags.nonfinite() == (1, 6)
     flags.mark(2, 0, torch.tensor([1.0, math.nan]))
     assert flags.nonfinite() == (2, 0)
 

@@ -149,6 +149,8 @@ def label_entropy(counts):
 SAMPLED_PARAMS = 4  # tensors sampled for the update ratio and the stale-gradient check
 SAMPLE_MAX_ELEMENTS = 1 << 24  # ... each at most 16M elements (cloned at measured steps)
 LABEL_BATCHES = 64  # micro-batches' labels held at most before they are counted
+LABEL_ALL = 64  # the labels of the first 64 micro-batches are all counted ...
+LABEL_EVERY = 8  # ... then those of one micro-batch in 8 (a sample of the same distribution)
 EARLY_MEASURE_STEPS = 10  # the update ratio is measured at every one of the first steps, then every check
 
 
@@ -209,6 +211,7 @@ class StepSampler:
             else []
         )
         self.watch_path = wants("lr-zero", "lr-too-low", "loss-flat")
+        self.watch_mode = wants("train-mode-off")
         self.label_counts = None
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         rows = getattr(embeddings, "num_embeddings", None)
@@ -217,6 +220,8 @@ class StepSampler:
         if rows and wants("loss-plateau-prior"):
             self.label_counts = torch.zeros(rows, dtype=torch.float32, device=self.device)
         self._labels: list[Any] = []  # the batches' labels since the last count (counted at each read)
+        self._batches = 0  # micro-batches seen
+        self._fresh = False  # labels were counted since the entropy was last recorded
         self._snapshot = None
         self._measuring = False
 
@@ -265,9 +270,19 @@ class StepSampler:
 
         recorder.push(step, "stale_norm", self._summed(local, 1)[0].sqrt())
 
+    def forward(self, recorder, step: int, module) -> None:
+        """A training forward: its mode, recorded whenever it is eval mode (the finding) and at the measured
+        steps when it is train mode (what shows the check ran)."""
+        if not module.training or self.measured(step):
+            recorder.push(step, "training", bool(module.training))
+
     def batch(self, batch) -> None:
         """A micro-batch's labels, counted at the next read (one pass then, not a few operations every step:
-        the counts, adds of one, come out the same in any order)."""
+        the counts, adds of one, come out the same in any order); after the first ``LABEL_ALL`` micro-batches,
+        one in ``LABEL_EVERY``: the prior is a distribution, which a sample of the batches estimates."""
+        self._batches += 1
+        if self._batches > LABEL_ALL and self._batches % LABEL_EVERY:
+            return
         if self.label_counts is not None and "labels" in batch:
             self._labels.append(batch["labels"])
             if len(self._labels) >= LABEL_BATCHES:
@@ -313,14 +328,17 @@ class StepSampler:
             recorder.push(step, "updated", updated)
 
     def push_label_entropy(self, recorder, step: int) -> None:
-        """The entropy of the labels seen so far (for loss-plateau-prior), recorded at ``step``."""
-        if self.label_counts is not None:
+        """The entropy of the labels seen so far (for loss-plateau-prior), recorded at ``step`` when new labels
+        were counted since the last one."""
+        if self.label_counts is not None and (self._labels or self._fresh):
             self._count_labels()
             recorder.push(step, "label_entropy", label_entropy(self.label_counts))
+            self._fresh = False
 
     def _count_labels(self) -> None:
         pending, self._labels = self._labels, []
         count_labels(self.label_counts, pending)
+        self._fresh = self._fresh or bool(pending)
 
     # -- sums over ranks -----------------------------------------------------------------------------
     def _start_update(self, step: int) -> None:

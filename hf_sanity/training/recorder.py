@@ -29,7 +29,9 @@ class Recorder:
         self.host: list[tuple[int, str, Any]] = []
         self.transfers = 0
 
-    def push(self, step: int, name: str, value: Any) -> None:
+    def push(self, step: int, name: str, value: Any) -> float | None:
+        """Record ``value`` for ``step``; returns it as a float when a one-element tensor was on the CPU (read
+        without a synchronisation, as it was already on the host), else None."""
         import torch
 
         if isinstance(value, torch.Tensor):
@@ -41,15 +43,19 @@ class Recorder:
                 old = self.buffer
                 self._allocate(2 * old.numel(), old.device)
                 self.buffer[: old.numel()].copy_(old)
+            host = None
             if self._host_view is not None and value.is_cpu and value.dtype in self._exact and value.numel():
                 # On the CPU the value is already on the host: written into the same float32 buffer without a
                 # tensor operation (these dtypes hold float32 values: nothing to round).
-                self._host_view[index] = value.item() if value.numel() == 1 else value.reshape(-1)[0].item()
+                single = value.numel() == 1
+                self._host_view[index] = host = value.item() if single else value.reshape(-1)[0].item()
+                host = host if single else None
             else:
                 self.buffer[index].copy_(value.reshape(-1)[0] if value.numel() else value.new_zeros(()))
             self.slots.append((step, name))
-        else:
-            self.host.append((step, name, value))
+            return host
+        self.host.append((step, name, value))
+        return None
 
     def _allocate(self, size: int, device) -> None:
         import torch
@@ -84,9 +90,13 @@ class EarlyFlags:
         self._next = 0
         self.pending: list[tuple[int, int, Any, Any]] = []  # (step, micro, host flag or tensor, event)
 
-    def mark(self, step: int, micro: int, loss) -> None:
+    def mark(self, step: int, micro: int, loss, *, host: float | None = None) -> None:
+        """``host``: the loss as a float, when it was already read on the host."""
         import torch
 
+        if host is not None:
+            self.pending.append((step, micro, not math.isfinite(host), None))
+            return
         loss = loss.detach()
         if loss.device.type == "cpu":
             finite = math.isfinite(loss.item()) if loss.numel() == 1 else bool(torch.isfinite(loss).all())

@@ -19,6 +19,7 @@ and from the parameters themselves (a plain training loop has no trainer).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,11 +32,18 @@ FSDP1 = "fsdp1"  # FSDP1: a flat view of this rank's part (its full size is not 
 
 
 def is_dtensor(tensor) -> bool:
+    dtensor = _dtensor_class()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+@functools.cache
+def _dtensor_class() -> type | None:
+    """DTensor, looked up once (a ``from`` import of a package costs a Python call at every step)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(tensor, DTensor)
+        return None
+    return DTensor
 
 
 def is_zero3(param) -> bool:
