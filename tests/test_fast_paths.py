@@ -104,6 +104,40 @@ def test_batched_call_matches_row_by_row():
         assert {key: values[k] for key, values in batch.items()} == single
 
 
+REAL_NAMES = sorted(p.name for p in REAL_TOKENIZERS.glob("*") if p.is_dir())
+
+
+@pytest.mark.parametrize("name", [f"tiny-{t}" for t in TEMPLATES] + REAL_NAMES)
+def test_ids_without_offsets_are_the_tokenizers_own(name):
+    """The marker method tokenizes through the backend's `encode_batch_fast` (no offsets tracked): the ids the
+    tokenizer's own call gives, on rendered conversations (tool calls included) and odd texts."""
+    from hf_sanity.measure.encode import offsetless_ids
+
+    tok = build_tokenizer(name.removeprefix("tiny-")) if name.startswith("tiny-") else real_tokenizer(name)
+    texts = list(TRICKY) + ["<|im_start|>user\nhi<|im_end|>\n", " " * 40 + "x", "\n\n\t\t"]
+    if tok.chat_template:
+        for row in _rows():
+            try:
+                texts.append(tok.apply_chat_template(row["messages"], tokenize=False, tools=row.get("tools")))
+            except Exception:  # a template that rejects a row's roles or tools: not this test's business
+                continue
+    assert offsetless_ids(tok, texts) == tok(texts, add_special_tokens=False)["input_ids"]
+
+
+def test_the_marker_method_tokenizes_without_offsets_after_calibration_with_the_same_rows_out():
+    tok = build_tokenizer("chatml")
+    rows = _rows()
+    fast, plain = (
+        Encoder(tok, EncodeOptions(fmt="messages", max_len=64)),
+        Encoder(tok, EncodeOptions(fmt="messages", max_len=64)),
+    )
+    fast.calibrate(rows[:16])
+    plain.calibrate(rows[:16])
+    plain.fast_ids = False
+    assert fast.fast_ids and not fast.exact
+    assert fast.encode_rows(rows) == plain.encode_rows(rows)
+
+
 @pytest.mark.parametrize(
     "rows",
     [
