@@ -43,11 +43,11 @@ class SanityCallback(TrainerCallback):
     ``abort_on="error"`` stops training cleanly (``control.should_training_stop``) at the first error finding,
     after writing the report; ``"never"`` (the default) only reports. ``select``/``ignore`` pick rules as in
     preflight. ``check_every``: steps between reads of the on-device values (also read at every logging step);
-    ``probe_every``: steps between predictions probes; ``sync_every``: steps between the cross-rank exchanges
-    under DDP (defaults to ``check_every``). ``generate_every``: from that step on, at evaluations (at most once
-    every ``generate_every`` steps), generate for ``generate_prompts`` held-out prompts of the eval dataset (or
-    the rows given) and run the `outputs` rules (never-stops, repeats-prompt, ...); off by default, cost in
-    `hf_sanity.training.generation`.
+    ``probe_every``: steps between predictions probes (fewer where they would take over 0.1% of the run);
+    ``sync_every``: steps between the cross-rank exchanges under DDP (defaults to ``check_every``).
+    ``generate_every``: from that step on, at evaluations (at most once every ``generate_every`` steps),
+    generate for ``generate_prompts`` held-out prompts of the eval dataset (or the rows given) and run the
+    `outputs` rules (never-stops, repeats-prompt, ...); off by default, cost in `hf_sanity.training.generation`.
     """
 
     def __init__(

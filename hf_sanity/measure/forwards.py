@@ -39,7 +39,7 @@ def left_padding_shift(model, batch: dict[str, Any], row: int) -> dict[str, Any]
     }
 
 
-ABLATION_TOKENS = 512  # answer positions scored per variant (a paired comparison: nats apart when it matters)
+ABLATION_TOKENS = 256  # answer positions scored per variant (a paired comparison: nats apart when it matters)
 
 
 class InputAblation:

@@ -22,7 +22,7 @@ from hf_sanity.constants import IGNORE_INDEX
 # Logits per chunk, whatever the vocabulary: 4M (16 MB in float32) stays in cache between the projection and
 # the reductions that read it; 16M chunks were 1.5-3x slower on a 2-core CPU with a 152k vocabulary.
 CHUNK_ELEMENTS = 1 << 22
-SCORED_TOKENS = 1024  # supervised positions scored per measurement, spread over every batch
+SCORED_TOKENS = 512  # supervised positions scored per measurement, spread over every batch
 
 
 def token_loss(
@@ -34,9 +34,9 @@ def token_loss(
 ) -> dict[str, float]:
     """Mean next-token cross-entropy over supervised tokens, the entropy of the label distribution, and with
     ``entropy`` the model's predictive entropy there (two more passes over each chunk of logits: asked for
-    only where a rule reads it). A mean needs no more than ``max_tokens`` positions (its error is ~1% there):
-    beyond, the positions scored are spread evenly over each batch, the same positions for batches with the
-    same labels. The transformer still runs on every example; only the vocabulary projection, the costly
+    only where a rule reads it). A mean needs no more than ``max_tokens`` positions (a standard error of a few
+    percent of the loss): beyond, the positions scored are spread evenly over each batch, the same positions
+    for batches with the same labels. The transformer still runs on every example; only the vocabulary projection, the costly
     part with a large vocabulary, is bounded."""
     import torch
 

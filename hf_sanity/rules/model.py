@@ -406,7 +406,7 @@ INIT_LOSS_ABOVE_BASE = define(
 )
 
 ABOVE_BASE_SAMPLE = 32  # conversations compared ...
-ABOVE_BASE_TOKENS = 512  # ... on this many answer tokens each way (0.5 nat shows at far fewer)
+ABOVE_BASE_TOKENS = 256  # ... on this many answer tokens each way (the gap it looks for: 0.5 nat and 50%)
 
 
 @INIT_LOSS_ABOVE_BASE.check(
