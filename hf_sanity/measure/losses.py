@@ -36,8 +36,8 @@ def token_loss(
     ``entropy`` the model's predictive entropy there (two more passes over each chunk of logits: asked for
     only where a rule reads it). A mean needs no more than ``max_tokens`` positions (a standard error of a few
     percent of the loss): beyond, the positions scored are spread evenly over each batch, the same positions
-    for batches with the same labels. The transformer still runs on every example; only the vocabulary projection, the costly
-    part with a large vocabulary, is bounded."""
+    for batches with the same labels. The transformer still runs on every example; only the vocabulary
+    projection, the costly part with a large vocabulary, is bounded."""
     import torch
 
     from hf_sanity.measure.tensors import forward_kwargs, model_device, to_device
