@@ -315,13 +315,14 @@ class Encoder:
         if pending:
             texts = [text for *_, text in pending]
             ids = offsetless_ids(self.tokenizer, texts) if self.fast_ids else None
+            offsets = None  # character offsets, for the exact method only
             if ids is None:
                 enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=self.exact)
-                ids = enc["input_ids"]
+                ids, offsets = enc["input_ids"], enc["offset_mapping"] if self.exact else None
             for n, (k, messages, first, kwargs, full) in enumerate(pending):
-                offsets = enc["offset_mapping"][n] if self.exact else None
+                at = offsets[n] if offsets is not None else None
                 try:
-                    out[k] = self._measure_conversation(messages, first, full, ids[n], offsets, kwargs)
+                    out[k] = self._measure_conversation(messages, first, full, ids[n], at, kwargs)
                 except Exception as exc:
                     out[k] = self.failed(f"{type(exc).__name__}: {exc}")
         return out

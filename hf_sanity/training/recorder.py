@@ -48,8 +48,9 @@ class Recorder:
                 # On the CPU the value is already on the host: written into the same float32 buffer without a
                 # tensor operation (these dtypes hold float32 values: nothing to round).
                 single = value.numel() == 1
-                self._host_view[index] = host = value.item() if single else value.reshape(-1)[0].item()
-                host = host if single else None
+                first = value.item() if single else value.reshape(-1)[0].item()
+                self._host_view[index] = first
+                host = first if single else None
             else:
                 self.buffer[index].copy_(value.reshape(-1)[0] if value.numel() else value.new_zeros(()))
             self.slots.append((step, name))
