@@ -545,3 +545,25 @@ def test_probes_keep_to_their_budget_alone_and_to_the_interval_under_sharded_par
     assert first.probe_due(200, 50, Sink(), sharded=True)
     now[0] = 700.0  # 0.5% of 700 s is 3.5 s: due again
     assert first.probe_due(250, 50, Sink())
+
+
+def test_update_squares_with_foreach_kernels_are_the_per_tensor_sums():
+    """The update's and the old weights' sums of squares, computed per list with `foreach` kernels, equal the
+    per-tensor computation (bf16 and empty parts included)."""
+    import torch
+
+    from hf_sanity.training.measures import update_squares
+    from hf_sanity.training.shards import squares
+
+    gen = torch.Generator().manual_seed(0)
+    before = [
+        torch.randn(5, 3, generator=gen),
+        torch.randn(7, generator=gen).to(torch.bfloat16),
+        torch.zeros(0),
+        torch.randn(3000, generator=gen),
+    ]
+    after = [t + 0.01 * torch.randn(t.shape, generator=gen).to(t.dtype) for t in before]
+    expected = torch.stack(
+        [torch.stack([squares(now.float() - old.float()), squares(old)]) for now, old in zip(after, before)]
+    )
+    assert torch.allclose(update_squares(after, before), expected, rtol=1e-6, atol=0)
