@@ -21,6 +21,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from hf_sanity.measure.objective import of_trainer
 from hf_sanity.selection import resolve
 from hf_sanity.training import first_batch, memory, outcome, replay, shards
 from hf_sanity.training.budget import Budget
@@ -31,6 +32,7 @@ from hf_sanity.training.monitors import MonitorSet
 from hf_sanity.training.ranks import RankExchange, world
 from hf_sanity.training.recorder import EarlyFlags, Recorder
 from hf_sanity.training.sink import FindingSink
+from hf_sanity.training.trl_metrics import ObjectiveFeed
 from hf_sanity.training.values import StepHistory
 
 ABORT_CHOICES = ("error", "never")
@@ -66,11 +68,9 @@ class SanityCallback(TrainerCallback):
     ) -> None:
         if abort_on not in ABORT_CHOICES:
             raise ValueError(f"abort_on must be one of {ABORT_CHOICES}, got {abort_on!r}")
-        for name, value in {
-            "check_every": check_every,
-            "probe_every": probe_every,
-            "sync_every": sync_every,
-        }.items():
+        for name, value in dict(
+            check_every=check_every, probe_every=probe_every, sync_every=sync_every
+        ).items():
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         GenerationCheck.validate(generate_every, generate_prompts)
@@ -85,6 +85,7 @@ class SanityCallback(TrainerCallback):
     def _reset(self) -> None:
         self.sink = FindingSink(self.selection, abort_on=self.abort_on, print_findings=self.print_findings)
         self.trainer = self.model = self.sampler = self.exchange = None
+        self.trl = ObjectiveFeed()
         self.monitors = MonitorSet(self.sink)
         self.recorder, self.early, self.history = Recorder(), EarlyFlags(), StepHistory()
         self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch()
@@ -104,6 +105,7 @@ class SanityCallback(TrainerCallback):
             sink.is_main = bool(state.is_world_process_zero)
             outcome.begin(state)
             self.trainer = find_trainer()
+            sink.narrow(of_trainer(self.trainer))
             sink.rank, sink.world_size = world()
         with sink.guard("callback-setup"):
             self.model = getattr(self.trainer, "model", None) or model
@@ -117,8 +119,9 @@ class SanityCallback(TrainerCallback):
             self.exchange = RankExchange(
                 sink.rank, sink.world_size, compared=self.sampler.sharding.replicated
             )
-            self.monitors = MonitorSet(sink, self.sampler.training_setup(sink.world_size))
-            self.monitors.feed(0, self.sampler.setup_values())
+            self.monitors = MonitorSet(sink, self.sampler.training_setup(sink.world_size, sink.objective))
+            self.trl = ObjectiveFeed(self.trainer, sink.objective)
+            self.monitors.feed(0, {**self.sampler.setup_values(), **self.trl.begin()})
             self.instruments.install(self.trainer, self.model, self)
             move_before_reporters(self.trainer, self)
         self._memory_check(0)
@@ -150,6 +153,7 @@ class SanityCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
+        self.trl.step_end(step, self.monitors, self.sink)
         sharded = self.sampler is not None and self.sampler.sharded
         if self.first.probe_due(step, self.probe_every, self.sink, sharded=sharded) and self._probes_run():
             with self.sink.guard("predictions-frozen"), self.instruments.quiet():
@@ -171,6 +175,7 @@ class SanityCallback(TrainerCallback):
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        self.trl.log(state.global_step, logs, self.monitors, self.sink)
         outcome.log_counts(self.sink, state, logs)  # and into state.log_history, which Trainer keeps
         return control
 
@@ -181,7 +186,7 @@ class SanityCallback(TrainerCallback):
             if self.sink.world_size > 1:
                 self._sync(state.global_step, control, final=True)
             with self.sink.guard("report"):
-                self.report.stats.update(self._stats(state.global_step))
+                self.report.stats.update(outcome.stats(self, steps=state.global_step))
                 self.sink.write()
         finally:
             self.instruments.uninstall()
@@ -235,7 +240,7 @@ class SanityCallback(TrainerCallback):
                 oom = memory.oom_facts(exc, self.model, optimizer, self.sink.guard)
                 self.monitors.feed(self._step or 1, {"oom": oom})
             steps = getattr(getattr(self.trainer, "state", None), "global_step", self._step)
-            self.report.stats.update(self._stats(steps), aborted_by=type(exc).__name__)
+            self.report.stats.update(outcome.stats(self, steps=steps), aborted_by=type(exc).__name__)
         finally:
             try:
                 with self.sink.guard("report"):
@@ -293,6 +298,3 @@ class SanityCallback(TrainerCallback):
             stop = self.exchange.sync(step, self.model, self.sink, self.monitors.feed)
             if stop and self.abort_on == "error" and not final:
                 outcome.stop(self.sink, control, self.trainer, step)
-
-    def _stats(self, steps: int) -> dict[str, Any]:
-        return outcome.stats(self, steps=steps)

@@ -38,6 +38,8 @@ from typing import Any
 from hf_sanity import progress
 from hf_sanity.errors import UserInputError
 from hf_sanity.findings import SEVERITIES, Finding, Severity
+from hf_sanity.measure.objective import ANY, SFT
+from hf_sanity.measure.objective import KINDS as OBJECTIVE_KINDS
 
 # Where a rule runs. Order is the order of the docs page.
 STAGES: dict[str, str] = {
@@ -101,7 +103,14 @@ class Rule:
     # Rules whose finding explains this one's symptom on the same run: when one of them fired, this one is
     # not reported (a diverged run also "underfits"; a loss scaled by the accumulation factor sits "above eval").
     explained_by: tuple[str, ...] = ()
+    # The training objectives (`measure.objective.KINDS`) the rule is written for: on a run of another
+    # objective its detectors do not run (an SFT rule never reads a DPO pair or a GRPO rollout as a sequence).
+    objectives: frozenset[str] = SFT
     detectors: list[Detector] = field(default_factory=list, repr=False)
+
+    def applies_to(self, objective: str | None) -> bool:
+        """Whether the rule is written for ``objective`` (a kind; None: any)."""
+        return objective is None or objective in self.objectives
 
     def detector(
         self,
@@ -163,12 +172,19 @@ class Rule:
             f"**Symptom.** {self.symptom}\n\n"
             f"**How it is detected.** {self.detects}\n\n"
             f"**Fix.** {self.fix}\n"
+            + f"\n**Objectives.** {_objectives_text(self.objectives)}\n"
             + (
                 f"\n**Needs.** {', '.join(f'`{n}`' for n in self.needs)} to pass first.\n"
                 if self.needs
                 else ""
             )
         )
+
+
+def _objectives_text(objectives: frozenset[str]) -> str:
+    if objectives >= ANY - {"unknown"}:
+        return "any training objective."
+    return ", ".join(f"`{kind}`" for kind in OBJECTIVE_KINDS if kind in objectives) + "."
 
 
 _RULES: dict[str, Rule] = {}
@@ -185,10 +201,12 @@ def define(
     fix: str,
     needs: tuple[str, ...] = (),
     explained_by: tuple[str, ...] = (),
+    objectives: Iterable[str] = SFT,
 ) -> Rule:
     """Declare a rule. Each slug is declared exactly once. ``needs``: rules that must pass before this one
     can measure anything meaningful (:attr:`Rule.needs`); ``explained_by``: rules whose finding explains this
-    one's symptom (:attr:`Rule.explained_by`)."""
+    one's symptom (:attr:`Rule.explained_by`); ``objectives``: the training objectives it is written for
+    (:attr:`Rule.objectives`; SFT unless said)."""
     if severity not in SEVERITIES:
         raise ValueError(f"{slug}: severity must be one of {SEVERITIES}")
     if stage not in STAGES:
@@ -198,6 +216,9 @@ def define(
     caller = sys._getframe(1).f_globals.get("__name__", "")  # inspect.stack() reads source: seconds
     rule = Rule(slug, severity, stage, symptom.strip(), detects.strip(), fix.strip(), module=caller)
     rule.needs, rule.explained_by = tuple(needs), tuple(explained_by)
+    rule.objectives = frozenset(objectives)
+    if not rule.objectives or not rule.objectives <= ANY:
+        raise ValueError(f"{slug}: objectives must be among {OBJECTIVE_KINDS}, got {sorted(rule.objectives)}")
     _RULES[slug] = rule
     return rule
 
@@ -256,7 +277,7 @@ def detectors(
     enabled: Callable[[str], bool] | None = None,
 ) -> list[Detector]:
     """The detectors of ``kind``, in catalog order, filtered by their rule's stage, by ``online`` and by
-    ``enabled(slug)`` (a selection)."""
+    ``enabled(slug)`` (a selection, which also says the training objective)."""
     wanted = set(stages) if stages is not None else None
     return [
         d
@@ -278,6 +299,7 @@ INTERNAL_ERROR = define(
     "internal-error",
     severity="warning",
     stage="internal",
+    objectives=ANY,
     symptom="A check of hf-sanity raised an exception. Your run was not affected; the check was skipped.",
     detects="Every check runs inside a guard; an exception becomes this finding instead of reaching your code.",
     fix="Report it at the hf-sanity issue tracker with the evidence below; silence it with --ignore <slug>.",
@@ -327,9 +349,11 @@ guard = Guard
 
 
 def run(detector: Detector, subject: Any, *, step: int | None = None) -> list[Finding]:
-    """One detector on what it reads, guarded."""
+    """One detector on what it reads, guarded (nothing when its ``applies`` says the input holds nothing for it)."""
     errors: list[Finding] = []
     with guard(detector.rule, errors, step=step):
+        if detector.applies is not None and not detector.applies(subject):
+            return []
         return list(detector.fn(subject) or ())
     return errors
 
@@ -338,6 +362,7 @@ CHECKS_SKIPPED = define(
     "checks-skipped",
     severity="info",
     stage="internal",
+    objectives=ANY,
     symptom="Some checks did not run: a problem they depend on was found first.",
     detects="A rule that needs another to pass (e.g. the step-0 loss needs every token id inside the embedding) "
     "is skipped when that rule finds an error on the same input; one finding lists what was skipped and why.",
@@ -361,15 +386,17 @@ def run_all(
     type they read. ``show``: the name of the progress phase they run in (the rule running is shown with it).
 
     Preconditions first: a rule's ``needs`` run before it (measured even when not selected, reported only
-    when selected); when one of them finds an error (or breaks), the rule is skipped and one
-    ``checks-skipped`` finding says which checks were skipped and why."""
+    when selected; never one written for another training objective than the selection's); when one of them
+    finds an error (or breaks), the rule is skipped and one ``checks-skipped`` finding says which checks were
+    skipped and why."""
     rules = load()
+    objective = getattr(selection, "objective", None)
     wanted = [d for d in detectors(kind, stages=stages, online=online) if selection.enabled(d.rule)]
     needed: set[str] = set()
     frontier = [n for d in wanted for n in rules[d.rule].needs]
     while frontier:  # preconditions of preconditions, too
         slug = frontier.pop()
-        if slug not in needed:
+        if slug not in needed and rules[slug].applies_to(objective):
             needed.add(slug)
             frontier.extend(rules[slug].needs)
     order = [d for slug in _dependency_order(needed) for d in rules[slug].detectors if d.kind == kind]

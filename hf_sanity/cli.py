@@ -46,9 +46,17 @@ SplitOpt = Annotated[str, typer.Option(help="Dataset split to use.")]
 MaxLenOpt = Annotated[int | None, typer.Option(help="Training max_length (truncation keeps the start).")]
 LossOnOpt = Annotated[str, typer.Option(help="completion (labels on completions only) or all.")]
 FORMAT_HELP = (
-    "messages, sharegpt, prompt-completion, alpaca, text or tokens (default: detected from the columns)."
+    "messages, sharegpt, prompt-completion, alpaca, text, tokens, preference (chosen/rejected, optional prompt) or "
+    "preference-unpaired (KTO's prompt/completion/label) (default: detected from the columns)."
 )
 FormatOpt = Annotated[str | None, typer.Option("--format", help=FORMAT_HELP)]
+ObjectiveOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="What the model was trained for: sft, preference, preference-unpaired, reward or rl (default: read from "
+        "the dataset's columns). Preference and RL runs get policy-drift against --base."
+    ),
+]
 AlpacaOpt = Annotated[
     str | None,
     typer.Option(
@@ -308,6 +316,7 @@ def outputs_command(
     batch_size: Annotated[int, typer.Option(help="Prompts per generate() call (left-padded).")] = 32,
     format: FormatOpt = None,
     alpaca_template: AlpacaOpt = None,
+    objective: ObjectiveOpt = None,
     seed: Annotated[int, typer.Option(help="Seed set before generating (generation is greedy).")] = 0,
     trust_remote_code: TrustOpt = False,
     json: JsonOpt = None,
@@ -321,7 +330,10 @@ def outputs_command(
     from hf_sanity.selection import resolve
 
     resolve(select, ignore)  # bad options fail before anything is imported or loaded
-    check_options(n=n, max_new_tokens=max_new_tokens, batch_size=batch_size, alpaca_template=alpaca_template)
+    check_options(
+        n=n, max_new_tokens=max_new_tokens, batch_size=batch_size, alpaca_template=alpaca_template,
+        objective=objective,
+    )  # fmt: skip
     if format is not None:
         from hf_sanity.measure.formats import FORMATS
 
@@ -362,6 +374,7 @@ def outputs_command(
         batch_size=batch_size,
         format=format,
         alpaca_template=alpaca_template,
+        objective=objective,
         seed=seed,
         select=select,
         ignore=ignore,

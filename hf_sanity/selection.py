@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hf_sanity import catalog
@@ -55,6 +55,7 @@ class Selection:
     select: frozenset[str] | None = None  # None: every rule
     ignore: frozenset[str] = frozenset()
     severity: dict[str, Severity] = field(default_factory=dict)
+    objective: str | None = None  # the training objective's kind, once known (`for_objective`)
 
     def enabled(self, slug: str) -> bool:
         if slug in ("internal-error", "checks-skipped"):  # what hf-sanity could not check is always said
@@ -73,7 +74,14 @@ class Selection:
     def restricted(self, slugs: set[str] | frozenset[str]) -> Selection:
         """This selection narrowed to ``slugs`` (ignores and severity overrides kept)."""
         select = frozenset(slugs) if self.select is None else self.select & frozenset(slugs)
-        return Selection(select=select, ignore=self.ignore, severity=self.severity)
+        return replace(self, select=select)
+
+    def for_objective(self, objective: str) -> Selection:
+        """This selection narrowed to the rules written for the training ``objective`` (a kind of
+        `measure.objective.KINDS`): on a DPO run no SFT rule is enabled, whatever was selected."""
+        rules = catalog.load()
+        narrowed = self.restricted({slug for slug, rule in rules.items() if rule.applies_to(objective)})
+        return replace(narrowed, objective=objective)
 
     @classmethod
     def build(

@@ -12,6 +12,7 @@ from dist import tinytrain as tt
 
 from hf_sanity import catalog
 from hf_sanity.callback import SanityCallback
+from hf_sanity.selection import Selection
 
 
 def watch(**kwargs) -> SanityCallback:
@@ -37,8 +38,14 @@ def test_clean_full_fine_tune_is_silent(tmp_path):
     trainer.train()
     assert above_info(cb) == []
     assert cb.report.stats["steps"] == 30 and (tmp_path / "hf-sanity" / "report.json").is_file()
-    # Every online detector but the cross-rank one (2 processes: test_callback_dist) ran on its inputs.
-    online = {d.name for d in catalog.detectors("step") + catalog.detectors("curve", online=True)}
+    # Every online detector of an SFT rule but the cross-rank one (2 processes: test_callback_dist) ran on its
+    # inputs; the preference and RL ones were not even built.
+    sft = Selection().for_objective("sft").enabled
+    online = {
+        d.name
+        for d in catalog.detectors("step", enabled=sft) + catalog.detectors("curve", online=True, enabled=sft)
+    }
+    assert not {d.name for d in catalog.detectors("step")} - online & cb.monitors.ran
     assert sorted(online - cb.monitors.ran) == ["hf_sanity.rules.training.ranks.RankMonitor"]
     losses = tt.step_losses(trainer)
     assert losses[-1] < losses[0] - 1.0  # it did learn: silence is not blindness

@@ -17,6 +17,7 @@ from hf_sanity import catalog
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.formats import check_alpaca_template
 from hf_sanity.measure.generate import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS
+from hf_sanity.measure.objective import KINDS, of_columns
 from hf_sanity.report import Report
 from hf_sanity.selection import resolve
 
@@ -29,9 +30,12 @@ def check_options(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     batch_size: int = DEFAULT_BATCH_SIZE,
     alpaca_template: str | None = None,
+    objective: str | None = None,
 ) -> None:
     """The numbers and choices of `outputs`, checked before anything is loaded."""
     check_alpaca_template(alpaca_template)
+    if objective is not None and objective not in KINDS[:-1]:
+        raise UserInputError(f"--objective must be one of {', '.join(KINDS[:-1])}, got {objective!r}")
     for name, value in (("--n", n), ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserInputError(f"{name} must be a positive integer, got {value!r}")
@@ -63,6 +67,7 @@ def outputs(
     batch_size: int = DEFAULT_BATCH_SIZE,
     format: str | None = None,
     alpaca_template: str | None = None,
+    objective: str | None = None,
     seed: int = 0,
     select: str | Iterable[str] | None = None,
     ignore: str | Iterable[str] | None = None,
@@ -78,15 +83,22 @@ def outputs(
     turn. ``base``: the base model, to compare outputs with (``adapter-no-effect``); pass the very ``model``
     object (a PEFT model, or a base model with ``adapter=``) to compare with and without the adapter. ``dataset``: conversations
     (``messages``, ShareGPT ``conversations``), ``prompt``/``completion`` rows (or ``prompt`` alone), Alpaca
-    rows; the prompt side of each row is what is sent, its last answer the reference. Nothing of the model,
-    its generation config or the tokenizer is changed.
+    rows, preference pairs (their chosen answer the reference); the prompt side of each row is what is sent, its
+    last answer the reference. ``objective``: what the model was trained for (`measure.objective.KINDS`; default:
+    read from the dataset's columns); after preference or RL training, ``policy-drift`` compares it with
+    ``base``. Nothing of the model, its generation config or the tokenizer is changed.
     """
     from hf_sanity.measure.generate import generate, held_out_prompts, renderable, with_base
 
     selection = resolve(select, ignore, use_config=use_config)
-    check_options(n=n, max_new_tokens=max_new_tokens, batch_size=batch_size, alpaca_template=alpaca_template)
+    check_options(
+        n=n, max_new_tokens=max_new_tokens, batch_size=batch_size, alpaca_template=alpaca_template,
+        objective=objective,
+    )  # fmt: skip
     if model is None or tokenizer is None or dataset is None:
         raise UserInputError("outputs needs a model, a tokenizer and a dataset of held-out prompts")
+    objective = objective or of_columns(dataset.column_names).kind
+    selection = selection.for_objective(objective)
     if adapter is not None:
         check_adapter_folder(adapter)
     started = time.perf_counter()
@@ -133,7 +145,7 @@ def outputs(
             gens = with_base(gens, generate(base, served, prompts, **options))
     report = Report(title="hf-sanity outputs")
     report.extend(catalog.run_all("outputs", gens, selection))
-    report.stats.update(gens.stats())
+    report.stats.update(gens.stats(), objective=objective)
     if problems:  # rows the chat template rejected: left out, and said
         report.stats["prompts_not_rendered"] = {"count": len(problems), "rows": sorted(problems)[:10],
                                                 "first_problem": next(iter(problems.values()))}  # fmt: skip

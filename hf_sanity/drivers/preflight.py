@@ -9,7 +9,8 @@ from hf_sanity import catalog
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.context import Context
 from hf_sanity.measure.encode import EncodeOptions
-from hf_sanity.measure.formats import check_alpaca_template, detect_format
+from hf_sanity.measure.formats import PREFERENCE_FORMATS, check_alpaca_template, detect_format
+from hf_sanity.measure.objective import of_columns, of_trainer
 from hf_sanity.report import Report
 from hf_sanity.selection import Selection, resolve
 
@@ -68,10 +69,12 @@ def preflight(
     if trainer is not None:
         from hf_sanity.measure.batches import trainer_context
 
+        objective = of_trainer(trainer)
         rows_given = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
         ctx = trainer_context(
-            trainer, tokenizer=tokenizer, max_len=max_len, sample=sample, rows_given=rows_given
-        )
+            trainer, tokenizer=tokenizer, max_len=max_len, sample=sample, rows_given=rows_given,
+            objective=objective,
+        )  # fmt: skip
     else:
         if tokenizer is None or dataset is None:
             raise UserInputError("preflight needs a tokenizer and a dataset (or trainer=...)")
@@ -83,23 +86,30 @@ def preflight(
         is_loader = callable(model) and not hasattr(model, "forward")
         if is_loader:  # timed, for the report's split of the wall time
             model = _timed(model, load_seconds)
-        ctx = Context(
-            tokenizer=tokenizer,
-            dataset=dataset,
-            fmt=fmt,
-            options=EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len, alpaca_template=alpaca_template),
-            model=None if is_loader else model,
-            model_loader=model if is_loader else None,
-            eval_dataset=eval_dataset,
-            inference_tokenizer=inference_tokenizer,
-            adapter_path=adapter,
-            sample=sample,
-            num_proc=num_proc,
-            model_config=model_config,
-            generation_config=generation_config,
-            shard=True,
-            task=task,
-        )
+        model_side = dict(
+            model=None if is_loader else model, model_loader=model if is_loader else None,
+            inference_tokenizer=inference_tokenizer, adapter_path=adapter, sample=sample,
+            model_config=model_config, generation_config=generation_config,
+        )  # fmt: skip
+        if fmt in PREFERENCE_FORMATS:
+            from hf_sanity.measure.preference import rows_context
+
+            objective = of_columns(dataset.column_names)
+            ctx = rows_context(tokenizer, dataset, objective=objective, max_len=max_len, **model_side)
+        else:
+            ctx = Context(
+                tokenizer=tokenizer,
+                dataset=dataset,
+                fmt=fmt,
+                options=EncodeOptions(
+                    fmt=fmt, loss_on=loss_on, max_len=max_len, alpaca_template=alpaca_template
+                ),
+                eval_dataset=eval_dataset,
+                num_proc=num_proc,
+                shard=True,
+                task=task,
+                **model_side,
+            )
     from hf_sanity.measure import distributed
 
     # Every rank encodes its shard here (collectives under torchrun), before rank 0 alone runs the rules.
@@ -111,7 +121,7 @@ def preflight(
     rank, size = distributed.world() if ctx.shard else (0, 1)
     if rank != 0:
         return distributed.broadcast(None)
-    report = run_checks(ctx, selection)
+    report = run_checks(ctx, selection.for_objective(ctx.objective.kind))
     checked = time.perf_counter()
     model_load = sum(load_seconds)
     report.stats["seconds_by_phase"] = {  # where the wall time went (the CLI adds its own loading)
@@ -121,6 +131,8 @@ def preflight(
         "checks": round(checked - scanned - model_load, 2),
     }
     report.stats.update(
+        objective=ctx.objective.kind,
+        objective_detail=ctx.objective.describe(),
         format=ctx.fmt,
         examples=len(ctx),
         tokens=int(ctx.col("n_tokens").sum()),
@@ -129,7 +141,9 @@ def preflight(
         seconds=round(time.perf_counter() - started, 2),
     )
     # The format as given, what it was read as, and how (ShareGPT roles, JSON columns, the Alpaca template).
-    if trainer is None:
+    if ctx.pairs is not None or ctx.unpaired is not None:
+        report.stats.update(_preference_stats(ctx))
+    elif trainer is None:
         report.stats.update(ctx.encoder.layout.describe(ctx.dataset))
         if task != "generative":
             report.stats["task"] = task
@@ -137,6 +151,22 @@ def preflight(
         report.stats["processes"] = size
         return distributed.broadcast(report)
     return report
+
+
+def _preference_stats(ctx) -> dict:
+    """What the preference checks read: the pairs (or KTO rows) kept, the rows TRL drops, the cut."""
+    data = ctx.pairs if ctx.pairs is not None else ctx.unpaired
+    out = {
+        "format": "preference" if ctx.pairs is not None else "preference-unpaired",
+        "pairs" if ctx.pairs is not None else "rows": len(data),
+        "rows_given": data.rows_given if data.rows_given is not None else len(data),
+        "max_len": ctx.options.max_len,
+    }
+    if ctx.trainer is None and ctx.pairs is not None:
+        out["read_as"] = (
+            "TRL's DPO/ORPO/CPO tokenization (prompt with the generation prompt, completion after it)"
+        )
+    return out
 
 
 def _timed(load, seconds: list[float]):

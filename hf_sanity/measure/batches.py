@@ -101,13 +101,8 @@ def trainer_cut_len(trainer) -> int | None:
     return trainer_max_len(trainer)
 
 
-def trainer_context(
-    trainer, *, tokenizer=None, max_len: int | None = None, sample: int = 256, rows_given: int | None = None
-) -> Context:
-    """The context of ``preflight(trainer=...)``: the first batches of ``trainer.get_train_dataloader()``.
-
-    Drawing batches must not change the run: RNG states are restored, and the dataloader is a fresh one.
-    """
+def trainer_tokenizer(trainer, tokenizer=None):
+    """The tokenizer a trainer tokenizes with (a processor's own tokenizer)."""
     tokenizer = (
         tokenizer
         or getattr(trainer, "processing_class", None)
@@ -116,6 +111,28 @@ def trainer_context(
     if tokenizer is None:
         raise UserInputError(
             "preflight(trainer=...) needs a tokenizer: pass processing_class= to the Trainer or tokenizer= to preflight"
+        )
+    return getattr(tokenizer, "tokenizer", tokenizer)
+
+
+def trainer_context(
+    trainer,
+    *,
+    tokenizer=None,
+    max_len: int | None = None,
+    sample: int = 256,
+    rows_given: int | None = None,
+    objective=None,
+) -> Context:
+    """The context of ``preflight(trainer=...)``: for SFT, the first batches of ``trainer.get_train_dataloader()``;
+    for preference and RL trainers, what their own dataset preparation wrote (see :func:`objective_context`).
+
+    Drawing batches must not change the run: RNG states are restored, and the dataloader is a fresh one.
+    """
+    tokenizer = trainer_tokenizer(trainer, tokenizer)
+    if objective is not None and not objective.is_sft:
+        return objective_context(
+            trainer, objective, tokenizer=tokenizer, sample=sample, rows_given=rows_given
         )
     with preserved_rng():
         loader = iter(trainer.get_train_dataloader())
@@ -143,3 +160,52 @@ def trainer_context(
         )
         ctx.encoded  # noqa: B018 - materialise while the RNG is preserved
     return ctx
+
+
+def objective_context(
+    trainer, objective, *, tokenizer, sample: int = 256, rows_given: int | None = None
+) -> Context:
+    """The context of a preference, reward or RL trainer: the pairs (or KTO's rows) its dataset preparation
+    wrote, cut as its collator cuts them, with each pair's chosen side as the context's rows; for RL (and a
+    trainer of unknown objective), its prompts rendered as it renders them."""
+    import datasets
+
+    from hf_sanity.measure import preference
+    from hf_sanity.measure.markers import derive_markers
+
+    markers = derive_markers(tokenizer)
+    pairs = unpaired = None
+    max_len = getattr(trainer.args, "max_length", None)
+    if objective.kind in ("preference", "reward"):
+        pairs, rows = preference.pairs_from_trainer(
+            trainer, tokenizer=tokenizer, markers=markers, reward=objective.kind == "reward", sample=sample
+        )
+    elif objective.kind == "preference-unpaired":
+        unpaired, rows = preference.unpaired_from_trainer(trainer)
+    else:
+        rows, max_len = prompt_rows(trainer, tokenizer, sample), None
+    data = datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({"input_ids": []})
+    return Context(
+        tokenizer=tokenizer, dataset=data, fmt="tokens", options=EncodeOptions(fmt="tokens", max_len=max_len),
+        model=trainer.model, trainer=trainer, sample=sample, rows_given=rows_given, objective=objective,
+        pairs=pairs, unpaired=unpaired,
+    )  # fmt: skip
+
+
+def prompt_rows(trainer, tokenizer, sample: int) -> list[dict[str, list[int]]]:
+    """An RL trainer's first prompts as it renders them for generation (no completion: no labels)."""
+    from hf_sanity.measure.preference import is_conversational
+
+    data = getattr(trainer, "train_dataset", None)
+    if data is None or "prompt" not in getattr(data, "column_names", ()):
+        return []
+    rows = []
+    for prompt in data.select(range(min(sample, len(data))))["prompt"]:
+        if is_conversational(prompt):
+            ids = tokenizer.apply_chat_template(
+                prompt, tokenize=True, return_dict=True, add_generation_prompt=True
+            )
+            rows.append({"input_ids": list(ids["input_ids"])})
+        elif isinstance(prompt, str):
+            rows.append({"input_ids": list(tokenizer(prompt)["input_ids"])})
+    return rows

@@ -25,6 +25,7 @@ from hf_sanity.measure.formats import conversation_of, read_as
 from hf_sanity.measure.generate import served_stop_ids
 from hf_sanity.measure.losses import token_loss
 from hf_sanity.measure.markers import Span, TemplateMarkers, derive_markers
+from hf_sanity.measure.objective import SFT_OBJECTIVE
 from hf_sanity.measure.tensors import pad_batches, pad_id
 from hf_sanity.tokenview import TokenView
 
@@ -120,6 +121,9 @@ class Context:
         task: str = "generative",
         rows_given: int | None = None,
         served_model=None,
+        objective=None,
+        pairs=None,
+        unpaired=None,
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
@@ -146,6 +150,12 @@ class Context:
         # model + adapter that was trained.
         store("served_model", served_model)
         store("_rows_given", rows_given)  # with a trainer: the rows of the dataset the user passed it
+        # What the run trains for (`measure.objective`); preference data as the trainer trains on it: the pairs
+        # (DPO family, reward models) or KTO's unpaired rows (`measure.preference`). The rows of ``dataset`` are
+        # then the sequences of each pair's chosen side (KTO: every row, undesirable ones without labels).
+        store("objective", objective or SFT_OBJECTIVE)
+        store("pairs", pairs)
+        store("unpaired", unpaired)
         store("_generation_config", generation_config)
         store("reencode_rows", False)
         store("_scratch_dir", None)

@@ -14,7 +14,8 @@ from typing import Any
 
 from hf_sanity.errors import UserInputError
 
-FORMATS = ("messages", "sharegpt", "prompt-completion", "alpaca", "text", "tokens")
+FORMATS = ("messages", "sharegpt", "prompt-completion", "alpaca", "text", "tokens", "preference",
+           "preference-unpaired")  # fmt: skip
 # The columns each format needs (Alpaca's `input`, `system` and `history` are optional).
 COLUMNS = {
     "messages": ("messages",),
@@ -23,7 +24,13 @@ COLUMNS = {
     "alpaca": ("instruction", "output"),
     "text": ("text",),
     "tokens": ("input_ids",),
+    # Preference data, as TRL's DPO (and ORPO, CPO, reward) and KTO trainers read it (`prompt` optional in pairs:
+    # TRL extracts it as the longest common prefix of chosen and rejected).
+    "preference": ("chosen", "rejected"),
+    "preference-unpaired": ("prompt", "completion", "label"),
 }
+# Formats that are preference data, and the training objective (`measure.objective`) they imply.
+PREFERENCE_FORMATS = {"preference": "preference", "preference-unpaired": "preference-unpaired"}
 # What TRL reads a converted row as.
 READ_AS = {"sharegpt": "messages", "alpaca": "prompt-completion"}
 # Beside the conversation, TRL hands these columns of the row to the chat template (see encode.template_kwargs).
@@ -76,6 +83,10 @@ def detect_format(columns: Sequence[str], override: str | None = None) -> str:
     # Alpaca, which TRL does not read.
     if "input_ids" in columns:
         return "tokens"
+    if {"chosen", "rejected"} <= columns:
+        return "preference"
+    if {"prompt", "completion", "label"} <= columns:
+        return "preference-unpaired"
     if "messages" in columns:
         return "messages"
     if "conversations" in columns:
@@ -89,7 +100,8 @@ def detect_format(columns: Sequence[str], override: str | None = None) -> str:
     raise UserInputError(
         f"cannot tell the dataset format from its columns {sorted(columns)}; expected `messages`, `conversations` "
         "(ShareGPT), `prompt`+`completion`, `instruction`+`output` (Alpaca), `text` or `input_ids`, each with "
-        "an optional `tools` column (rename a column, or pass --format)"
+        "an optional `tools` column, or preference data: `chosen`+`rejected` (optional `prompt`) or "
+        "`prompt`+`completion`+`label` (KTO) (rename a column, or pass --format)"
     )
 
 

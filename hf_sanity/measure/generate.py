@@ -96,6 +96,17 @@ def _spread(total: int, k: int) -> list[int]:
 
 
 def _prompt_of(index: int, row: dict[str, Any]) -> Prompt | None:
+    if (
+        "chosen" in row and "rejected" in row
+    ):  # a preference pair: its prompt, the chosen answer the reference
+        from hf_sanity.measure.preference import extract_prompt
+
+        prompt, chosen = row.get("prompt"), row["chosen"]
+        if prompt is None:
+            prompt, chosen, _ = extract_prompt(row["chosen"], row["rejected"])
+        row = {**row, "prompt": prompt, "completion": chosen}
+    elif row.get("label") is False:  # KTO's undesirable answer is no reference
+        row = {**row, "completion": None}
     kwargs = template_kwargs(row)
     kwargs = kwargs if isinstance(kwargs, dict) else {}
     if isinstance(row.get("messages"), list):

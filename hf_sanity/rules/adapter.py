@@ -6,6 +6,7 @@ from pathlib import Path
 
 from hf_sanity.catalog import define
 from hf_sanity.measure.adapters import adapter_config, adapter_state, attached_adapter, lora_keys, module_path
+from hf_sanity.measure.objective import ANY
 
 
 def has_adapter(ctx) -> bool:
@@ -19,6 +20,7 @@ ADAPTER_EMPTY = define(
     "adapter-empty",
     severity="error",
     stage="model",
+    objectives=ANY,
     symptom="The adapter loads without an error and does nothing, or fails to load on another machine: it was "
     "saved without its weights (a 40-byte to 500-KB adapter_model.safetensors under DeepSpeed ZeRO-3).",
     detects="The saved LoRA tensors are read: tensors with no elements (ZeRO-3 partitions saved without "
@@ -84,6 +86,7 @@ ADAPTER_UNTRAINED = define(
     "adapter-untrained",
     severity="error",
     stage="model",
+    objectives=ANY,
     symptom="Fine-tune produces base-model-quality output: the adapter computes exactly nothing.",
     detects="Every saved LoRA B matrix is zero (its initial value): the adapter was saved before any update, or "
     "its updates never reached it.",
@@ -109,6 +112,7 @@ ADAPTER_BASE_MISMATCH = define(
     "adapter-base-mismatch",
     severity="error",
     stage="model",
+    objectives=ANY,
     symptom="Garbage output, or a load error, after attaching an adapter to a different base than it was trained on.",
     detects="The adapter's LoRA shapes are compared with the base model's modules (in/out features); the "
     "adapter_config's base_model_name_or_path is compared with the model's name (a warning when only the "
@@ -164,6 +168,7 @@ ADAPTER_NOT_LOADED = define(
     "adapter-not-loaded",
     severity="error",
     stage="model",
+    objectives=ANY,
     symptom="Fine-tune produces base-model-quality output: the adapter is not applied at inference.",
     detects="The adapter's target modules match nothing in the base model, or — with a trained adapter — the "
     "model's outputs with the adapter attached equal the base model's on a sample batch.",
@@ -261,6 +266,7 @@ SERVED_MODEL_DIFFERS = define(
     "served-model-differs",
     severity="error",
     stage="model",
+    objectives=ANY,
     symptom="The model in production is worse than the one evaluated after training, or garbles the tokens "
     "added for fine-tuning: the merge, the save or the reload lost part of what was trained.",
     detects="The served model (merged and reloaded, e.g. `hf-sanity served --model MERGED`) is compared with "

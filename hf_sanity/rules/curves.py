@@ -52,6 +52,7 @@ from hf_sanity.measure.curves import (
     train_levels,
     train_points,
 )
+from hf_sanity.measure.objective import NOT_RL
 from hf_sanity.numbers import median, noise, rounded
 from hf_sanity.rules.training.loss import NEGATIVE_LOSS, NONFINITE_LOSS
 from hf_sanity.rules.training.updates import LOSS_FLAT, LR_ZERO, flat
@@ -127,6 +128,7 @@ OVERFITTING = define(
     "overfitting",
     severity="warning",
     stage="curves",
+    objectives=NOT_RL,
     symptom="Eval loss rises while the training loss keeps falling.",
     detects=f"With {EVAL_MIN}+ evaluations: the last eval loss is >= {OVERFIT_RISE:.0%} above the best one, "
     f"with {OVERFIT_AFTER}+ evaluations after the best, while the train level (median of the "

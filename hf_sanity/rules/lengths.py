@@ -5,11 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from hf_sanity.catalog import define
+from hf_sanity.measure.objective import SEQUENCES
 
 TRUNCATED_COMPLETION = define(
     "truncated-completion",
     severity="error",
     stage="tokens",
+    objectives=SEQUENCES,
     symptom="Answers truncated mid-sentence; the model learns to stop in the middle of a thought.",
     detects="Completion tokens at positions >= max_len (truncation keeps the start). Warning when under 10% "
     "of examples are cut, error above.",
@@ -134,6 +136,7 @@ MAX_LEN_EXCEEDS_MODEL = define(
     "max-len-exceeds-model",
     severity="error",
     stage="tokens",
+    objectives=SEQUENCES,
     symptom="Position embeddings run out: index errors on long batches, or garbage beyond the trained length.",
     detects="max_len is larger than the model's `max_position_embeddings`.",
     fix="Set max_len <= max_position_embeddings, or extend the context properly (RoPE scaling) before training.",
@@ -155,6 +158,7 @@ CONTEXT_BEYOND_WINDOW = define(
     "context-beyond-window",
     severity="warning",
     stage="tokens",
+    objectives=SEQUENCES,
     symptom="RAG answers ignore retrieved context: the context lies past what the model attends to.",
     detects="Training inputs (after truncation) longer than the model's sliding-window attention or its position range.",
     fix="Shorten the inputs (fewer or smaller retrieved chunks, context first), or use a model whose window covers them.",

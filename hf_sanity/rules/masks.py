@@ -7,11 +7,13 @@ import numpy as np
 from hf_sanity.catalog import define
 from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.families import NO_TEMPLATE
+from hf_sanity.measure.objective import ANY, SEQUENCES
 
 MISSING_CHAT_TEMPLATE = define(
     "missing-chat-template",
     severity="error",
     stage="tokens",
+    objectives=ANY,
     symptom="Conversations cannot be rendered, or are rendered with a format the model has never seen.",
     detects="The dataset holds conversations (messages, or conversational prompt/completion) but the tokenizer has "
     "no `chat_template`.",
@@ -208,6 +210,7 @@ EOS_NOT_LEARNED = define(
     "eos-not-learned",
     severity="error",
     stage="tokens",
+    objectives=SEQUENCES,
     symptom="Model never stops: answers run on until max_new_tokens, or continue with a new turn.",
     detects="Each completion must end with the template's end-of-turn token (or EOS) carrying loss. Flags "
     "completions without it and end tokens whose label is -100 — the classic trap is pad == EOS with a "

@@ -9,6 +9,7 @@ import numpy as np
 from hf_sanity.catalog import define
 from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.losses import token_loss
+from hf_sanity.measure.objective import ANY, SEQUENCES
 
 INIT_LOSS_OFF_CHANCE = define(
     "init-loss-off-chance",
@@ -27,6 +28,7 @@ NO_TRAINABLE_PARAMS = define(
     "no-trainable-params",
     severity="error",
     stage="model",
+    objectives=ANY,
     symptom="Fine-tune produces base-model-quality output: nothing was trained.",
     detects="No parameter of the model requires grad (a frozen model, or an adapter that was not attached).",
     fix="Attach the adapter with peft.get_peft_model (or unfreeze the layers to train) before building the trainer.",
@@ -37,6 +39,7 @@ VOCAB_SIZE_MISMATCH = define(
     "vocab-size-mismatch",
     severity="error",
     stage="model",
+    objectives=ANY,
     symptom="CUDA 'device-side assert' / index errors, or tokens silently mapped to the wrong embeddings.",
     detects="Token ids in the data (or the tokenizer's size) reach past the model's embedding rows.",
     fix="After adding tokens, call `model.resize_token_embeddings(len(tokenizer))` (and train or initialise the new "
@@ -77,6 +80,7 @@ UNTRAINED_SPECIAL_TOKENS = define(
     "untrained-special-tokens",
     severity="error",
     stage="model",
+    objectives=SEQUENCES,
     symptom="Loss much higher than base model at step 0, NaNs in half precision, or the model never stops: "
     "template tokens the base model never trained (e.g. Llama-3 base with the instruct template).",
     detects="Special/added tokens that the data uses whose input-embedding rows look untrained: norm below 5% of "
@@ -160,6 +164,7 @@ NEW_TOKENS_FROZEN = define(
     "new-tokens-frozen",
     severity="error",
     stage="model",
+    objectives=ANY,
     symptom="The model never learns the new chat/tool tokens: it keeps emitting garbage where they belong.",
     detects="Tokens added to the tokenizer (ids past its base vocabulary) that the data uses and whose embedding "
     "rows look untrained (see untrained-special-tokens), while the adapter config trains no embeddings (no "

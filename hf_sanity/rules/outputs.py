@@ -20,6 +20,7 @@ import re
 from collections import Counter
 
 from hf_sanity.catalog import define
+from hf_sanity.measure.objective import ANY
 from hf_sanity.outputview import side_by_side
 
 # A rule fires when at least this share of the judged generations shows its symptom.
@@ -58,6 +59,7 @@ NEVER_STOPS = define(
     "never-stops",
     severity="error",
     stage="outputs",
+    objectives=ANY,
     symptom="The model never stops: it answers, then runs on (a new turn, repetitions) until max_new_tokens.",
     detects="Greedy generations for held-out prompts that reach max_new_tokens without the end-of-turn or EOS "
     f"token; an error when {NEVER_STOPS_SHARE:.0%} or more of them do (prompts whose reference answer is longer "
@@ -135,6 +137,7 @@ STRAY_MARKERS_IN_OUTPUT = define(
     "stray-markers-in-output",
     severity="error",
     stage="outputs",
+    objectives=ANY,
     symptom="Generated answers contain template or role markers (`<|im_start|>`, `[INST]`, `### Response:`, an "
     "`assistant` header): the model was trained with another chat format, or runs on into a new turn.",
     detects="The generated text (special tokens kept, the stop token excluded) is searched for the tokenizer's "
@@ -207,6 +210,7 @@ REPEATS_PROMPT = define(
     "repeats-prompt",
     severity="warning",
     stage="outputs",
+    objectives=ANY,
     symptom="The model answers by first copying the user's message (or the system prompt) back.",
     detects=f"A generation that opens (within its first {ECHO_OFFSET} words) with the first words of the last "
     f"user turn or the system prompt, in order: at least {ECHO_MIN_WORDS} words and {ECHO_COVER:.0%} of that "
@@ -275,6 +279,7 @@ REPETITION_LOOP = define(
     "repetition-loop",
     severity="warning",
     stage="outputs",
+    objectives=ANY,
     symptom="Degenerate output: the model repeats the same word or phrase over and over (often to the end).",
     detects="The longest back-to-back repetition of one n-gram (up to 64 tokens, at least 4 times in a row) in "
     f"each generation; a generation loops when it covers {LOOP_COVER:.0%} or more of it; a warning when "
@@ -320,6 +325,7 @@ ANSWER_TRUNCATED = define(
     "answer-truncated",
     severity="warning",
     stage="outputs",
+    objectives=ANY,
     symptom="Answers stop early, in the middle of a sentence (or at once, empty), far shorter than the answers the "
     "model was trained on.",
     detects="With reference answers: a generation that stops (end of turn or EOS) at "
@@ -380,10 +386,12 @@ ADAPTER_NO_EFFECT = define(
     "adapter-no-effect",
     severity="error",
     stage="outputs",
+    objectives={"sft", "unknown"},
     symptom="The fine-tuned model answers exactly like the base model: the adapter is not loaded, or did nothing.",
     detects="With a base model to compare (--base): the greedy generations of the fine-tuned model and of the "
     f"base model for the same prompts are compared token for token; an error when {IDENTICAL_SHARE:.0%} or "
-    "more are identical.",
+    "more are identical. Not after preference or RL training, whose policy starts as its reference and may "
+    "keep the same greedy answers (policy-drift compares those runs with their base).",
     fix="Serve the model with its adapter applied: PeftModel.from_pretrained(base, adapter), or "
     "merge_and_unload() and save the merged model (see adapter-not-loaded); check the adapter was trained "
     "(adapter-untrained) and that the folder you serve is the one training wrote.",
@@ -408,4 +416,81 @@ def adapter_no_effect(gens):
             "differing_rows": differ[:10],
         },
         example=side_by_side(gens, "identical to the base model", same, base=True),
+    )
+
+
+POLICY_DRIFT = define(
+    "policy-drift",
+    severity="warning",
+    stage="outputs",
+    objectives={"preference", "preference-unpaired", "rl"},
+    symptom="After preference or RL training the model answers in another way than its base: much longer or "
+    "shorter, no longer ending its turn, repeating itself. Rewards or margins rose; the answers got worse.",
+    detects="With a base model to compare (--base), on a preference or RL run (the dataset's columns, or "
+    "`--objective`): the tuned model's answers against the base's for the same prompts: mean length ratio above "
+    "1.5 or below 0.5 (`evidence.cause` `length`), the share that ends its turn down by more than 20 points "
+    "(`stops-less`), the share that loops up by more than 10 points (`repetition`).",
+    fix="Anchor the policy to where it started: a lower LR, fewer steps, a larger beta (KL to the reference), an "
+    'NLL term on the chosen answers (`loss_type=["sigmoid", "sft"]`), `loss_type="dapo"`/`"dr_grpo"` '
+    "against GRPO's length bias; check the data for a length confound (preference-trivially-separable).",
+)
+DRIFT_LENGTH = (0.5, 1.5)
+DRIFT_STOPS = 0.20
+DRIFT_LOOPS = 0.10
+
+
+def _base_loops(sample, stop_ids) -> bool:
+    from hf_sanity.measure.generate import repeated_run
+
+    body = list(sample.base_ids or ())
+    if body and body[-1] in stop_ids:
+        body = body[:-1]
+    _, tokens, _ = repeated_run(body)
+    return tokens > 0 and tokens >= LOOP_COVER * max(len(body), 1)
+
+
+@POLICY_DRIFT.detector("outputs", applies=lambda gens: gens.has_base)
+def policy_drift(gens):
+    compared = [s for s in gens.samples if s.base_ids is not None]
+    if not compared:
+        return
+    n = len(compared)
+    tuned_len = sum(len(s.body) for s in compared) / n
+    base_len = (
+        sum(len(s.base_ids) - (s.base_ids[-1] in gens.stop_ids if s.base_ids else 0) for s in compared) / n
+    )
+    ratio = tuned_len / base_len if base_len else float("inf")
+    stops = sum(s.stopped for s in compared) / n
+    base_stops = sum(bool(s.base_ids) and s.base_ids[-1] in gens.stop_ids for s in compared) / n
+    looping = sum(loops(s) for s in compared) / n
+    base_looping = sum(_base_loops(s, gens.stop_ids) for s in compared) / n
+    causes = []
+    if not DRIFT_LENGTH[0] <= ratio <= DRIFT_LENGTH[1]:
+        causes.append("length")
+    if base_stops - stops > DRIFT_STOPS:
+        causes.append("stops-less")
+    if looping - base_looping > DRIFT_LOOPS:
+        causes.append("repetition")
+    if not causes:
+        return
+    said = {
+        "length": f"answers {ratio:.2f}x as long as the base's ({tuned_len:.0f} vs {base_len:.0f} tokens)",
+        "stops-less": f"{stops:.0%} end their turn (base: {base_stops:.0%})",
+        "repetition": f"{looping:.0%} loop (base: {base_looping:.0%})",
+    }
+    yield POLICY_DRIFT.finding(
+        f"the tuned model drifted from its base on {n} prompts: " + "; ".join(said[c] for c in causes),
+        evidence={
+            "cause": causes[0],
+            "causes": causes,
+            "length_ratio": ratio,
+            "mean_tokens": tuned_len,
+            "base_mean_tokens": base_len,
+            "stopped": stops,
+            "base_stopped": base_stops,
+            "looping": looping,
+            "base_looping": base_looping,
+            "compared": n,
+        },
+        example=side_by_side(gens, "drifted from the base model", compared, base=True),
     )

@@ -12,6 +12,7 @@ import numpy as np
 from hf_sanity.catalog import define
 from hf_sanity.findings import Finding
 from hf_sanity.measure.curves import Curves
+from hf_sanity.measure.objective import ANY
 from hf_sanity.measure.runs import ARGS_BIN, ARGS_FILES, RunDescription, RunSet, canonical
 from hf_sanity.numbers import median, noise
 
@@ -49,6 +50,7 @@ SEED_UNFIXED = define(
     "seed-unfixed",
     severity="warning",
     stage="runs",
+    objectives=ANY,
     symptom="The same configuration gives different curves from run to run.",
     detects="Runs with one configuration (the same readable setup and hyperparameters, the same fields "
     "recorded, the peak LR read from the logs included) whose train losses, at the steps both logged "
@@ -65,6 +67,7 @@ HYPERPARAMETER_CHURN = define(
     "hyperparameter-churn",
     severity="error",
     stage="runs",
+    objectives=ANY,
     symptom="Days spent tuning hyperparameters, every run failing the same way.",
     detects=f"{CHURN_MIN_RUNS}+ runs that differ only in hyperparameters and fail the same way: each shows an "
     f"error/warning of one failure class ({_CLASSES_TEXT}; a slug in no class is a class of its own), "
@@ -80,6 +83,7 @@ METRIC_SUSPICIOUS = define(
     "metric-suspicious",
     severity="warning",
     stage="runs",
+    objectives=ANY,
     symptom="Accuracy looks fine but the model is useless, or looks too good to be true.",
     detects=f"From a predictions JSONL ({PREDICTIONS_MIN}+ rows with prediction and label; exact match after "
     f"stripping whitespace): accuracy >= {ACCURACY_HIGH:.0%}, or, with at most {CLASSIFICATION_MAX_LABELS} "
@@ -92,6 +96,7 @@ EVAL_SCORES_CLUSTER = define(
     "eval-scores-cluster",
     severity="warning",
     stage="runs",
+    objectives=ANY,
     symptom="Judge or rubric scores tell nothing: almost all identical.",
     detects=f"From a predictions JSONL ({SCORES_MIN}+ rows with a score): >= {SCORES_CLUSTER:.0%} of the "
     "scores on their two most common values, or on one value when the scores take only two (a pass/fail "

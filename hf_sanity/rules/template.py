@@ -9,11 +9,13 @@ import numpy as np
 
 from hf_sanity.catalog import define
 from hf_sanity.measure.families import FAMILY_OF
+from hf_sanity.measure.objective import ANY
 
 TEMPLATE_MISMATCH = define(
     "template-mismatch",
     severity="error",
     stage="template",
+    objectives=ANY,
     symptom="Output has stray template markers; the model answers in the wrong format at inference.",
     detects="Training tokens are compared with what the inference tokenizer's chat template produces for the same "
     "conversation (--inference-tokenizer, on a sample); a `text` or pre-tokenized dataset is checked for another "
@@ -264,6 +266,7 @@ STOP_TOKEN_MISMATCH = define(
     "stop-token-mismatch",
     severity="error",
     stage="template",
+    objectives=ANY,
     symptom="Model never stops at inference although training taught it to end its turns: generation runs past "
     "the answer into a new turn (the early Llama-3 endless-generation bug).",
     detects="The token that closes an assistant turn in the training renders (derived from the chat template) is "
@@ -346,6 +349,7 @@ MARKERS_NOT_ATOMIC = define(
     "markers-not-atomic",
     severity="error",
     stage="template",
+    objectives=ANY,
     symptom="Output has stray template markers or never stops: the template's turn markers are not tokens of this "
     "tokenizer, so the model learns them as several plain tokens (a ChatML template on a Llama-3 tokenizer).",
     detects="Each special-looking turn marker the chat template renders (`<|im_start|>`, `<start_of_turn>`, "

@@ -10,6 +10,7 @@ import inspect
 
 from hf_sanity.catalog import define
 from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure.objective import ANY
 from hf_sanity.measure.tensors import model_device, to_device
 from hf_sanity.untouched import untouched
 
@@ -181,6 +182,7 @@ CHECKPOINTING_BLOCKS_GRADS = define(
     "checkpointing-blocks-grads",
     severity="error",
     stage="trainer",
+    objectives=ANY,
     symptom="LoRA weights never move although the loss is computed and backward runs.",
     detects="With gradient checkpointing on, one forward/backward on the first batch: trainable parameters "
     "that receive no gradient (reentrant checkpointing with frozen input embeddings cuts the graph).",

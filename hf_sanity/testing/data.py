@@ -156,3 +156,54 @@ def reasoning_conversations(n: int = 32, seed: int = 0) -> list[dict[str, Any]]:
             messages.append(m)
         rows.append({"messages": messages})
     return rows
+
+
+def _wrong(answer: str, rng: random.Random) -> str:
+    """The answer with its value replaced by a wrong one of the same kind (a capital, a sum, a spelling, a number
+    word), so that chosen and rejected differ in content and only by chance in length."""
+    words = answer.rstrip(".").split(" ")
+    last = words[-1]
+    if last.isdigit():
+        words[-1] = str(int(last) + rng.choice([-3, -2, -1, 1, 2, 3, 11, 25]))
+    elif last in NUMBER_WORDS:
+        words[-1] = rng.choice([w for w in NUMBER_WORDS if w != last])
+    elif any(last == capital for _, capital in CAPITALS):
+        words[-1] = rng.choice([c for _, c in CAPITALS if c != last])
+    else:
+        words[-1] = rng.choice([w for w in WORDS if w != last[::-1]])[::-1]
+    return " ".join(words) + "."
+
+
+def demo_preference_pairs(n: int = 64, seed: int = 0, *, conversational: bool = True) -> list[dict[str, Any]]:
+    """``n`` preference pairs (``prompt``/``chosen``/``rejected``) built from :func:`demo_conversations`: the
+    right answer is chosen, the same answer with a wrong value rejected. Conversational (TRL's messages) or
+    plain text; lengths differ only by chance, so no content-blind rule separates them."""
+    rng = random.Random(seed + 1)
+    rows = []
+    for row in demo_conversations(n, seed, multi_turn_every=0):
+        messages = row["messages"]
+        answer = messages[-1]["content"]
+        wrong = _wrong(answer, rng)
+        if conversational:
+            rows.append({
+                "prompt": messages[:-1],
+                "chosen": [{"role": "assistant", "content": answer}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            })  # fmt: skip
+        else:
+            prompt = "\n".join(m["content"] for m in messages[:-1]) + "\n"
+            rows.append({"prompt": prompt, "chosen": answer, "rejected": wrong})
+    return rows
+
+
+def demo_unpaired(n: int = 64, seed: int = 0, *, conversational: bool = True) -> list[dict[str, Any]]:
+    """KTO rows (``prompt``/``completion``/``label``) from :func:`demo_preference_pairs`, shuffled: about half the
+    completions are the right answer (desirable), half a wrong one."""
+    rng = random.Random(seed + 2)
+    rows = []
+    for pair in demo_preference_pairs(n, seed, conversational=conversational):
+        good = rng.random() < 0.5
+        rows.append(
+            {"prompt": pair["prompt"], "completion": pair["chosen" if good else "rejected"], "label": good}
+        )
+    return rows

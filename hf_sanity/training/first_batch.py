@@ -19,6 +19,7 @@ from hf_sanity.training.budget import Budget
 ALIGNED = ("input_ids", "labels", "attention_mask", "inputs_embeds")
 TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 STEP0_RULE = "init-loss-off-chance"
+LIKELIHOOD_RULE = "likelihood-displacement"
 
 
 def token_findings(
@@ -55,6 +56,9 @@ class FirstBatch:
         self._shapes: dict[str, tuple[int, ...]] | None = None  # waiting for the logits
         self._probe_batch = None
         self._probe_prev = None
+        self._probe_kind = (
+            "predictions"  # what the probe measures: argmax predictions, or (preference) likelihood
+        )
         # Probes where the model runs alone are on a time budget; the first ones always run (what
         # predictions-frozen needs to fire). Under sharded parameters the probe's forward gathers every rank's
         # shards: there every rank must probe at the same steps, so only the fixed interval decides.
@@ -80,8 +84,19 @@ class FirstBatch:
             batch["labels"] = self._labels  # popped by compute_loss for a custom loss / label smoothing
         self._labels = None
         self._shapes = {k: tuple(v.shape) for k, v in batch.items() if k in ALIGNED}
-        step0 = None
-        if probe and sink.wants(STEP0_RULE, "predictions-frozen", "grad-accum-loss-scaling"):
+        step0 = chosen = None
+        if (
+            probe
+            and sink.objective.kind == "preference"
+            and sink.wants(LIKELIHOOD_RULE)
+            and "labels" in batch
+        ):
+            with sink.guard("callback-probe"):  # the chosen rows (the batch's first half): their likelihood
+                chosen = max(1, batch["input_ids"].shape[0] // 2)
+                self._probe_batch = probe.probe_batch(batch, min(chosen, probe.PROBE_ROWS))
+                self._probe_kind = "likelihood"
+                chosen = probe.chosen_logp(module, self._probe_batch)
+        elif probe and sink.wants(STEP0_RULE, "predictions-frozen", "grad-accum-loss-scaling"):
             with sink.guard("callback-probe"):
                 self._probe_batch = probe.probe_batch(batch)
                 measured = probe.probe(module, self._probe_batch, stats=True)
@@ -99,7 +114,10 @@ class FirstBatch:
                     max_len=trainer_max_len(trainer) if trainer is not None else None, step0=step0,
                 )
             )  # fmt: skip
-        return {"shapes": dict(self._shapes), "step0": step0}
+        values = {"shapes": dict(self._shapes), "step0": step0}
+        if chosen is not None:  # read once, at the first step
+            values["chosen_logp"] = float(chosen)
+        return values
 
     def logits_pending(self, output) -> dict[str, Any] | None:
         """After the first forward: its shapes with the logits' (once)."""
@@ -110,9 +128,9 @@ class FirstBatch:
         return {"shapes": shapes, "logits_shape": tuple(logits.shape) if logits is not None else None}
 
     def probe_due(self, step: int, every: int | None, sink, *, sharded: bool = False) -> bool:
-        """A `predictions-frozen` probe runs at the end of this step: every ``every`` steps, within its time
-        budget unless the parameters are ``sharded``."""
-        due = bool(every) and step % every == 0 and sink.wants("predictions-frozen")
+        """A probe (`predictions-frozen`; on a preference run, the chosen answers' likelihood) runs at the end of
+        this step: every ``every`` steps, within its time budget unless the parameters are ``sharded``."""
+        due = bool(every) and step % every == 0 and sink.wants("predictions-frozen", LIKELIHOOD_RULE)
         return due and self._probe_batch is not None and (sharded or self.budget.due())
 
     def probe(self, model, recorder, step: int) -> None:
@@ -120,6 +138,12 @@ class FirstBatch:
         from hf_sanity.training import probe
 
         if self._probe_batch is None or model is None:
+            return
+        if self._probe_kind == "likelihood":
+            with self.budget.spend():
+                measured = probe.chosen_logp(model, self._probe_batch)
+            if measured is not None:
+                recorder.push(step, "chosen_logp", measured)
             return
         with self.budget.spend():
             current = probe.probe(model, self._probe_batch).get("argmax")

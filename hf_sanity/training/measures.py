@@ -15,6 +15,7 @@ from operator import attrgetter, is_not
 from typing import Any
 
 from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure.objective import SFT_OBJECTIVE
 from hf_sanity.training import shards
 from hf_sanity.training.shards import full_numel, local_tensor, squares
 
@@ -189,6 +190,7 @@ class StepSampler:
         with contextlib.suppress(Exception):
             self.warmup_steps = int(args.get_warmup_steps(state.max_steps or 0))
         self.accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        self.max_steps = int(getattr(state, "max_steps", 0) or 0)
         self.vocab_size = vocab_size(model)
         skipped = self.sharding.skipped
         self.stale_sample = (
@@ -229,11 +231,14 @@ class StepSampler:
         lambda self: self.sharding.sharded, doc="Some rank holds only a part of some parameter."
     )
 
-    def training_setup(self, world_size: int):
+    def training_setup(self, world_size: int, objective=None):
         """What the step detectors are built with."""
         from hf_sanity.rules.training.base import TrainingSetup
 
-        return TrainingSetup(self.warmup_steps, world_size, self.vocab_size, self.accumulation)
+        return TrainingSetup(
+            self.warmup_steps, world_size, self.vocab_size, self.accumulation, max_steps=self.max_steps,
+            half_precision=self.half, objective=objective or SFT_OBJECTIVE,
+        )  # fmt: skip
 
     def setup_values(self) -> dict[str, Any]:
         """What the gradient path looks like at train begin (for no-trainable-params, optimizer-missing-params)."""

@@ -62,3 +62,25 @@ def probe(model, batch: Mapping[str, Any], *, stats: bool = False) -> dict[str, 
                     "label_entropy": float(-(p * p.log()).sum()),
                 }
         return out
+
+
+def chosen_logp(model, batch: Mapping[str, Any]):
+    """The mean log-probability per token the model gives the supervised tokens of ``batch`` (a preference
+    batch's chosen rows: their completions), as a device scalar; None without labels that fit the logits."""
+    import torch.nn.functional as F
+
+    from hf_sanity.training.shards import kept_sharded
+
+    labels = batch.get("labels")
+    if labels is None:
+        return None
+    with untouched(model), kept_sharded(model):
+        logits = logits_of(model(**forward_kwargs(model, batch, use_cache=False)))
+        if logits is None or logits.dim() != 3 or labels.shape[:2] != logits.shape[:2]:
+            return None
+        shifted = labels[:, 1:].to(logits.device)
+        mask = shifted != IGNORE_INDEX
+        if not bool(mask.any()):
+            return None
+        log_probs = F.log_softmax(logits[:, :-1][mask].float(), dim=-1)
+        return log_probs.gather(-1, shifted[mask].unsqueeze(-1)).mean()

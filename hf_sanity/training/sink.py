@@ -16,6 +16,7 @@ from typing import Any
 from hf_sanity import catalog
 from hf_sanity.catalog import explained
 from hf_sanity.findings import Finding
+from hf_sanity.measure.objective import SFT_OBJECTIVE, Objective
 from hf_sanity.report import Report
 from hf_sanity.selection import Selection
 
@@ -49,6 +50,7 @@ class _TimedGuard(catalog.Guard):
 class FindingSink:
     def __init__(self, selection: Selection, *, abort_on: str = "never", print_findings: bool = True) -> None:
         self.selection = selection
+        self.objective: Objective = SFT_OBJECTIVE
         self.abort_on = abort_on
         self.print_findings = print_findings
         self.report = Report(title="hf-sanity training")
@@ -65,6 +67,11 @@ class FindingSink:
         self.seconds = 0.0
         self.timings: dict[str, float] = {}
         self._failed: set[str] = set()
+
+    def narrow(self, objective: Objective) -> None:
+        """The run's training objective is known: from now on only the rules written for it are wanted."""
+        self.objective = objective
+        self.selection = self.selection.for_objective(objective.kind)
 
     def wants(self, *slugs: str) -> bool:
         return any(self.selection.enabled(slug) for slug in slugs)
@@ -134,6 +141,8 @@ class FindingSink:
             "callback_seconds": round(self.seconds, 3),
             "callback_seconds_by_check": {k: round(v, 3) for k, v in timings},
             "world_size": self.world_size,
+            "objective": self.objective.kind,
+            "objective_detail": self.objective.describe(),
         }
 
     def say(self, renderable, *, soft_wrap: bool = False) -> None:

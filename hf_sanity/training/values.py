@@ -17,7 +17,7 @@ from hf_sanity.measure.curves import Curves
 from hf_sanity.numbers import median
 
 SINGLE = ("grad_norm", "stale_norm", "label_entropy", "update_ratio", "lr", "n_trainable", "n_with_grad",
-          "n_in_optimizer")  # fmt: skip
+          "n_in_optimizer", "chosen_logp")  # fmt: skip
 LEVEL_POINTS = 5  # the loss level around a probe: median of the last (and first) 5 step losses
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from hf_sanity.catalog import Rule
 from hf_sanity.findings import Finding
+from hf_sanity.measure.objective import SFT_OBJECTIVE, Objective
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class TrainingSetup:
     world_size: int = 1
     vocab_size: int | None = None  # the model's embedding rows: chance is ln(V)
     accumulation: int = 1  # gradient_accumulation_steps
+    max_steps: int = 0  # the run's planned optimizer steps (0: unknown)
+    half_precision: bool = False  # bf16/fp16 weights or autocast
+    objective: Objective = SFT_OBJECTIVE  # what the run trains for (`measure.objective`)
 
 
 class Monitor:

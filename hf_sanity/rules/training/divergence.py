@@ -15,6 +15,7 @@ from typing import Any
 
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
+from hf_sanity.measure.objective import NOT_RL
 from hf_sanity.numbers import fmt, median
 from hf_sanity.rules.training.base import Monitor, TrainingSetup
 
@@ -48,6 +49,7 @@ LOSS_DIVERGED = define(
     "loss-diverged",
     severity="error",
     stage="training",
+    objectives=NOT_RL,
     symptom="The loss climbs far above where it started and stays there: training diverged (without a NaN).",
     detects=f"The step loss stays above {DIVERGE_FACTOR:g}x its starting level (the lowest of the first "
     f"{START_POINTS} steps), {DIVERGE_MARGIN:g} nat above it and above chance ln(V) for {DIVERGE_STEPS} "

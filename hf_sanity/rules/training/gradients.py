@@ -15,6 +15,7 @@ from typing import Any
 
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
+from hf_sanity.measure.objective import ANY
 from hf_sanity.numbers import fmt, median
 from hf_sanity.rules.training.base import Monitor, TrainingSetup
 from hf_sanity.rules.training.divergence import FIX_BY_CAUSE, blowup_cause
@@ -23,6 +24,7 @@ NONFINITE_GRAD = define(
     "nonfinite-grad",
     severity="error",
     stage="training",
+    objectives=ANY,
     symptom="Weights turn NaN a step later; the loss curve ends abruptly.",
     detects="The gradient norm before the optimizer step is NaN/Inf while the loss is finite.",
     fix="Lower the learning rate, enable gradient clipping (max_grad_norm), or use bf16/fp32 instead of fp16.",
@@ -32,6 +34,7 @@ GRAD_EXPLOSION = define(
     "grad-explosion",
     severity="warning",
     stage="training",
+    objectives=ANY,
     symptom="Loss spikes or diverges after a period of normal training.",
     detects="The gradient norm is far above its running median (x10 by default); names the batch that preceded it. "
     "`evidence.cause` (as for loss-diverged): warmup-ended, lr-too-high (an update/weight ratio far above "
@@ -45,6 +48,7 @@ STALE_GRADIENTS = define(
     "stale-gradients",
     severity="error",
     stage="training",
+    objectives=ANY,
     symptom="Loss diverges after a few steps; the gradient norm grows step after step.",
     detects="Gradients are present before the first backward of an optimizer step (not cleared) and the norm "
     "grows steadily.",

@@ -14,6 +14,7 @@ from typing import Any
 
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
+from hf_sanity.measure.objective import ANY, NONNEGATIVE_LOSS
 from hf_sanity.numbers import finite, fmt, is_finite, median
 from hf_sanity.rules.training.base import Monitor
 
@@ -21,6 +22,7 @@ NONFINITE_LOSS = define(
     "nonfinite-loss",
     severity="error",
     stage="training",
+    objectives=ANY,
     symptom="Loss becomes NaN/Inf (often logged as 0.0 because `logging_nan_inf_filter` hides it).",
     detects="The per-step loss is kept on the device and read once per logging step, so the exact first "
     "non-finite step is found; the batch is replayed with forward hooks to name the first module whose "
@@ -35,6 +37,7 @@ NEGATIVE_LOSS = define(
     "negative-loss",
     severity="error",
     stage="training",
+    objectives=NONNEGATIVE_LOSS,
     symptom="The loss goes below zero.",
     detects="A cross-entropy loss is never negative: a negative value means a wrong reduction or a sign error.",
     fix="Check the custom loss: sign, reduction, and that it is a proper negative log-likelihood.",

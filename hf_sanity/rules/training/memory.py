@@ -17,6 +17,7 @@ from typing import Any
 
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
+from hf_sanity.measure.objective import ANY
 from hf_sanity.numbers import fmt
 from hf_sanity.rules.training.base import Monitor
 
@@ -24,6 +25,7 @@ MEMORY_GROWTH = define(
     "memory-growth",
     severity="warning",
     stage="training",
+    objectives=ANY,
     symptom="Out-of-memory after hours of training; memory rises step after step.",
     detects="Memory held across steps keeps growing: on GPU, allocated memory; on CPU, live tensors that "
     "carry autograd history. Names the growth per step and, where possible, the attribute or list holding them.",
@@ -34,6 +36,7 @@ OOM = define(
     "oom",
     severity="error",
     stage="training",
+    objectives=ANY,
     symptom="CUDA out of memory.",
     detects="An out-of-memory error during training; reports the memory breakdown and whether memory grew "
     "before it, so a leak is not 'fixed' by shrinking the batch.",

@@ -11,12 +11,14 @@ from typing import Any
 
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
+from hf_sanity.measure.objective import NOT_RL
 from hf_sanity.rules.training.base import Monitor
 
 TRAIN_MODE_OFF = define(
     "train-mode-off",
     severity="error",
     stage="training",
+    objectives=NOT_RL,
     symptom="Training looks fine but generalises worse: dropout and other train-only behaviour is silently off.",
     detects="The model runs its training forward with `model.training == False`, e.g. left in eval mode after "
     "an evaluation.",

@@ -11,12 +11,14 @@ from typing import Any
 
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
+from hf_sanity.measure.objective import ANY
 from hf_sanity.rules.training.base import Monitor, TrainingSetup
 
 RANKS_DIVERGED = define(
     "ranks-diverged",
     severity="error",
     stage="training",
+    objectives=ANY,
     symptom="Under DDP, replicas drift apart; checkpoints from different ranks differ.",
     detects="Cheap per-parameter checksums are compared across ranks every few steps.",
     fix="Make every rank go through the DDP-wrapped model for forward/backward, clip on every rank, and do not "

@@ -18,6 +18,7 @@ from typing import Any
 
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
+from hf_sanity.measure.objective import ANY
 from hf_sanity.numbers import fmt, median
 from hf_sanity.rules.model import NO_TRAINABLE_PARAMS
 from hf_sanity.rules.training.base import Monitor, TrainingSetup
@@ -46,6 +47,7 @@ LR_ZERO = define(
     "lr-zero",
     severity="error",
     stage="training",
+    objectives=ANY,
     symptom="Training runs but the model never changes (or stops changing early).",
     detects="The learning rate is 0 at a training step (outside the first warmup step): warmup or decay "
     "misconfigured, or the schedule decayed to 0 early.",
@@ -66,6 +68,7 @@ OPTIMIZER_MISSING_PARAMS = define(
     "optimizer-missing-params",
     severity="error",
     stage="training",
+    objectives=ANY,
     symptom="Part of the model (often the adapter or new embeddings) never trains.",
     detects="Parameters that require grad but are in no optimizer param group.",
     fix="Build the optimizer after the model is final (after get_peft_model/resize), over all trainable parameters.",
