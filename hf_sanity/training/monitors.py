@@ -32,8 +32,9 @@ class MonitorSet:
         ]
 
     def feed(self, step: int, values: Mapping[str, Any]) -> None:
-        """Every monitor that still watches something and reads one of ``values``' keys gets them; each runs in
-        its own guard, named by the rules it would leave unwatched if it broke."""
+        """Every monitor that still watches something and reads one of ``values``' keys gets the keys it
+        declares (its ``reads``: the contract); each runs in its own guard, named by the rules it would leave
+        unwatched if it broke."""
         keys = values.keys()
         finished = False
         for monitor, reads, name, detector in self._plan:
@@ -42,7 +43,7 @@ class MonitorSet:
             self.ran.add(detector)
             found = None
             with self.sink.guard(name, step):
-                found = monitor.update(step, values)
+                found = monitor.update(step, {k: values[k] for k in reads & keys})
             if found:
                 self.sink.emit(found)
                 finished = finished or monitor.done

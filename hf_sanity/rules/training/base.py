@@ -30,7 +30,10 @@ class Monitor:
     """
 
     rules: tuple[Rule, ...] = ()
-    reads: tuple[str, ...] = ()  # the value keys it needs: it is fed only the values that carry one of them
+    # Every value key it reads: the contract. MonitorSet feeds it only these keys, and only records that carry
+    # one of them; tests/test_architecture.py checks that its code reads no other key and that some
+    # measurement produces each.
+    reads: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.fired: set[str] = set()

@@ -49,7 +49,7 @@ SKIP_STEPS = 2  # ... ignoring the first steps (optimizer state is allocated at 
 @monitor
 class MemoryMonitor(Monitor):
     rules = (MEMORY_GROWTH, OOM)
-    reads = ("graph_tensors", "allocated", "oom")
+    reads = ("graph_tensors", "holders", "allocated", "oom")
 
     def __init__(self) -> None:
         super().__init__()

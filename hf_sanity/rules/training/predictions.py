@@ -33,7 +33,7 @@ LOSS_MOVED = 0.05  # ... while the training loss moved >= 5% since the first pro
 @monitor
 class PredictionsMonitor(Monitor):
     rules = (PREDICTIONS_FROZEN,)
-    reads = ("changed",)
+    reads = ("changed", "loss_level", "loss_start")
 
     def __init__(self, *, probes: int = FROZEN_PROBES) -> None:
         super().__init__()

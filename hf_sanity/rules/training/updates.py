@@ -394,7 +394,7 @@ class SetupMonitor(Monitor):
     optimizer to look at, or a sharded one)."""
 
     rules = (NO_TRAINABLE_PARAMS, OPTIMIZER_MISSING_PARAMS)
-    reads = ("trainable",)
+    reads = ("trainable", "total_params", "in_optimizer")
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         if "trainable" not in values:
