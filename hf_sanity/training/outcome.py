@@ -98,6 +98,11 @@ def stats(callback, *, steps: int) -> dict[str, Any]:
     out = sink.stats(steps=steps, reads=callback._reads, transfers=callback.recorder.transfers)
     out.update(memory_walks=budget.runs, memory_walks_skipped=budget.skipped)
     out.update(probes=callback.first.budget.runs, probes_skipped=callback.first.budget.skipped)
+    out.update(callback.resumed)  # resumed_from_step, resumed_state
+    if sampler is not None:
+        out["warmup_steps"] = sampler.warmup_steps
+        if sampler.warmup_unknown:
+            out["warmup_unknown"] = sampler.warmup_unknown
     sharding = sampler.sharding if sampler is not None else None
     if sharding is not None and (sharding.engine or sharding.sharded):
         out["sharding"] = sharding.stats()  # what ran on which layout, and what did not, with why
