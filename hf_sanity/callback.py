@@ -95,10 +95,10 @@ class SanityCallback(TrainerCallback, ExportableState):
     report = property(lambda self: self.sink.report, doc="The findings so far; written at train end.")
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps (transformers' ExportableState), every step so far read (one process: under
-        DDP every rank reads at a checkpoint's step end): see :mod:`hf_sanity.training.resume`."""
-        if self.sampler is not None and self.sink.world_size == 1:
-            self._read(now=self._step)
+        """What a checkpoint keeps (transformers' ExportableState): see :mod:`hf_sanity.training.resume`."""
+        with self.sink.guard("checkpoint-state"):  # inside Trainer's save: nothing may raise
+            if self.sampler is not None and self.sink.world_size == 1:
+                self._read(now=self._step)
         return resume.export(self)
 
     # -- Trainer events ------------------------------------------------------------------------------

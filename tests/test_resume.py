@@ -234,6 +234,18 @@ def test_warmup_steps_are_read_as_trainer_builds_its_schedule():
     assert steps is None and "LambdaLR" in why
 
 
+@pytest.mark.internal_error_expected
+def test_a_state_that_cannot_be_made_never_fails_the_checkpoint(monkeypatch):
+    """Trainer asks for the state inside its checkpoint save: a broken state is an internal-error finding and
+    a checkpoint without it (the resumed run then starts afresh), never an exception in the user's save."""
+    callback = watch()
+    callback.sampler = SimpleNamespace()  # a run under way
+    monkeypatch.setattr(callback.monitors, "state", lambda: 1 / 0)
+    exported = json.loads(json.dumps(callback.state()))
+    assert exported["attributes"] == {"saved_state": None} and exported["args"]["check_every"] == 5
+    assert [f.evidence["check"] for f in callback.report.by_rule("internal-error")] == ["checkpoint-state"]
+
+
 # -- real Trainer runs -----------------------------------------------------------------------------------
 FIRST_STEPS, PLANTED_AT = 20, 25
 # A linear decay to 0 at step 20, resumed with more steps: the issue's run (lr-zero at step 21 before).

@@ -3,7 +3,9 @@
 SanityCallback is a transformers ``ExportableState``: at every checkpoint Trainer saves its :func:`export` in
 ``trainer_state.json`` under ``stateful_callbacks["SanityCallback"]``: ``{"args": <the callback's settings>,
 "attributes": {"saved_state": ...}}``, the state being small plain data: the step, every monitor's windows,
-baselines and what fired (:meth:`hf_sanity.rules.training.base.Monitor.state`) and the findings so far.
+baselines and what fired (:meth:`hf_sanity.rules.training.base.Monitor.state`) and the findings so far, every
+step up to the checkpoint read first (every rank reads at the end of a step that saves; on one process
+``state()`` also reads, for the saves at an epoch's end).
 
 On ``trainer.train(resume_from_checkpoint=...)`` the TrainerState loaded from the checkpoint holds it, and
 :func:`begin` (train begin, global step > 0) takes it back into the callback the user passed: the monitors
