@@ -19,11 +19,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState, TrainerCallback
 
 from hf_sanity.measure.objective import of_trainer
 from hf_sanity.selection import resolve
-from hf_sanity.training import first_batch, memory, outcome, replay, shards
+from hf_sanity.training import first_batch, memory, outcome, replay, resume, shards
 from hf_sanity.training.budget import Budget
 from hf_sanity.training.generation import GenerationCheck
 from hf_sanity.training.instrument import Instruments, find_trainer, move_before_reporters
@@ -38,7 +38,7 @@ from hf_sanity.training.values import StepHistory
 ABORT_CHOICES = ("error", "never")
 
 
-class SanityCallback(TrainerCallback):
+class SanityCallback(TrainerCallback, ExportableState):
     """Watches a Trainer run; findings in :attr:`report` and in ``output_dir/hf-sanity/report.json``; a stop
     at an error in ``trainer.state.hf_sanity_aborted_at_step`` too (see :mod:`hf_sanity.training.outcome`).
 
@@ -50,6 +50,7 @@ class SanityCallback(TrainerCallback):
     ``generate_every``: from that step on, at evaluations (at most once every ``generate_every`` steps),
     generate for ``generate_prompts`` held-out prompts of the eval dataset (or the rows given) and run the
     `outputs` rules (never-stops, repeats-prompt, ...); off by default, cost in `hf_sanity.training.generation`.
+    Checkpoints keep its state: a run resumed from one continues its checks (`hf_sanity.training.resume`).
     """
 
     def __init__(
@@ -66,11 +67,11 @@ class SanityCallback(TrainerCallback):
         generate_every: int | None = None,
         generate_prompts: int | Any = 8,
     ) -> None:
+        self.settings = resume.settings(locals())  # what Trainer rebuilds it with from a checkpoint
         if abort_on not in ABORT_CHOICES:
             raise ValueError(f"abort_on must be one of {ABORT_CHOICES}, got {abort_on!r}")
-        for name, value in dict(
-            check_every=check_every, probe_every=probe_every, sync_every=sync_every
-        ).items():
+        checked = {"check_every": check_every, "probe_every": probe_every, "sync_every": sync_every}
+        for name, value in checked.items():
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         GenerationCheck.validate(generate_every, generate_prompts)
@@ -90,14 +91,23 @@ class SanityCallback(TrainerCallback):
         self.recorder, self.early, self.history = Recorder(), EarlyFlags(), StepHistory()
         self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch()
         self._step = self._micro = self._reads = 0
-        self._autocast, self.memory_budget = None, Budget()
+        self._autocast, self.memory_budget, self.resumed = None, Budget(), {}
         if self.generation is not None:  # a second train() checks its outputs from the start again
             self.generation.reset()
 
     report = property(lambda self: self.sink.report, doc="The findings so far; written at train end.")
 
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps (transformers' ExportableState): see :mod:`hf_sanity.training.resume`."""
+        with self.sink.guard("checkpoint-state"):  # inside Trainer's save: nothing may raise
+            if self.sampler is not None and self.sink.world_size == 1:
+                self._read(now=self._step)
+        return resume.export(self)
+
     # -- Trainer events ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if (given := resume.handed_back(self)) is not None:  # Trainer swapped in a copy: the user's goes on
+            return given.on_train_begin(args, state, control, model=model, optimizer=optimizer, **kwargs)
         self.instruments.uninstall()
         self._reset()
         sink = self.sink
@@ -121,6 +131,7 @@ class SanityCallback(TrainerCallback):
             )
             self.monitors = MonitorSet(sink, self.sampler.training_setup(sink.world_size, sink.objective))
             self.trl = ObjectiveFeed(self.trainer, sink.objective)
+            self.resumed = resume.begin(self, state)  # a resumed run continues from the checkpoint's state
             self.monitors.feed(0, {**self.sampler.setup_values(), **self.trl.begin()})
             self.instruments.install(self.trainer, self.model, self)
             move_before_reporters(self.trainer, self)
@@ -158,7 +169,7 @@ class SanityCallback(TrainerCallback):
         if self.first.probe_due(step, self.probe_every, self.sink, sharded=sharded) and self._probes_run():
             with self.sink.guard("predictions-frozen"), self.instruments.quiet():
                 self.first.probe(self.model, self.recorder, step)
-        if step % self.check_every == 0 or control.should_log:
+        if step % self.check_every == 0 or control.should_log or control.should_save:  # before a checkpoint
             self._read(now=step, control=control)
         if self.sink.world_size > 1 and step % self.sync_every == 0:
             self._sync(step, control)
@@ -169,7 +180,7 @@ class SanityCallback(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.history.evaluations.append(state.global_step)  # later training forwards must be in train mode
         self._read(now=state.global_step, control=control)
-        self._curves(state, final=False)
+        self.monitors.curves(self.history, state, vocab_size=vocab_size(self.model), final=False)
         if self.generation is not None:
             self.generation.at_evaluate(self, state)
         return control
@@ -182,7 +193,7 @@ class SanityCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         try:
             self._read(now=state.global_step)  # the run is over: nothing left to stop
-            self._curves(state, final=True)
+            self.monitors.curves(self.history, state, vocab_size=vocab_size(self.model), final=True)
             if self.sink.world_size > 1:
                 self._sync(state.global_step, control, final=True)
             with self.sink.guard("report"):
@@ -233,14 +244,7 @@ class SanityCallback(TrainerCallback):
     def failed(self, exc: BaseException) -> None:
         """Training dies: report an out-of-memory error with its memory picture, write the report, clean up."""
         try:
-            if memory.is_oom(exc) and self.sink.wants("oom"):
-                with self.sink.guard("oom"):  # memory is short: each part on its own, the report regardless
-                    self._read(now=self._step)
-                optimizer = getattr(self.trainer, "optimizer", None)
-                oom = memory.oom_facts(exc, self.model, optimizer, self.sink.guard)
-                self.monitors.feed(self._step or 1, {"oom": oom})
-            steps = getattr(getattr(self.trainer, "state", None), "global_step", self._step)
-            self.report.stats.update(outcome.stats(self, steps=steps), aborted_by=type(exc).__name__)
+            outcome.failed(self, exc)
         finally:
             try:
                 with self.sink.guard("report"):
@@ -280,17 +284,13 @@ class SanityCallback(TrainerCallback):
         return {}  # the check broke: an internal-error finding
 
     def _probes_run(self) -> bool:
-        """The probes' extra forward may run here. It runs on every rank at the same point (the first training
-        forward, a probe step's end): under FSDP2 that forward gathers the shards from every rank."""
+        """The probes' extra forward may run (on every rank at the same point: under FSDP2 it gathers shards)."""
         return self.sampler is None or self.sampler.sharding.probe_skip is None
 
     def _memory_check(self, step: int) -> None:
         if self.sink.wants("memory-growth", "oom") and self.memory_budget.due():  # the walk: 0.1% of the run
             with self.sink.guard("memory-growth"), self.memory_budget.spend():
                 self.monitors.feed(step, memory.held_now(self.trainer, self.model, skip=self))
-
-    def _curves(self, state, *, final: bool) -> None:
-        self.monitors.curves(self.history, state, vocab_size=vocab_size(self.model), final=final)
 
     # -- findings, stopping, DDP ---------------------------------------------------------------------
     def _sync(self, step: int, control, final: bool = False) -> None:

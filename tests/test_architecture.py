@@ -277,3 +277,141 @@ def test_every_tensor_factory_names_its_device():
             ):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} torch.{node.func.attr}(...)")
     assert offenders == []
+
+
+# -- a monitor's `reads` is its contract -------------------------------------------------------------------
+PRODUCERS = [PACKAGE / "callback.py", *sorted((PACKAGE / "training").glob("*.py"))]
+
+
+def _values_reads(func: ast.FunctionDef, problems: list[str], where: str) -> tuple[set[str], set[str]]:
+    """(keys ``func`` reads from its ``values`` parameter, names of the functions it passes ``values`` on to).
+    Every use of ``values`` must be ``values.get("k")``, ``values["k"]``, ``"k" in values`` or passing it on;
+    a key is a string literal or a loop variable over a tuple of them."""
+    loops = {  # loop variable -> the literal keys it runs over
+        node.target.id: {e.value for e in node.iter.elts}
+        for node in ast.walk(func)
+        if isinstance(node, ast.For)
+        and isinstance(node.target, ast.Name)
+        and isinstance(node.iter, ast.Tuple)
+        and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.iter.elts)
+    }
+
+    def keys(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return {node.value}
+        if isinstance(node, ast.Name) and node.id in loops:
+            return loops[node.id]
+        problems.append(
+            f"{where}:{node.lineno}: values read with a key that is not a literal: {ast.unparse(node)}"
+        )
+        return set()
+
+    read: set[str] = set()
+    passed: set[str] = set()
+    uses = {id(n) for n in ast.walk(func) if isinstance(n, ast.Name) and n.id == "values"}
+    understood: set[int] = set()
+    for node in ast.walk(func):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value
+            if isinstance(target, ast.Name) and target.id == "values" and node.func.attr == "get":
+                read |= keys(node.args[0])
+                understood.add(id(target))
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "values":
+            read |= keys(node.slice)
+            understood.add(id(node.value))
+        if isinstance(node, ast.Compare) and len(node.comparators) == 1:
+            right = node.comparators[0]
+            if (
+                isinstance(right, ast.Name)
+                and right.id == "values"
+                and isinstance(node.ops[0], (ast.In, ast.NotIn))
+            ):
+                read |= keys(node.left)
+                understood.add(id(right))
+        if isinstance(node, ast.Call):
+            for arg in node.args:
+                if isinstance(arg, ast.Name) and arg.id == "values":
+                    passed.add(
+                        node.func.attr if isinstance(node.func, ast.Attribute) else ast.unparse(node.func)
+                    )
+                    understood.add(id(arg))
+    for node in ast.walk(func):
+        if id(node) in uses - understood and not isinstance(node.ctx, ast.Store):
+            problems.append(f"{where}:{node.lineno}: values used other than by its keys")
+    return read, passed
+
+
+def monitor_reads(cls) -> tuple[set[str], list[str]]:
+    """Every key the code of monitor ``cls`` reads from ``values``: its methods (its bases' too) and the
+    functions of its module it hands ``values`` to."""
+    import inspect
+
+    problems: list[str] = []
+    functions: dict[str, ast.FunctionDef] = {}
+    for klass in reversed(cls.__mro__[:-1]):  # a subclass's method wins
+        if not klass.__module__.startswith("hf_sanity"):
+            continue
+        tree = ast.parse(inspect.getsource(sys.modules[klass.__module__]))
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef):
+                functions.setdefault(node.name, node)
+            if isinstance(node, ast.ClassDef) and node.name == klass.__name__:
+                functions.update({f.name: f for f in node.body if isinstance(f, ast.FunctionDef)})
+    read: set[str] = set()
+    todo, seen = ["update"], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in functions:
+            continue
+        seen.add(name)
+        func = functions[name]
+        if "values" not in {a.arg for a in func.args.args + func.args.kwonlyargs}:
+            problems.append(f"{cls.__name__}.{name}: is handed values but names the parameter otherwise")
+            continue
+        keys, passed = _values_reads(func, problems, f"{cls.__name__}.{name}")
+        read |= keys
+        todo += sorted(passed)
+    return read, problems
+
+
+def produced_keys() -> set[str]:
+    """The keys the callback and hf_sanity/training write into dicts: the keys of dict displays, of
+    ``x["k"] = ...`` stores and of ``recorder.push(step, "k", value)`` (a superset of the values fed to the
+    monitors: a key that is none of these is produced by nothing)."""
+    out: set[str] = set()
+    for path in PRODUCERS:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Dict):
+                written = list(node.keys)
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):
+                written = [node.slice]
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "push"
+            ):
+                written = node.args[1:2]
+            else:
+                continue
+            out |= {k.value for k in written if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return out
+
+
+@pytest.mark.parametrize("cls", catalog.monitors(), ids=lambda cls: cls.__name__)
+def test_a_monitor_reads_only_the_keys_it_declares(cls):
+    """``reads`` is the whole contract: MonitorSet feeds a monitor only the keys it declares, so a key read but
+    not declared would be silently None in a run (GradientMonitor once declared 2 keys and read 7)."""
+    read, problems = monitor_reads(cls)
+    assert problems == []
+    assert read, f"{cls.__name__} reads nothing from values: the check does not see its code"
+    assert sorted(read - set(cls.reads)) == [], f"{cls.__name__} reads keys it does not declare"
+    assert sorted(set(cls.reads) - read) == [], f"{cls.__name__} declares keys it never reads"
+
+
+def test_every_key_a_monitor_declares_is_produced_by_a_measurement():
+    produced = produced_keys()
+    assert {"loss", "grad_norm", "shapes", "graph_tensors", "checksum_max"} <= produced  # the scan works
+    unproduced = {
+        f"{cls.__name__}.{key}" for cls in catalog.monitors() for key in cls.reads if key not in produced
+    }
+    assert sorted(unproduced) == []

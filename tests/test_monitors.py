@@ -194,8 +194,11 @@ def test_no_loss_flat_when_the_loss_falls_or_the_run_is_healthy():
     assert feed(UpdateMonitor(), healthy) == []
 
 
-def test_lr_zero_at_the_first_step_without_warmup_and_after_it_with_warmup():
-    assert [(f.rule, f.step) for f in feed(UpdateMonitor(), [path(1, lr=0.0)])] == [("lr-zero", 1)]
+def test_lr_zero_at_the_first_step_is_confirmed_by_the_next_and_after_warmup_is_at_once():
+    zero = [path(1, lr=0.0), path(2, lr=0.0)]
+    assert [(f.rule, f.step) for f in feed(UpdateMonitor(), zero)] == [("lr-zero", 1)]
+    assert feed(UpdateMonitor(), zero[:1]) == []  # a warmup from 0 the arguments do not tell of ...
+    assert feed(UpdateMonitor(warmup_steps=None), [*zero[:1], path(2, lr=1e-4)]) == []  # ... moves on
     with_warmup = [path(1, lr=0.0), path(2, lr=1e-4), path(3, lr=2e-4)]
     assert feed(UpdateMonitor(warmup_steps=3), with_warmup) == []
     decayed = [*with_warmup, path(4, lr=0.0)]

@@ -194,7 +194,7 @@ def objective_context(
 
 def prompt_rows(trainer, tokenizer, sample: int) -> list[dict[str, list[int]]]:
     """An RL trainer's first prompts as it renders them for generation (no completion: no labels)."""
-    from hf_sanity.measure.preference import is_conversational
+    from hf_sanity.measure.formats import is_conversational
 
     data = getattr(trainer, "train_dataset", None)
     if data is None or "prompt" not in getattr(data, "column_names", ()):

@@ -376,3 +376,19 @@ def text_problem(value, field: str) -> str:
     if not value.strip():
         return f"{field} is empty"
     return ""
+
+
+# -- preference rows -------------------------------------------------------------------------------------
+def is_conversational(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
+
+
+def extract_prompt(chosen, rejected) -> tuple[Any, Any, Any]:
+    """TRL's ``extract_prompt``: the longest common prefix (messages, or characters) of chosen and rejected."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]

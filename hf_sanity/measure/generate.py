@@ -22,7 +22,7 @@ from typing import Any
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.encode import content_markers, template_kwargs, text_of
 from hf_sanity.measure.families import FAMILY_OF
-from hf_sanity.measure.formats import USER_TEXTS, Layout, detect_format
+from hf_sanity.measure.formats import USER_TEXTS, Layout, detect_format, extract_prompt
 from hf_sanity.measure.markers import derive_markers
 from hf_sanity.measure.tensors import model_device, pad_id
 
@@ -99,8 +99,6 @@ def _prompt_of(index: int, row: dict[str, Any]) -> Prompt | None:
     if (
         "chosen" in row and "rejected" in row
     ):  # a preference pair: its prompt, the chosen answer the reference
-        from hf_sanity.measure.preference import extract_prompt
-
         prompt, chosen = row.get("prompt"), row["chosen"]
         if prompt is None:
             prompt, chosen, _ = extract_prompt(row["chosen"], row["rejected"])

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from hf_sanity.measure.formats import extract_prompt, is_conversational
+
 # TRL's defaults (1.16), for rows checked without a trainer.
 DEFAULT_MAX_LENGTH = 1024
 
@@ -194,21 +196,6 @@ class Unpaired:
 
 
 # -- tokenizing rows the way TRL does (no trainer) ---------------------------------------------------------
-def is_conversational(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
-
-
-def extract_prompt(chosen, rejected) -> tuple[Any, Any, Any]:
-    """TRL's ``extract_prompt``: the longest common prefix (messages, or characters) of chosen and rejected."""
-    idx = 0
-    for idx in range(min(len(chosen), len(rejected))):
-        if chosen[idx] != rejected[idx]:
-            if chosen[idx - 1] == " ":
-                idx -= 1
-            break
-    return chosen[:idx], chosen[idx:], rejected[idx:]
-
-
 def _template_kwargs(row: dict[str, Any]) -> dict[str, Any]:
     tools = row.get("tools")
     tools = json.loads(tools) if isinstance(tools, str) else tools

@@ -52,6 +52,7 @@ class FirstBatch:
 
     def __init__(self) -> None:
         self.done = False
+        self.judge_step0 = True  # False on a resumed run: its model is trained, chance says nothing of it
         self._labels = None  # the first batch's labels, which compute_loss may pop before the forward
         self._shapes: dict[str, tuple[int, ...]] | None = None  # waiting for the logits
         self._probe_batch = None
@@ -111,7 +112,8 @@ class FirstBatch:
             sink.emit(
                 token_findings(
                     tokenizer, batch, model=module, trainer=trainer, selection=sink.selection,
-                    max_len=trainer_max_len(trainer) if trainer is not None else None, step0=step0,
+                    max_len=trainer_max_len(trainer) if trainer is not None else None,
+                    step0=step0 if self.judge_step0 else None,
                 )
             )  # fmt: skip
         values = {"shapes": dict(self._shapes), "step0": step0}

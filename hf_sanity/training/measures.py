@@ -116,6 +116,31 @@ def train_only_modules(model) -> int:
     return count
 
 
+def warmup_steps(trainer, args, max_steps: int) -> tuple[int | None, str | None]:
+    """(the scheduler's warmup steps, None) as Trainer builds its schedule from ``args``
+    (``get_warmup_steps``: on transformers v5 ``warmup_steps`` below 1 is a ratio of ``max_steps``; v4's
+    ``warmup_ratio`` too), or (None, why) when they cannot be known: a scheduler the user passed in (or
+    DeepSpeed's) follows its own warmup, and arguments without these fields say nothing."""
+    scheduler = getattr(trainer, "lr_scheduler", None)
+    if scheduler is not None and getattr(trainer, "_created_lr_scheduler", True) is False:
+        return (
+            None,
+            f"the learning-rate scheduler ({type(scheduler).__name__}) was not built from the arguments",
+        )
+    if hasattr(args, "get_warmup_steps"):
+        try:
+            return int(args.get_warmup_steps(max_steps)), None
+        except Exception as exc:  # unknown, and said so: never taken for "no warmup"
+            return None, f"{type(args).__name__}.get_warmup_steps raised {type(exc).__name__}: {exc}"
+    steps, ratio = getattr(args, "warmup_steps", None), getattr(args, "warmup_ratio", None)
+    if isinstance(steps, (int, float)) and (steps >= 1 or (steps == 0 and not ratio)):
+        return int(steps), None
+    fraction = steps if isinstance(steps, float) and 0 < steps < 1 else ratio
+    if isinstance(fraction, (int, float)) and max_steps:
+        return math.ceil(max_steps * fraction), None
+    return None, f"{type(args).__name__} has no warmup_steps or warmup_ratio to read"
+
+
 def vocab_size(model) -> int | None:
     """The model's input-embedding rows (the V of ln V), where it has embeddings."""
     if model is None or not hasattr(model, "get_input_embeddings"):
@@ -168,12 +193,11 @@ class StepSampler:
     def __init__(
         self, trainer, model, optimizer, args, state, wants, *, check_every: int = 10, world_size: int = 1
     ) -> None:
-        import contextlib
-
         import torch
 
         self.model = model
         self.check_every, self.world_size = check_every, world_size
+        self.first_step = (getattr(state, "global_step", 0) or 0) + 1  # > 1: resumed from a checkpoint
         params = list(model.named_parameters())
         self.sharding = shards.detect(trainer, model, world_size)
         self.total_params = sum(full_numel(p) for _, p in params)
@@ -186,9 +210,10 @@ class StepSampler:
             p.dtype in (torch.float16, torch.bfloat16) for _, p in params[:8]
         )
         self.scaler = getattr(accelerator, "scaler", None) is not None
-        self.warmup_steps = 0
-        with contextlib.suppress(Exception):
-            self.warmup_steps = int(args.get_warmup_steps(state.max_steps or 0))
+        # None when unknown (why in the report's stats): the rules that need it then judge by the LR itself.
+        self.warmup_steps, self.warmup_unknown = warmup_steps(
+            trainer, args, getattr(state, "max_steps", 0) or 0
+        )
         self.accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
         self.max_steps = int(getattr(state, "max_steps", 0) or 0)
         self.vocab_size = vocab_size(model)
@@ -255,8 +280,9 @@ class StepSampler:
         return bool(self.stale_sample) or (bool(self.update_sample) and self.sharding.steps_in_backward)
 
     def measured(self, step: int) -> bool:
-        """Whether the update ratio is measured at ``step``: the same answer on every rank."""
-        return step <= EARLY_MEASURE_STEPS or step % self.check_every == 0
+        """Whether the update ratio is measured at ``step`` (every one of the first steps this process trains,
+        then every check): the same answer on every rank."""
+        return step - self.first_step < EARLY_MEASURE_STEPS or step % self.check_every == 0
 
     def step_begins(self, recorder, step: int) -> None:
         if self.update_sample and self.sharding.steps_in_backward:

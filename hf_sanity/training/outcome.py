@@ -98,7 +98,28 @@ def stats(callback, *, steps: int) -> dict[str, Any]:
     out = sink.stats(steps=steps, reads=callback._reads, transfers=callback.recorder.transfers)
     out.update(memory_walks=budget.runs, memory_walks_skipped=budget.skipped)
     out.update(probes=callback.first.budget.runs, probes_skipped=callback.first.budget.skipped)
+    out.update(callback.resumed)  # resumed_from_step, resumed_state
+    if sampler is not None:
+        out["warmup_steps"] = sampler.warmup_steps
+        if sampler.warmup_unknown:
+            out["warmup_unknown"] = sampler.warmup_unknown
     sharding = sampler.sharding if sampler is not None else None
     if sharding is not None and (sharding.engine or sharding.sharded):
         out["sharding"] = sharding.stats()  # what ran on which layout, and what did not, with why
     return out
+
+
+def failed(callback, exc: BaseException) -> None:
+    """Training died with ``exc``: an out-of-memory error is reported with its memory picture (each part on
+    its own: memory is short), and the report's stats say what stopped the run."""
+    from hf_sanity.training import memory
+
+    sink = callback.sink
+    if memory.is_oom(exc) and sink.wants("oom"):
+        with sink.guard("oom"):
+            callback._read(now=callback._step)
+        optimizer = getattr(callback.trainer, "optimizer", None)
+        oom = memory.oom_facts(exc, callback.model, optimizer, sink.guard)
+        callback.monitors.feed(callback._step or 1, {"oom": oom})
+    steps = getattr(getattr(callback.trainer, "state", None), "global_step", callback._step)
+    sink.report.stats.update(stats(callback, steps=steps), aborted_by=type(exc).__name__)

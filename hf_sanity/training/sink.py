@@ -99,6 +99,13 @@ class FindingSink:
                 self.stop_pending = True
                 self.stop_reason = self.stop_reason or kept
 
+    def restore(self, findings: list[Finding]) -> None:
+        """A resumed run's findings from before its checkpoint: in the report and the counts, as they were
+        (printed and acted on then: not printed, and no stop, now)."""
+        for finding in findings:
+            self.report.add(finding)
+            self.counts[finding.rule] = self.counts.get(finding.rule, 0) + 1
+
     def merge(self, incoming: list[dict[str, Any]]) -> None:
         """Findings of other ranks, on the main process: one per rule, the earliest step wins."""
         for data in incoming:

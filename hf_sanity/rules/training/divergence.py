@@ -104,7 +104,7 @@ def blowup_cause(
 @monitor
 class DivergenceMonitor(Monitor):
     rules = (LOSS_DIVERGED,)
-    reads = ("loss", "update_ratio", "lr")
+    reads = ("loss", "update_ratio", "lr", "grad_norm")
 
     def __init__(self, *, warmup_steps: int = 0, vocab_size: int | None = None) -> None:
         super().__init__()

@@ -66,7 +66,7 @@ STALE_GROWTH = 1.2  # ... while the norm grew 20% over them
 @monitor
 class GradientMonitor(Monitor):
     rules = (NONFINITE_GRAD, GRAD_EXPLOSION, STALE_GRADIENTS)
-    reads = ("grad_norm", "stale_norm")
+    reads = ("grad_norm", "stale_norm", "loss_finite", "scaler", "update_ratio", "lr", "loss")
 
     def __init__(self, *, explosion_factor: float = EXPLOSION_FACTOR, warmup_steps: int = 0) -> None:
         super().__init__()
@@ -86,10 +86,10 @@ class GradientMonitor(Monitor):
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         out: list[Finding] = []
-        for key, series in self.history.items():  # what names the cause of an explosion
+        for key in ("update_ratio", "lr", "loss"):  # what names the cause of an explosion
             value = values.get(key)
             if value is not None and math.isfinite(value):
-                series.append((step, float(value)))
+                self.history[key].append((step, float(value)))
         if values.get("stale_norm") is not None:
             self._pending_stale[step] = float(values["stale_norm"])
         norm = values.get("grad_norm")

@@ -134,7 +134,7 @@ PLATEAU_START_ABOVE = 0.10  # and the loss started >= 10% above the prior (it ca
 @monitor
 class LossMonitor(Monitor):
     rules = (NONFINITE_LOSS, NEGATIVE_LOSS, LOSS_PLATEAU_PRIOR)
-    reads = ("loss", "label_entropy", "grad_norm")
+    reads = ("loss", "losses", "nonfinite", "label_entropy", "grad_norm")
 
     def __init__(self, *, plateau_window: int = PLATEAU_WINDOW) -> None:
         super().__init__()

@@ -52,7 +52,8 @@ SKIP_STEPS = 2  # ... ignoring the first steps (optimizer state is allocated at 
 @monitor
 class MemoryMonitor(Monitor):
     rules = (MEMORY_GROWTH, OOM)
-    reads = ("graph_tensors", "allocated", "oom")
+    reads = ("graph_tensors", "holders", "allocated", "oom")
+    not_carried = ("series", "holders")  # this process's memory: a resumed process starts its own series
 
     def __init__(self) -> None:
         super().__init__()

@@ -29,7 +29,7 @@ TRAIN_MODE_OFF = define(
 @monitor
 class TrainModeMonitor(Monitor):
     rules = (TRAIN_MODE_OFF,)
-    reads = ("training",)
+    reads = ("training", "train_only_modules", "after_eval")
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         if values.get("training") is not False:

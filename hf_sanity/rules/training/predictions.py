@@ -33,7 +33,7 @@ LOSS_MOVED = 0.05  # ... while the training loss moved >= 5% since the first pro
 @monitor
 class PredictionsMonitor(Monitor):
     rules = (PREDICTIONS_FROZEN,)
-    reads = ("changed",)
+    reads = ("changed", "loss_level", "loss_start")
 
     def __init__(self, *, probes: int = FROZEN_PROBES) -> None:
         super().__init__()
@@ -43,6 +43,8 @@ class PredictionsMonitor(Monitor):
         self._ever_changed = False  # once predictions moved, the weights that are served are being trained
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
+        if not self.start_known:
+            return []  # resumed without a saved state: whether predictions moved before is not known
         start = values.get("loss_start", values.get("loss_level"))
         if self.first_loss is None and start is not None:
             self.first_loss = float(start)

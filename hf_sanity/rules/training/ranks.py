@@ -31,7 +31,7 @@ RELATIVE_TOLERANCE = 1e-6  # replicas are bit-identical; this only absorbs a red
 @monitor
 class RankMonitor(Monitor):
     rules = (RANKS_DIVERGED,)
-    reads = ("checksum_max",)
+    reads = ("checksum_max", "checksum_min", "names")
 
     def __init__(self, world_size: int = 1) -> None:
         super().__init__()

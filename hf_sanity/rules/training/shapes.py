@@ -51,7 +51,7 @@ def shape_findings(
 @monitor
 class ShapeMonitor(Monitor):
     rules = (SHAPE_MISMATCH,)
-    reads = ("shapes",)
+    reads = ("shapes", "logits_shape")
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         if values.get("shapes") is None:

@@ -69,6 +69,8 @@ class Step0Monitor(Monitor):
             return []
         if ratio is not None and ratio < SCALED:
             return []  # the model itself starts that high: the first-batch check reports it with its cause
+        if ratio is None and not self.start_known:
+            return []  # a resumed run's model is trained: chance alone says nothing of its loss
         return self.fire(
             INIT_LOSS_OFF_CHANCE,
             f"the first step's loss {fmt(loss)} is far above chance ln(V)={math.log(self.vocab_size):.2f}"

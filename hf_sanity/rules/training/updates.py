@@ -49,8 +49,10 @@ LR_ZERO = define(
     stage="training",
     objectives=ANY,
     symptom="Training runs but the model never changes (or stops changing early).",
-    detects="The learning rate is 0 at a training step (outside the first warmup step): warmup or decay "
-    "misconfigured, or the schedule decayed to 0 early.",
+    detects="The learning rate is 0 at a training step: warmup or decay misconfigured, or the schedule decayed "
+    "to 0 early. At the first step a process trains (step 1, or the first after a resume) it is confirmed by the "
+    "next step: a warmup starts at 0, and a schedule that ended at 0 leaves its 0 for the first step of a run "
+    "resumed with more steps.",
     fix="Check learning_rate, warmup_steps/ratio and the scheduler's num_training_steps (max_steps vs epochs).",
 )
 
@@ -163,7 +165,7 @@ class UpdateMonitor(Monitor):
     def __init__(
         self,
         *,
-        warmup_steps: int = 0,
+        warmup_steps: int | None = 0,
         flat_steps: int = FLAT_STEPS,
         low_measures: int = LOW_MEASURES,
         vocab_size: int | None = None,
@@ -180,6 +182,11 @@ class UpdateMonitor(Monitor):
         self._blowup: int | None = None  # the first step whose loss stood above the divergence threshold
         self._threshold: float | None = None  # ... set once the starting steps are in
         self._low: list[tuple[int, float, float]] = []  # (step, ratio, lr) of consecutive low measurements
+        self._lr_zero_from: int | None = None  # the first step of the current run of steps at LR 0
+        self._lr: float | None = None  # the last LR seen ...
+        self._lr_rose_at: int | None = (
+            None  # ... and the last step it rose: warmup, when its length is unknown
+        )
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup) -> UpdateMonitor:
@@ -188,17 +195,46 @@ class UpdateMonitor(Monitor):
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         out: list[Finding] = []
         lr = values.get("lr")
-        if lr is not None and lr == 0 and not (step == 1 and self.warmup_steps > 0):
-            out += self.fire(
-                LR_ZERO,
-                f"the learning rate is 0 at step {step}"
-                + (" (after warmup)" if self.warmup_steps else " (no warmup is configured)"),
-                step=step,
-                evidence={"lr": lr, "warmup_steps": self.warmup_steps},
-            )
+        if lr is not None:
+            out += self._lr_zero(step, float(lr))
         out += self._flat(step, values)
         out += self._too_low(step, values)
         return out
+
+    def _lr_zero(self, step: int, lr: float) -> list[Finding]:
+        """LR 0 at a step. At the first step this process trains (step 1, or the first after a resume) it is
+        judged with the next step: a warmup starts at 0, and a schedule that ended at 0 leaves its 0 in the
+        optimizer for the first step of a run resumed with more steps; both move on."""
+        if self._lr is not None and lr > self._lr:
+            self._lr_rose_at, self._low = step, []  # still warming up: low updates so far say nothing
+        self._lr = lr
+        if lr != 0:
+            self._lr_zero_from = None
+            return []
+        if self._lr_zero_from is None:
+            self._lr_zero_from = step
+        if step == self.first_step:
+            return []
+        first = self._lr_zero_from
+        when = {None: "", 0: " (no warmup is configured)"}.get(self.warmup_steps, " (after warmup)")
+        return self.fire(
+            LR_ZERO,
+            f"the learning rate is 0 at step {first}{when}"
+            + (f" (steps {first}-{step})" if step > first else ""),
+            step=first,
+            evidence={
+                "lr": lr,
+                "warmup_steps": self.warmup_steps,
+                "first_step": first,
+                "confirmed_step": step,
+            },
+        )
+
+    def _after_warmup(self, step: int) -> bool:
+        """``step`` is past the warmup: its known length, or, unknown, the last step the LR rose."""
+        if self.warmup_steps is not None:
+            return step > self.warmup_steps
+        return self._lr_rose_at is None or step > self._lr_rose_at
 
     def _flat(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         if LOSS_FLAT.slug in self.fired:
@@ -246,8 +282,10 @@ class UpdateMonitor(Monitor):
     def _flat_curve(self, step: int) -> list[Finding]:
         """The gradient path is intact but the loss stays where it started (or where a divergence left it)."""
         # The last steps after warmup (the losses come in step order: the tail, when its first is past warmup).
+        if not self.start_known:
+            return []  # resumed without a saved state: where the loss started is not known
         window = self._losses[-ONLINE_FLAT_STEPS:]
-        if len(window) < ONLINE_FLAT_STEPS or window[0][0] <= self.warmup_steps:
+        if len(window) < ONLINE_FLAT_STEPS or not self._after_warmup(window[0][0]):
             return []
         first = window[0][0]
         diverged = self._diverged_before(first) is not None
@@ -325,7 +363,7 @@ class UpdateMonitor(Monitor):
 
     def _too_low(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         ratio, lr = values.get("update_ratio"), values.get("lr")
-        if ratio is None or not math.isfinite(ratio) or step <= self.warmup_steps:
+        if ratio is None or not math.isfinite(ratio) or not self._after_warmup(step):
             return []
         if ratio <= 0 or (lr is not None and lr == 0):
             return []  # no update at all is loss-flat (no-update / lr-zero), not a small one
@@ -397,7 +435,7 @@ class SetupMonitor(Monitor):
     optimizer to look at, or a sharded one)."""
 
     rules = (NO_TRAINABLE_PARAMS, OPTIMIZER_MISSING_PARAMS)
-    reads = ("trainable",)
+    reads = ("trainable", "total_params", "in_optimizer")
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         if "trainable" not in values:
