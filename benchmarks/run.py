@@ -1,6 +1,6 @@
 """`make bench`: every benchmark of hf-sanity, printed as tables (figures go to docs/benchmarks.md).
 
-python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs]
+python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat (a smoke run)")
     parser.add_argument(
-        "--only", choices=["preflight", "model", "callback", "overfit", "outputs"], default=None
+        "--only", choices=["preflight", "model", "callback", "overfit", "outputs", "preference"], default=None
     )
     args = parser.parse_args()
     print(f"machine: {machine()}\n")
@@ -97,6 +97,17 @@ def main() -> None:
         print(table(rows), "\n")
         rows = outputs_speed.calibration(seeds=(0,) if args.quick else (0, 1, 2))
         print("hf-sanity outputs: share of generations each rule judges faulty (clean vs planted fixtures)")
+        print(table(rows), "\n")
+    if args.only in (None, "preference"):
+        from benchmarks import preference_speed
+
+        rows = preference_speed.preparation(
+            sizes=(200,) if args.quick else (500, 2_000), repeats=1 if args.quick else 3
+        )
+        print("preflight(trainer=DPOTrainer) vs the trainer's own preparation of the same pairs (seconds)")
+        print(table(rows), "\n")
+        rows = preference_speed.callback(steps=10 if args.quick else 40, pairs=1 if args.quick else 4)
+        print("SanityCallback on a DPO run: whole train() wall time with and without it (ABBA pairs)")
         print(table(rows), "\n")
 
 

@@ -26,6 +26,8 @@ from hf_sanity.measure.formats import extract_prompt, is_conversational
 
 # TRL's defaults (1.16), for rows checked without a trainer.
 DEFAULT_MAX_LENGTH = 1024
+SCRIPT_SAMPLE = 256  # pairs whose completions are decoded for their script
+PREFIX_SAMPLE = 64  # rows re-tokenized for TRL's prompt-prefix condition (a template's way: the same for every row)
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
@@ -87,7 +89,7 @@ class Pairs:
     dropped_too_long: int = 0  # reward pairs dropped by TRL: a side longer than max_length
     # Per pair: TRL's "tokenized prompt is not a prefix of the tokenized prompt+completion" (None: not measured)
     prefix_mismatch: np.ndarray | None = None
-    chosen_script: list[str] = field(default_factory=list)  # per pair, from the decoded completion
+    chosen_script: list[str] = field(default_factory=list)  # the first pairs', from the decoded completion
     rejected_script: list[str] = field(default_factory=list)
     leaked: np.ndarray | None = (
         None  # the completion repeats the user/system turn (conversational, with prompt)
@@ -150,8 +152,9 @@ def measure_pairs(
         cols["re"].append(_ends(r, rk, truncation_mode, ends))
         cols["bos"].append(bos_id is not None and len(p) >= 2 and p[0] == bos_id and p[1] == bos_id)
         cols["gp"].append(bool(header_ids) and _opens_with(c, header_ids) and _opens_with(r, header_ids))
-    scripts_c = [script_of(decode(c)) for c in chosen] if decode is not None else []
-    scripts_r = [script_of(decode(r)) for r in rejected] if decode is not None else []
+    # Scripts from the first pairs only: decoding is the cost, and a share needs no more.
+    scripts_c = [script_of(decode(c)) for c in chosen[:SCRIPT_SAMPLE]] if decode is not None else []
+    scripts_r = [script_of(decode(r)) for r in rejected[:SCRIPT_SAMPLE]] if decode is not None else []
     as_int = lambda key: np.asarray(cols[key], dtype=np.int64)  # noqa: E731
     as_bool = lambda key: np.asarray(cols[key], dtype=bool)  # noqa: E731
     return Pairs(
@@ -296,6 +299,12 @@ def chosen_rows(prompts, chosen) -> list[dict[str, list[int]]]:
     ]
 
 
+def read_columns(data, *names: str) -> list[list]:
+    """Whole columns of a dataset as Python lists, read in one pass (iterating ``data[name]`` reads row by row)."""
+    table = data.select_columns(list(names)).to_dict()
+    return [table[name] for name in names]
+
+
 def trainer_pair_ids(trainer, *, reward: bool):
     """(prompts, chosen, rejected, max_length, truncation_mode, precut) as the trainer's dataset preparation wrote
     them: DPO's ``prompt_ids``/``chosen_ids``/``rejected_ids`` (cut later by its collator), the reward trainer's
@@ -314,14 +323,15 @@ def trainer_pair_ids(trainer, *, reward: bool):
             chosen.append(ids[n:])
             rejected.append(other[n:])
         return prompts, chosen, rejected, None, "keep_start", True
-    chosen, rejected = data["chosen_ids"], data["rejected_ids"]
+    chosen, rejected = read_columns(data, "chosen_ids", "rejected_ids")
     if reward or "prompt_ids" not in columns:  # one sequence per side: the prompt is what both share
         prompts = [c[: common_prefix(c, r)] for c, r in zip(chosen, rejected)]
         chosen = [c[len(p) :] for c, p in zip(chosen, prompts)]
         rejected = [r[len(p) :] for r, p in zip(rejected, prompts)]
         return prompts, chosen, rejected, None, "keep_start", False
     mode = getattr(args, "truncation_mode", "keep_start") or "keep_start"
-    return data["prompt_ids"], chosen, rejected, getattr(args, "max_length", None), mode, False
+    (prompts,) = read_columns(data, "prompt_ids")
+    return prompts, chosen, rejected, getattr(args, "max_length", None), mode, False
 
 
 def pairs_from_trainer(trainer, *, tokenizer, markers, reward: bool, sample: int) -> tuple[Pairs, list[dict]]:
@@ -334,7 +344,7 @@ def pairs_from_trainer(trainer, *, tokenizer, markers, reward: bool, sample: int
     # `chosen`): TRL's "tokenized prompt is not a prefix" condition (a sample: it re-tokenizes them) and the
     # completions that repeat the prompt.
     as_given = not reward and {"prompt", "chosen", "rejected"} <= set(data.column_names)
-    raw = [data[i] for i in range(min(sample, len(data)))] if as_given else []
+    raw = [data[i] for i in range(min(sample, PREFIX_SAMPLE, len(data)))] if as_given else []
     mismatch = (
         np.asarray([tokenize_pair(tokenizer, row)[3] for row in raw], dtype=bool)
         if raw and not precut
@@ -343,7 +353,7 @@ def pairs_from_trainer(trainer, *, tokenizer, markers, reward: bool, sample: int
     leaked = np.asarray([leaks_prompt(row) for row in raw], dtype=bool) if raw else None
     same_text = None
     if precut and {"chosen", "rejected"} <= set(data.column_names):
-        same_text = np.asarray([c == r for c, r in zip(data["chosen"], data["rejected"])], dtype=bool)
+        same_text = np.asarray([c == r for c, r in zip(*read_columns(data, "chosen", "rejected"))], dtype=bool)
     dropped = (given - len(data)) if given is not None else 0
     pairs = measure_pairs(
         prompts, chosen, rejected, max_length=max_length, truncation_mode=mode,
@@ -401,8 +411,8 @@ def unpaired_from_trainer(trainer) -> tuple[Unpaired, list[dict]]:
     """KTO's rows as its trainer prepared them, in the order its sequential sampler draws them."""
     data = trainer.train_dataset
     args = trainer.args
-    label = np.asarray(data["label"], dtype=bool)
-    prompts, completions = data["prompt_ids"], data["completion_ids"]
+    label_column, prompts, completions = read_columns(data, "label", "prompt_ids", "completion_ids")
+    label = np.asarray(label_column, dtype=bool)
     source, given = source_rows(data)
     sequential = getattr(args, "train_sampling_strategy", "sequential") == "sequential"
     unpaired = Unpaired(

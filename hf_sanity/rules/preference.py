@@ -197,7 +197,7 @@ def separability(pairs) -> dict[str, float]:
         "only-chosen-ends": float((pairs.chosen_ends & ~pairs.rejected_ends).mean()),
         "only-rejected-ends": float((pairs.rejected_ends & ~pairs.chosen_ends).mean()),
     }
-    if pairs.chosen_script and pairs.rejected_script:
+    if pairs.chosen_script and pairs.rejected_script:  # measured on the first pairs
         c, r = np.asarray(pairs.chosen_script), np.asarray(pairs.rejected_script)
         for script in set(pairs.chosen_script) - {""}:
             out[f"chosen-is-{script.lower()}"] = float(((c == script) & (r != script)).mean())
