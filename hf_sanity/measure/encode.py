@@ -36,7 +36,10 @@ def dropped_content(messages: list[dict[str, Any]], first: int, full: str) -> di
     """What of the messages the rendered conversation does not carry, in characters: a template that strips
     reasoning (DeepSeek-R1 keeps only what follows ``</think>``) or drops tool calls trains on less than the
     data holds. Lines are compared stripped (templates trim whitespace), so only content that is gone counts."""
-    out = {"n_dropped_supervised": 0, "n_supervised_chars": 0, "n_dropped_other": 0, "dropped_text": ""}
+    out = {
+        "n_dropped_supervised": 0, "n_supervised_chars": 0, "n_dropped_other": 0, "n_dropped_system": 0,
+        "dropped_text": "",
+    }  # fmt: skip
     for j, message in enumerate(messages):
         supervised = message.get("role") == "assistant" and j >= first
         pieces = [message["content"]] if isinstance(message.get("content"), str) else []
@@ -55,8 +58,26 @@ def dropped_content(messages: list[dict[str, Any]], first: int, full: str) -> di
             if not lost:
                 continue
             out["n_dropped_supervised" if supervised else "n_dropped_other"] += lost
+            out["n_dropped_system"] += lost if message.get("role") == "system" else 0
             out["dropped_text"] = out["dropped_text"] or "\n".join(gone)[:200]
     return out
+
+
+def system_merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with its system turns merged into the first user turn (``system\n\nuser``), as
+    templates without a system role expect it; None without a system turn or a user turn after it."""
+    system = [m for m in messages if isinstance(m, dict) and m.get("role") == "system"]
+    if not system or not all(isinstance(m.get("content"), str) for m in system):
+        return None
+    rest = [m for m in messages if not (isinstance(m, dict) and m.get("role") == "system")]
+    first_user = next(
+        (i for i, m in enumerate(rest) if isinstance(m, dict) and m.get("role") == "user"), None
+    )
+    if first_user is None or not isinstance(rest[first_user].get("content"), str):
+        return None
+    prefix = "\n\n".join(m["content"] for m in system)
+    rest[first_user] = {**rest[first_user], "content": f"{prefix}\n\n{rest[first_user]['content']}"}
+    return rest
 
 
 def _rendered(text: str, full: str) -> bool:
@@ -160,6 +181,10 @@ MEASURES: dict[str, Any] = {
     "n_dropped_supervised": 0,  # characters of trained messages the chat template does not render
     "n_supervised_chars": 0,
     "n_dropped_other": 0,  # ... of the other messages
+    "n_dropped_system": 0,  # ... of them, of system messages
+    # The chat template rejected the row, and renders it once its system turn is merged into the first user
+    # turn: the template has no system role (Mistral's raises on one).
+    "system_refused": False,
     "dropped_text": "",  # the first text the template dropped
 }
 
@@ -298,6 +323,7 @@ class Encoder:
         out: list[dict[str, Any] | None] = [None] * len(rows)
         pending: list[tuple[int, list[dict], int, dict, str]] = []
         for k, row in enumerate(rows):
+            conversation = None
             try:
                 conversation = self._conversation(row)
                 if conversation is None:
@@ -312,6 +338,7 @@ class Encoder:
                     pending.append((k, messages, first, kwargs, full))
             except Exception as exc:  # the template rejected this row: a data problem
                 out[k] = self.failed(f"{type(exc).__name__}: {exc}")
+                out[k]["system_refused"] = self._refuses_system(conversation)
         if pending:
             texts = [text for *_, text in pending]
             ids = offsetless_ids(self.tokenizer, texts) if self.fast_ids else None
@@ -364,6 +391,21 @@ class Encoder:
             **dropped_content(messages, first, full),
         )
         return self._finish(out)
+
+    def _refuses_system(self, conversation) -> bool:
+        """The template that rejected ``conversation`` renders it with its system turn merged into the first
+        user turn."""
+        if not isinstance(conversation, tuple):
+            return False
+        messages, _, kwargs = conversation
+        merged = system_merged(messages)
+        if merged is None:
+            return False
+        try:
+            self.tokenizer.apply_chat_template(merged, tokenize=False, **kwargs)
+        except Exception:
+            return False
+        return True
 
     def _exact_spans(
         self, messages, first, full, ids, offsets, kwargs=None
@@ -645,7 +687,9 @@ class Encoder:
         row["leak"], row["leak_after"] = out.get("leak", (0.0, -1))
         row["n_echo"] = out.get("echo", 0)
         row["text_families"] = out.get("families", [])
-        for key in ("n_dropped_supervised", "n_supervised_chars", "n_dropped_other", "dropped_text"):
+        for key in (
+            "n_dropped_supervised", "n_supervised_chars", "n_dropped_other", "n_dropped_system", "dropped_text"
+        ):  # fmt: skip
             row[key] = out.get(key, MEASURES[key])
         return row
 
