@@ -158,6 +158,9 @@ MEASURES: dict[str, Any] = {
     "n_completion_unsupervised": 0,
     "n_completion_cut": 0,
     "arrived_cut": False,  # the row came cut at arrived_cut_at, inside a completion (how much is unknown)
+    # ... or before a later turn's answer: the cut left a turn after the last complete answer, and none of its
+    # answer's tokens (multi-turn rows TRL keeps, since earlier answers still carry loss).
+    "arrived_turn_lost": False,
     "n_prompt_supervised": -1,  # -1: turns could not be located
     "n_eot_missing": 0,
     "n_eot_unsupervised": 0,
@@ -649,6 +652,9 @@ class Encoder:
                 eot_unsup += 1
         if not trained_any and n_supervised > 0:  # loss somewhere, but on no completion at all
             n_completion_unsup += untrained_width
+        turn_lost = bool(cut_at and n >= cut_at and located and spans and not arrived_cut) and any(
+            i not in self.markers.whitespace_ids for i in ids[spans[-1].end :]
+        )
         leading_bos = 0
         bos = self.tokenizer.bos_token_id
         while bos is not None and leading_bos < n and ids[leading_bos] == bos:
@@ -669,6 +675,7 @@ class Encoder:
             "n_completion_unsupervised": n_completion_unsup,
             "n_completion_cut": n_completion_cut,
             "arrived_cut": arrived_cut,
+            "arrived_turn_lost": turn_lost,
             "n_prompt_supervised": n_supervised - sup_in_turns if located else -1,
             "n_eot_missing": eot_missing,
             "n_eot_unsupervised": eot_unsup,
