@@ -142,6 +142,11 @@ class EncodeOptions:
     # The rows arrive already cut at this length (a trainer's max_length, keeping the start): a row this long
     # whose last completion has no end-of-turn lost its end to truncation, not to a masking bug.
     arrived_cut_at: int | None = None
+    # The rows are pieces of a packed stream of examples, cut every this many tokens (TRL's "wrapped" or
+    # "bfd_split" packing): a row may start inside an answer begun in the row before, and a row this long may
+    # end inside one that the next row continues. Neither is a missing end of turn, a prompt in the loss or a
+    # truncation.
+    packed_cut_at: int | None = None
 
 
 # Every column the encoder writes, with its empty value (for rows that cannot be encoded).
@@ -161,6 +166,9 @@ MEASURES: dict[str, Any] = {
     # ... or before a later turn's answer: the cut left a turn after the last complete answer, and none of its
     # answer's tokens (multi-turn rows TRL keeps, since earlier answers still carry loss).
     "arrived_turn_lost": False,
+    # The row is a piece of a longer example cut by the packing (see ``EncodeOptions.packed_cut_at``): it
+    # starts inside one or runs to the cut. Example-level rules (duplicates, an example without loss) skip it.
+    "piece": False,
     "n_prompt_supervised": -1,  # -1: turns could not be located
     "n_eot_missing": 0,
     "n_eot_unsupervised": 0,
@@ -513,13 +521,38 @@ class Encoder:
         labels = [int(x) for x in labels] if user_labels else list(ids)
         if len(labels) != len(ids):
             return self.failed(f"labels has {len(labels)} entries for {len(ids)} input_ids")
-        spans = self.markers.locate(ids) if self.markers.locatable else []
+        turns = self.markers.locate(ids) if self.markers.locatable else []
+        packed_at = self.options.packed_cut_at
+        spans = (self._continued(ids, labels) if packed_at else []) + turns
         out = self.measure(
             ids, labels, spans or [self._whole(ids)], user_labels=user_labels, located=bool(spans)
         )
+        out["piece"] = bool(packed_at) and (len(ids) >= packed_at or not self._opens_turn(ids))
         out["hash"] = stable_hash(" ".join(map(str, ids)))
-        out["gp"] = self._missing_extras(ids, spans)
+        out["gp"] = self._missing_extras(ids, turns)
         return self._finish(out)
+
+    def _continued(self, ids: Sequence[int], labels: Sequence[int]) -> list[Span]:
+        """The end of an answer a packed row starts with (begun in the row before it), as a completion: the
+        tokens up to the first end of turn, when that comes before any assistant header and the row does not
+        open with a turn of its own (BOS, a turn-start marker); it starts at its first supervised token (what
+        comes before is the rest of its header, cut by the packing). [] otherwise."""
+        eot, header = self.markers.end_of_turn, self.markers.assistant_header
+        if not eot or not header or self._opens_turn(ids):
+            return []
+        stop = find_sequence(ids, eot, 0, len(ids))
+        at_header = find_sequence(ids, header, 0, len(ids))
+        if stop < 0 or (0 <= at_header <= stop):
+            return []  # no end of turn, or it closes a user turn (the header starts with it)
+        start = next((i for i in range(stop) if labels[i] != IGNORE_INDEX), 0)
+        return [self._close(ids, start, len(ids), lead=0)]
+
+    def _opens_turn(self, ids: Sequence[int]) -> bool:
+        """The row starts where an example or a turn starts: with BOS or a turn-start marker."""
+        first = ids[0] if len(ids) else None
+        return first == self.tokenizer.bos_token_id or (
+            first in self.markers.turn_marker_ids and first not in self.markers.stop_ids
+        )
 
     def _missing_extras(self, ids: Sequence[int], spans: list[Span]) -> tuple[int, int]:
         """Located turns of a pre-rendered sequence that do not start with the generation prompt's tokens
@@ -532,6 +565,8 @@ class Encoder:
         served = None
         for span in spans:
             if tuple(ids[span.lead : span.lead + len(prompt)]) == prompt:
+                continue
+            if span.lead + len(prompt) > len(ids):  # the row ends inside the turn's start: nothing to compare
                 continue
             served = self.tokenizer.decode(list(prompt)) if served is None else served
             if self.tokenizer.decode(list(ids[span.lead : span.lead + len(prompt) + 2])).startswith(served):
@@ -625,6 +660,7 @@ class Encoder:
         trained_any = False
         untrained_width = 0
         cut_at = self.options.arrived_cut_at
+        packed_at = self.options.packed_cut_at
         arrived_cut = False
         for span in spans:
             width = span.stop - span.start
@@ -633,6 +669,8 @@ class Encoder:
             if not ends and cut_at and n >= cut_at and span.end == n:
                 arrived_cut = True  # its end-of-turn was past the cut: truncated-completion's, not missing
                 ends = None
+            elif not ends and packed_at and (n >= packed_at or not located) and span.end == n:
+                ends = None  # the packing cut it here (the next row goes on with it), or a piece of text
             content_stop = last if ends else span.stop
             masked = labels[span.start : content_stop].count(ignore)
             n_completion += width
@@ -648,7 +686,7 @@ class Encoder:
                 continue
             trained_any = True
             n_completion_unsup += masked
-            if ends and last < kept and labels[last] == ignore:
+            if ends and 0 < last < kept and labels[last] == ignore:  # position 0 is never a target (shift)
                 eot_unsup += 1
         if not trained_any and n_supervised > 0:  # loss somewhere, but on no completion at all
             n_completion_unsup += untrained_width

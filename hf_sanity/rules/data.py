@@ -78,8 +78,9 @@ DUPLICATE_EXAMPLES = define(
 
 @DUPLICATE_EXAMPLES.check
 def check_duplicates(ctx):
-    hashes = ctx.col("hash")[ctx.valid]
-    rows = np.flatnonzero(ctx.valid)
+    whole = ctx.valid & ~ctx.col("piece").astype(bool)  # pieces cut by a packing are not examples
+    hashes = ctx.col("hash")[whole]
+    rows = np.flatnonzero(whole)
     _, first_index, counts = np.unique(hashes, return_index=True, return_counts=True)
     repeats = np.delete(rows, first_index)  # every row that repeats an earlier one: the rows to drop
     duplicates = len(hashes) - len(first_index)
