@@ -64,7 +64,7 @@ def dropped_content(messages: list[dict[str, Any]], first: int, full: str) -> di
 
 
 def system_merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """The conversation with its system turns merged into the first user turn (``system\n\nuser``), as
+    """The conversation with its system turns merged into the first user turn (``system\\n\\nuser``), as
     templates without a system role expect it; None without a system turn or a user turn after it."""
     system = [m for m in messages if isinstance(m, dict) and m.get("role") == "system"]
     if not system or not all(isinstance(m.get("content"), str) for m in system):
