@@ -51,13 +51,39 @@ def test_a_model_that_never_stops_exits_1_with_the_side_by_side_in_every_format(
     assert '<table class="sidebyside"' in page.read_text()
 
 
-def test_stray_markers_of_a_model_saved_with_another_tokenizer(held_out):
+@pytest.mark.planted("never-stops")
+@pytest.mark.parametrize("variant", ["eos-masked", "pad-eos"])
+def test_a_model_served_with_its_own_template_that_never_stops_did_not_learn_its_end_of_turn(
+    held_out, tmp_path, variant
+):
+    """The classic pad == EOS bug, trained and served with the same template: a model that runs on into its
+    own next turn (`pad-eos` writes `<|im_start|>user ...`) is eos-not-learned, and the fix does not tell the
+    user to stop on `<|im_start|>` (which would hide the bug)."""
+    out = tmp_path / "outputs.json"
+    result = cli(
+        "outputs", "--model", trained_model_dir(variant), "--dataset", held_out, "--max-new-tokens", "64",
+        "--select", "never-stops", "--json", out,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    (finding,) = json.loads(out.read_text())["findings"]
+    assert finding["evidence"]["cause"] == "eos-not-learned"
+    assert "eos_token_id" not in finding["fix"] and "eos-not-learned" in finding["fix"]
+    if variant == "pad-eos":  # it writes its own template's turn-start marker in most generations
+        assert finding["evidence"]["markers_written"]["<|im_start|>"] >= 8
+        assert "runs on into the next turn" in finding["message"]
+
+
+def test_stray_markers_of_a_model_saved_with_another_tokenizer(held_out, tmp_path):
+    out = tmp_path / "outputs.json"
     result = cli(
         "outputs", "--model", trained_model_dir("wrong-template"), "--dataset", held_out,
-        "--max-new-tokens", "48", "--select", "outputs",
+        "--max-new-tokens", "48", "--select", "outputs", "--json", out,
     )  # fmt: skip
     assert result.returncode == 1, result.stdout + result.stderr
     assert "stray-markers-in-output" in result.stdout and "<|im_end|>" in result.stdout
+    # It writes the end of turn of the template it was trained with (ChatML), not of the served one (Llama-3).
+    never = next(f for f in json.loads(out.read_text())["findings"] if f["rule"] == "never-stops")
+    assert never["evidence"]["cause"] == "template-mismatch" and "'<|im_end|>'" in never["fix"]
     # Rendered with the tokenizer it was trained with, it answers and stops.
     clean = cli(
         "outputs", "--model", trained_model_dir("wrong-template"), "--dataset", held_out,

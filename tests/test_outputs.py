@@ -253,6 +253,18 @@ def test_never_stops_threshold_and_long_references():
     assert fired(rules.never_stops, gens(*stopping, *long)) == []
 
 
+def test_never_stops_names_the_served_templates_own_next_turn_eos_not_learned():
+    """Generations that run on into the served template's own next turn (`<|im_start|>user`) did not learn
+    the end of turn; only another template's markers make the cause template-mismatch."""
+    own = [sample(i, ids=[5] * 16, stop=LENGTH, raw="Paris.\n<|im_start|>user\nAnd Rome?") for i in range(4)]
+    (finding,) = fired(rules.never_stops, gens(*own))
+    assert finding.evidence["cause"] == "eos-not-learned" and "eos_token_id" not in finding.fix
+    assert finding.evidence["markers_written"] == {"<|im_start|>": 4} and "next turn" in finding.message
+    foreign = [sample(i, ids=[5] * 16, stop=LENGTH, raw="Paris.[INST] And Rome?") for i in range(4)]
+    (finding,) = fired(rules.never_stops, gens(*foreign))
+    assert finding.evidence["cause"] == "template-mismatch" and "'[INST]'" in finding.fix
+
+
 def test_restating_the_question_is_not_an_echo():
     restated = [
         sample(0, prompt="What is the capital of France?", text="The capital of France is Paris."),

@@ -7,9 +7,10 @@ import pytest
 import torch
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
+from conftest import real_tokenizer
 from hf_sanity.callback import SanityCallback
 from hf_sanity.drivers.preflight import preflight
-from hf_sanity.testing import as_prompt_completion, demo_conversations, tiny_setup
+from hf_sanity.testing import as_prompt_completion, demo_conversations, tiny_model_for, tiny_setup
 
 ATTENTION_RULES = ["padding-attended", "tokens-masked-out", "left-padding-shifts-positions"]
 
@@ -96,6 +97,59 @@ def test_a_mask_built_from_token_ids_when_pad_is_eos(tmp_path):
     found = findings(preflight(trainer=trainer, use_config=False))
     assert "tokens-masked-out" in found and "internal-error" not in found
     assert found["tokens-masked-out"].evidence["positions"] >= 4  # one end-of-turn per conversation, at least
+    assert found["tokens-masked-out"].evidence["cause"] == "content-hidden"
+
+
+def supervised_rows(tok, n=16):
+    """Conversations as {input_ids, labels} (loss on the assistant turns), unpadded."""
+    from hf_sanity.testing.trained import supervised_labels
+
+    rows = [supervised_labels(tok, r["messages"]) for r in demo_conversations(n)]
+    return datasets.Dataset.from_list([{"input_ids": ids, "labels": labels} for ids, labels in rows])
+
+
+def pad_labels_with_pad_id(tok):
+    """A hand-written collator: input_ids right-padded with the pad id and attention_mask 0 there (right), and
+    the labels padded with the pad id too (the bug: -100 was meant)."""
+
+    def collate(examples):
+        width = max(len(e["input_ids"]) for e in examples)
+        pad = tok.pad_token_id
+
+        def padded(key, value):
+            return torch.tensor([e[key] + [value] * (width - len(e[key])) for e in examples])
+
+        mask = torch.tensor(
+            [[1] * len(e["input_ids"]) + [0] * (width - len(e["input_ids"])) for e in examples]
+        )
+        return {
+            "input_ids": padded("input_ids", pad),
+            "labels": padded("labels", pad),
+            "attention_mask": mask,
+        }
+
+    return collate
+
+
+@pytest.mark.planted("tokens-masked-out")
+@pytest.mark.parametrize("name", ["smollm2-instruct", "qwen2.5-instruct"])
+def test_labels_padded_with_the_pad_id_are_the_labels_fault_not_the_masks(tmp_path, name):
+    """The collator pads the labels with the pad id instead of -100: the attention mask is right, the padding
+    carries loss. Named as such before training and at the first step, and the fix is about the labels."""
+    tok = real_tokenizer(name)
+    model = tiny_model_for(tok)
+    watch = SanityCallback(use_config=False, print_findings=False, select=ATTENTION_RULES)
+    trainer = Trainer(model=model, args=args(tmp_path, remove_unused_columns=False), train_dataset=supervised_rows(tok),
+                      data_collator=pad_labels_with_pad_id(tok), processing_class=tok, callbacks=[watch])  # fmt: skip
+    before = findings(preflight(trainer=trainer, use_config=False))
+    trainer.train()
+    for found in (before, findings(watch.report)):
+        assert set(found) == {"tokens-masked-out"}
+        finding = found["tokens-masked-out"]
+        assert finding.evidence["cause"] == "labels-padded"
+        assert finding.evidence["padding_labels"] == {str(tok.pad_token_id): finding.evidence["positions"]}
+        assert "-100" in finding.fix and "label_pad_token_id" in finding.fix
+        assert "Build attention_mask" not in finding.fix
 
 
 @pytest.mark.planted("left-padding-shifts-positions")

@@ -1,10 +1,14 @@
 """Data rules: each planted bug triggers its rule; the clean demo data triggers none."""
 
+import json
+
 import datasets
 import pytest
 
-from helpers import extractive_qa, run
-from hf_sanity.testing import as_prompt_completion
+from conftest import real_tokenizer
+from helpers import cli, extractive_qa, run
+from hf_sanity.measure.encode import system_merged
+from hf_sanity.testing import as_prompt_completion, tiny_model_for
 
 
 @pytest.mark.clean("data")
@@ -27,6 +31,41 @@ def test_bad_input_values_lists_rows_and_reasons(chatml, conversations):
     assert finding.evidence["rows"] == [2, 5, 7]
     assert finding.message.startswith("3 of 10 rows")
     assert any("unknown role" in reason for reason in finding.evidence["reasons"])
+    assert "cause" not in finding.evidence
+
+
+@pytest.mark.slow
+@pytest.mark.planted("bad-input-values")
+def test_mistral_refuses_the_system_turn_and_the_fix_merges_it(tmp_path, conversations):
+    """`hf-sanity preflight` with Mistral Instruct's tokenizer on conversations of which a third open with a
+    system turn: its template raises on them. The cause is the system role the template refuses, and the fix
+    merges the system prompt into the first user turn instead of dropping a third of the data."""
+    tok = real_tokenizer("mistral-instruct")
+    model_dir, data, out = tmp_path / "model", tmp_path / "train.jsonl", tmp_path / "report.json"
+    tiny_model_for(tok).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data.write_text("\n".join(json.dumps(r) for r in conversations) + "\n")
+    result = cli("preflight", "--model", model_dir, "--dataset", data, "--json", out, "--select", "data")
+    assert result.returncode == 1, result.stdout + result.stderr
+    (finding,) = json.loads(out.read_text())["findings"]
+    with_system = [i for i, r in enumerate(conversations) if r["messages"][0]["role"] == "system"]
+    assert finding["rule"] == "bad-input-values" and finding["evidence"]["cause"] == "system-role-refused"
+    assert finding["evidence"]["system_refused"] == finding["evidence"]["count"] == len(with_system)
+    assert "merge the system prompt into the first user turn" in finding["fix"]
+    assert "Drop or repair" not in finding["fix"]
+    merged = [{"messages": system_merged(r["messages"]) or r["messages"]} for r in conversations]
+    assert run(tok, merged, select="bad-input-values").findings == []  # the fix, applied
+
+
+@pytest.mark.planted("bad-input-values")
+def test_rows_refused_for_their_system_turn_among_other_bad_rows(conversations):
+    tok = real_tokenizer("mistral-instruct")
+    rows = [r for r in conversations[:12] if r["messages"][0]["role"] != "system"]
+    rows[1] = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]}
+    rows.append(conversations[0])  # a system turn
+    (finding,) = run(tok, rows, select="bad-input-values").findings
+    assert finding.evidence["cause"] == "system-role-refused" and finding.evidence["system_refused"] == 1
+    assert finding.evidence["count"] == 2 and "The other 1 row fails for other reasons" in finding.fix
 
 
 def test_bad_input_values_text_and_prompt_completion(chatml):

@@ -124,6 +124,62 @@ def test_answers_cut_by_sft_trainer_are_truncation_not_a_masked_eos(tmp_path, ma
     assert found["truncated-completion"].evidence["cause"] == "trainer-max-length"
 
 
+def assistant_only_trainer(tmp_path, max_length: int, callbacks=()):
+    """TRL's SFTTrainer on multi-turn conversations (every second row has two exchanges) with
+    `assistant_only_loss=True`, on the template with `{% generation %}` markers, cut at max_length."""
+    import datasets
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_sanity.testing import tiny_setup
+
+    model, tok = tiny_setup("generation")
+    data = datasets.Dataset.from_list(demo_conversations(32, multi_turn_every=2))
+    config = SFTConfig(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=8, report_to=[], save_strategy="no",
+        use_cpu=True, seed=0, disable_tqdm=True, assistant_only_loss=True, max_length=max_length,
+    )  # fmt: skip
+    trainer = SFTTrainer(
+        model=model, args=config, train_dataset=data, processing_class=tok, callbacks=list(callbacks)
+    )
+    return trainer, data
+
+
+@pytest.mark.planted("truncated-completion")
+def test_a_later_answer_removed_whole_by_sft_trainers_max_length(tmp_path):
+    """assistant_only_loss=True with max_length=40: the cut removes the last answer of multi-turn rows whose
+    first answer still carries loss, so TRL keeps them. Their rows end in a turn with no supervised token
+    left: caught before training and at the first step, as the trainer's cut."""
+    from hf_sanity import preflight
+    from hf_sanity.callback import SanityCallback
+
+    watch = SanityCallback(use_config=False, print_findings=False)
+    trainer, data = assistant_only_trainer(tmp_path, 40, [watch])
+    assert len(trainer.train_dataset) == len(data)  # every row keeps an answer: TRL drops none
+    before = preflight(trainer=trainer, dataset=data, use_config=False)
+    trainer.train()
+    for report in (before, watch.report):
+        found = {f.rule: f for f in report.findings if f.severity != "info"}
+        assert set(found) == {"truncated-completion"}, [f.message for f in report.findings]
+        finding = found["truncated-completion"]
+        assert finding.evidence["cause"] == "trainer-max-length" and finding.evidence["answer_lost"] > 0
+        assert "later answer" in finding.message and "max_length" in finding.fix
+    assert before.by_rule("truncated-completion")[0].severity == "error"
+
+
+@pytest.mark.clean("truncated-completion", "eos-not-learned")
+def test_sft_trainer_on_multi_turn_rows_whose_max_length_fits_is_silent(tmp_path):
+    from hf_sanity import preflight
+    from hf_sanity.callback import SanityCallback
+
+    watch = SanityCallback(use_config=False, print_findings=False, select=["truncated-completion"])
+    trainer, data = assistant_only_trainer(tmp_path, 128, [watch])
+    report = preflight(trainer=trainer, dataset=data, use_config=False)
+    assert [f.rule for f in report.findings if f.severity != "info"] == []
+    trainer.train()
+    assert watch.report.findings == []
+    assert report.stats["max_len"] == 128
+
+
 @pytest.mark.clean("truncated-completion", "eos-not-learned")
 def test_sft_trainer_whose_max_length_fits_is_silent(tmp_path):
     from hf_sanity import preflight

@@ -196,6 +196,29 @@ def test_a_template_without_tool_support_drops_the_calls():
     assert finding.severity == "error" and "get_weather" in finding.evidence["first_dropped"]
 
 
+@pytest.mark.planted("template-drops-content")
+def test_a_template_without_a_system_role_drops_the_system_prompt(conversations):
+    """Phi-3 mini's template without its system branch (its first revision had none): the system prompt of a
+    third of the conversations is silently gone. The cause and the fix name the system role."""
+    from hf_sanity.measure.encode import system_merged
+
+    tok = real_tokenizer("phi3-instruct")
+    tok.chat_template = tok.chat_template.replace(
+        "{% if message['role'] == 'system' %}{{'<|system|>\n' + message['content'] + '<|end|>\n'}}{% elif",
+        "{% if",
+    )
+    assert "system" not in tok.chat_template
+    (finding,) = run(tok, conversations, select="template-drops-content").findings
+    with_system = [i for i, r in enumerate(conversations) if r["messages"][0]["role"] == "system"]
+    assert finding.evidence["cause"] == "system-role-dropped" and finding.evidence["examples"] == len(
+        with_system
+    )
+    assert finding.severity == "warning" and "system turn" in finding.message
+    assert "Merge the system prompt into the first user turn" in finding.fix
+    merged = [{"messages": system_merged(r["messages"]) or r["messages"]} for r in conversations]
+    assert run(tok, merged, select="template-drops-content").findings == []  # the fix, applied
+
+
 @pytest.mark.parametrize(
     "name", ["qwen2.5-instruct", "llama3-instruct", "deepseek-r1-distill", "phi3-instruct"]
 )

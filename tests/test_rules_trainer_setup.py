@@ -94,6 +94,72 @@ def test_packing_without_isolation(tmp_path, model_tok):
     assert finding.evidence["position_ids"] is False and finding.evidence["max_logit_difference"] > 0
 
 
+TOKEN_RULES = {"eos-not-learned", "prompt-in-loss", "generation-prompt-mismatch", "truncated-completion",
+               "empty-loss-mask", "duplicate-examples", "completion-masked"}  # fmt: skip
+
+
+def packed_run(tmp_path, model, tok, strategy, max_length, collator=None):
+    """SFTTrainer with packing `strategy` on conversational prompt/completion rows (pad == EOS): preflight on
+    its batches, then a real run with the callback. Both reports."""
+    from hf_sanity.callback import SanityCallback
+
+    rows = as_prompt_completion(demo_conversations(48), conversational=True)
+    trainer = sft(tmp_path, model, tok, rows, packing=True, packing_strategy=strategy, max_length=max_length,
+                  max_steps=3, disable_tqdm=True)  # fmt: skip
+    if collator is not None:
+        trainer.data_collator = collator(trainer.data_collator)
+    before = preflight(trainer=trainer, use_config=False)
+    watch = SanityCallback(use_config=False, print_findings=False)
+    trainer.add_callback(watch)
+    trainer.train()
+    return before, watch.report
+
+
+def above_info(report) -> dict:
+    return {f.rule: f for f in report.findings if f.severity != "info"}
+
+
+@pytest.mark.clean("eos-not-learned", "prompt-in-loss", "empty-loss-mask", "duplicate-examples")
+@pytest.mark.parametrize("strategy, max_length", [("wrapped", 64), ("bfd_split", 32)])
+def test_answers_the_packing_splits_across_rows_are_not_unlearned_ends(
+    tmp_path, model_tok, strategy, max_length
+):
+    """TRL's "wrapped" packing cuts the stream of examples every max_length tokens, "bfd_split" splits the
+    longer examples into pieces: a row starts inside an answer begun in the row before, or ends inside one the
+    next row goes on with. That is not an end of turn without loss (pad == EOS here), a prompt in the loss, a
+    generation prompt that differs, or an example without loss; "wrapped" is packing-contamination (nothing
+    isolates the examples), and preflight and the callback agree on the rest."""
+    model, tok = model_tok
+    before, during = packed_run(tmp_path, model, tok, strategy, max_length)
+    expected = {"packing-contamination"} if strategy == "wrapped" else set()
+    assert set(above_info(before)) == expected, [f.message for f in before.findings]
+    assert set(above_info(during)) == set(), [f.message for f in during.findings]
+    assert before.stats["supervised_tokens"] > 0  # the token rules ran on rows that carry loss
+
+
+@pytest.mark.planted("eos-not-learned")
+def test_an_end_of_turn_masked_inside_packed_rows_is_still_caught(tmp_path, model_tok):
+    """The same packed run with a collator that masks every pad id (== EOS) in the labels: the ends of turn
+    inside the rows carry no loss. Caught before training and at the first step, pad == EOS named."""
+    model, tok = model_tok
+
+    class MaskPadIds:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __call__(self, examples):
+            batch = self.inner(examples)
+            batch["labels"][batch["input_ids"] == tok.pad_token_id] = -100
+            return batch
+
+    before, during = packed_run(tmp_path, model, tok, "wrapped", 64, collator=MaskPadIds)
+    for report in (before, during):
+        found = above_info(report)
+        assert found.keys() & TOKEN_RULES == {"eos-not-learned"}, [f.message for f in report.findings]
+        assert found["eos-not-learned"].evidence["pad_is_eos"] is True
+        assert found["eos-not-learned"].evidence["completions_without_end"] == 0
+
+
 @pytest.mark.planted("grad-accum-loss-scaling")
 def test_custom_loss_that_ignores_num_items(tmp_path, model_tok):
     model, tok = model_tok

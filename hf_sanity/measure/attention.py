@@ -29,6 +29,11 @@ class AttentionFacts:
     hidden: int = 0
     hidden_supervised: int = 0
     hidden_rows: list[int] = field(default_factory=list)
+    # ... of them, padding the collator added (before the first or after the last attended token) that
+    # carries loss: the mask is right there, the labels are not (padded with the pad id instead of -100).
+    padding_in_loss: int = 0
+    padding_in_loss_rows: list[int] = field(default_factory=list)
+    padding_labels: dict[int, int] = field(default_factory=dict)  # their label values, with counts
     left_padded_rows: list[int] = field(default_factory=list)
     right_padded_rows: list[int] = field(default_factory=list)
     # Rows whose position ids restart: several sequences packed in one row.
@@ -57,7 +62,8 @@ def attention_facts(batch: Mapping[str, Any], *, pad_id: int | None, end_ids, bo
     rows, width = ids.shape
     facts: dict[str, Any] = {
         "pad_seen": 0, "pad_seen_rows": [], "pad_trained": 0, "hidden": 0, "hidden_supervised": 0,
-        "hidden_rows": [], "left_padded_rows": [], "right_padded_rows": [], "packed_rows": [],
+        "hidden_rows": [], "padding_in_loss": 0, "padding_in_loss_rows": [], "padding_labels": {},
+        "left_padded_rows": [], "right_padded_rows": [], "packed_rows": [],
     }  # fmt: skip
     id_rows = ids.tolist()
     mask_rows = mask.tolist() if mask is not None else None
@@ -112,6 +118,12 @@ def _content_hidden(facts, r, keep, labs) -> None:
         facts["hidden"] += len(hidden)
         facts["hidden_supervised"] += len(supervised)
         facts["hidden_rows"].append(r)
+    padding = [i for i in supervised if i < first or i > last]
+    if padding:
+        facts["padding_in_loss"] += len(padding)
+        facts["padding_in_loss_rows"].append(r)
+        for i in padding:
+            facts["padding_labels"][labs[i]] = facts["padding_labels"].get(labs[i], 0) + 1
 
 
 def _run(row: list[int], token: int, start: int, step: int) -> int:

@@ -55,11 +55,10 @@ def batches_context(
     trainer=None,
     first_batch=None,
     init_loss=None,
-    arrived_cut_at: int | None = None,
     rows_given: int | None = None,
 ) -> Context:
-    """A context over already-collated batches (what the model sees), up to ``sample`` examples;
-    ``arrived_cut_at``: the length the trainer cut them to (see ``EncodeOptions``)."""
+    """A context over already-collated batches (what the model sees), up to ``sample`` examples; where the
+    ``trainer`` cut its rows is read from its arguments (``trainer_cuts``)."""
     import datasets
 
     rows: list[dict[str, list[int]]] = []
@@ -75,7 +74,7 @@ def batches_context(
         tokenizer=tokenizer,
         dataset=data,
         fmt="tokens",
-        options=EncodeOptions(fmt="tokens", max_len=max_len, arrived_cut_at=arrived_cut_at),
+        options=EncodeOptions(fmt="tokens", max_len=max_len, **trainer_cuts(trainer)),
         model=model,
         trainer=trainer,
         sample=sample,
@@ -90,15 +89,25 @@ def trainer_max_len(trainer) -> int | None:
     return getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
 
 
-def trainer_cut_len(trainer) -> int | None:
-    """The length TRL's SFTTrainer cuts each example to, keeping its start (``truncation_mode="keep_start"``,
-    no packing): its rows arrive cut there. None when the trainer does not cut (or packs)."""
+# TRL's packing strategies that cut examples across rows: the rest of a cut example goes on in the next row
+# ("wrapped" cuts the stream of examples into chunks; "bfd_split" splits the longer examples into pieces).
+CUTTING_PACKINGS = ("wrapped", "bfd_split")
+
+
+def trainer_cuts(trainer) -> dict[str, int | None]:
+    """Where the trainer cut the rows hf-sanity sees (see ``EncodeOptions``): ``arrived_cut_at``, the length
+    TRL's SFTTrainer truncates each example to, keeping its start (no packing, or packing "bfd", which
+    truncates each example before packing it); ``packed_cut_at``, the row length of a packing that cuts
+    examples into pieces continued in the next row. Without a trainer (or its arguments): neither."""
     args = getattr(trainer, "args", None)
-    if args is None or getattr(args, "packing", False):
-        return None
-    if getattr(args, "truncation_mode", "keep_start") != "keep_start":
-        return None
-    return trainer_max_len(trainer)
+    cuts: dict[str, int | None] = {"arrived_cut_at": None, "packed_cut_at": None}
+    if args is None or getattr(args, "truncation_mode", "keep_start") != "keep_start":
+        return cuts
+    if getattr(args, "packing", False) and getattr(args, "packing_strategy", "bfd") in CUTTING_PACKINGS:
+        cuts["packed_cut_at"] = trainer_max_len(trainer)
+    else:
+        cuts["arrived_cut_at"] = trainer_max_len(trainer)
+    return cuts
 
 
 def trainer_tokenizer(trainer, tokenizer=None):
@@ -155,7 +164,6 @@ def trainer_context(
             sample=sample,
             trainer=trainer,
             first_batch=first,
-            arrived_cut_at=trainer_cut_len(trainer),
             rows_given=rows_given,
         )
         ctx.encoded  # noqa: B018 - materialise while the RNG is preserved

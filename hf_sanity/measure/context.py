@@ -305,7 +305,9 @@ class Context:
         drops the examples its truncation left without a completion token. The rows passed are ``rows_given``,
         else read from the trainer's dataset, whose ``filter`` keeps the table it selected from."""
         data = getattr(self.trainer, "train_dataset", None)
-        if data is None or not self.options.arrived_cut_at or not hasattr(data, "__len__"):
+        # Packed rows are packs, not examples (and TRL drops no row when it packs).
+        packed = getattr(getattr(self.trainer, "args", None), "packing", False)
+        if data is None or packed or not self.options.arrived_cut_at or not hasattr(data, "__len__"):
             return None
         given = self._rows_given
         if given is None and getattr(data, "_indices", None) is not None:

@@ -36,7 +36,10 @@ def dropped_content(messages: list[dict[str, Any]], first: int, full: str) -> di
     """What of the messages the rendered conversation does not carry, in characters: a template that strips
     reasoning (DeepSeek-R1 keeps only what follows ``</think>``) or drops tool calls trains on less than the
     data holds. Lines are compared stripped (templates trim whitespace), so only content that is gone counts."""
-    out = {"n_dropped_supervised": 0, "n_supervised_chars": 0, "n_dropped_other": 0, "dropped_text": ""}
+    out = {
+        "n_dropped_supervised": 0, "n_supervised_chars": 0, "n_dropped_other": 0, "n_dropped_system": 0,
+        "dropped_text": "",
+    }  # fmt: skip
     for j, message in enumerate(messages):
         supervised = message.get("role") == "assistant" and j >= first
         pieces = [message["content"]] if isinstance(message.get("content"), str) else []
@@ -55,8 +58,26 @@ def dropped_content(messages: list[dict[str, Any]], first: int, full: str) -> di
             if not lost:
                 continue
             out["n_dropped_supervised" if supervised else "n_dropped_other"] += lost
+            out["n_dropped_system"] += lost if message.get("role") == "system" else 0
             out["dropped_text"] = out["dropped_text"] or "\n".join(gone)[:200]
     return out
+
+
+def system_merged(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with its system turns merged into the first user turn (``system\\n\\nuser``), as
+    templates without a system role expect it; None without a system turn or a user turn after it."""
+    system = [m for m in messages if isinstance(m, dict) and m.get("role") == "system"]
+    if not system or not all(isinstance(m.get("content"), str) for m in system):
+        return None
+    rest = [m for m in messages if not (isinstance(m, dict) and m.get("role") == "system")]
+    first_user = next(
+        (i for i, m in enumerate(rest) if isinstance(m, dict) and m.get("role") == "user"), None
+    )
+    if first_user is None or not isinstance(rest[first_user].get("content"), str):
+        return None
+    prefix = "\n\n".join(m["content"] for m in system)
+    rest[first_user] = {**rest[first_user], "content": f"{prefix}\n\n{rest[first_user]['content']}"}
+    return rest
 
 
 def _rendered(text: str, full: str) -> bool:
@@ -121,6 +142,11 @@ class EncodeOptions:
     # The rows arrive already cut at this length (a trainer's max_length, keeping the start): a row this long
     # whose last completion has no end-of-turn lost its end to truncation, not to a masking bug.
     arrived_cut_at: int | None = None
+    # The rows are pieces of a packed stream of examples, cut every this many tokens (TRL's "wrapped" or
+    # "bfd_split" packing): a row may start inside an answer begun in the row before, and a row this long may
+    # end inside one that the next row continues. Neither is a missing end of turn, a prompt in the loss or a
+    # truncation.
+    packed_cut_at: int | None = None
 
 
 # Every column the encoder writes, with its empty value (for rows that cannot be encoded).
@@ -137,6 +163,12 @@ MEASURES: dict[str, Any] = {
     "n_completion_unsupervised": 0,
     "n_completion_cut": 0,
     "arrived_cut": False,  # the row came cut at arrived_cut_at, inside a completion (how much is unknown)
+    # ... or before a later turn's answer: the cut left a turn after the last complete answer, and none of its
+    # answer's tokens (multi-turn rows TRL keeps, since earlier answers still carry loss).
+    "arrived_turn_lost": False,
+    # The row is a piece of a longer example cut by the packing (see ``EncodeOptions.packed_cut_at``): it
+    # starts inside one or runs to the cut. Example-level rules (duplicates, an example without loss) skip it.
+    "piece": False,
     "n_prompt_supervised": -1,  # -1: turns could not be located
     "n_eot_missing": 0,
     "n_eot_unsupervised": 0,
@@ -160,6 +192,10 @@ MEASURES: dict[str, Any] = {
     "n_dropped_supervised": 0,  # characters of trained messages the chat template does not render
     "n_supervised_chars": 0,
     "n_dropped_other": 0,  # ... of the other messages
+    "n_dropped_system": 0,  # ... of them, of system messages
+    # The chat template rejected the row, and renders it once its system turn is merged into the first user
+    # turn: the template has no system role (Mistral's raises on one).
+    "system_refused": False,
     "dropped_text": "",  # the first text the template dropped
 }
 
@@ -298,6 +334,7 @@ class Encoder:
         out: list[dict[str, Any] | None] = [None] * len(rows)
         pending: list[tuple[int, list[dict], int, dict, str]] = []
         for k, row in enumerate(rows):
+            conversation = None
             try:
                 conversation = self._conversation(row)
                 if conversation is None:
@@ -312,6 +349,7 @@ class Encoder:
                     pending.append((k, messages, first, kwargs, full))
             except Exception as exc:  # the template rejected this row: a data problem
                 out[k] = self.failed(f"{type(exc).__name__}: {exc}")
+                out[k]["system_refused"] = self._refuses_system(conversation)
         if pending:
             texts = [text for *_, text in pending]
             ids = offsetless_ids(self.tokenizer, texts) if self.fast_ids else None
@@ -364,6 +402,21 @@ class Encoder:
             **dropped_content(messages, first, full),
         )
         return self._finish(out)
+
+    def _refuses_system(self, conversation) -> bool:
+        """The template that rejected ``conversation`` renders it with its system turn merged into the first
+        user turn."""
+        if not isinstance(conversation, tuple):
+            return False
+        messages, _, kwargs = conversation
+        merged = system_merged(messages)
+        if merged is None:
+            return False
+        try:
+            self.tokenizer.apply_chat_template(merged, tokenize=False, **kwargs)
+        except Exception:
+            return False
+        return True
 
     def _exact_spans(
         self, messages, first, full, ids, offsets, kwargs=None
@@ -468,13 +521,38 @@ class Encoder:
         labels = [int(x) for x in labels] if user_labels else list(ids)
         if len(labels) != len(ids):
             return self.failed(f"labels has {len(labels)} entries for {len(ids)} input_ids")
-        spans = self.markers.locate(ids) if self.markers.locatable else []
+        turns = self.markers.locate(ids) if self.markers.locatable else []
+        packed_at = self.options.packed_cut_at
+        spans = (self._continued(ids, labels) if packed_at else []) + turns
         out = self.measure(
             ids, labels, spans or [self._whole(ids)], user_labels=user_labels, located=bool(spans)
         )
+        out["piece"] = bool(packed_at) and (len(ids) >= packed_at or not self._opens_turn(ids))
         out["hash"] = stable_hash(" ".join(map(str, ids)))
-        out["gp"] = self._missing_extras(ids, spans)
+        out["gp"] = self._missing_extras(ids, turns)
         return self._finish(out)
+
+    def _continued(self, ids: Sequence[int], labels: Sequence[int]) -> list[Span]:
+        """The end of an answer a packed row starts with (begun in the row before it), as a completion: the
+        tokens up to the first end of turn, when that comes before any assistant header and the row does not
+        open with a turn of its own (BOS, a turn-start marker); it starts at its first supervised token (what
+        comes before is the rest of its header, cut by the packing). [] otherwise."""
+        eot, header = self.markers.end_of_turn, self.markers.assistant_header
+        if not eot or not header or self._opens_turn(ids):
+            return []
+        stop = find_sequence(ids, eot, 0, len(ids))
+        at_header = find_sequence(ids, header, 0, len(ids))
+        if stop < 0 or (0 <= at_header <= stop):
+            return []  # no end of turn, or it closes a user turn (the header starts with it)
+        start = next((i for i in range(stop) if labels[i] != IGNORE_INDEX), 0)
+        return [self._close(ids, start, len(ids), lead=0)]
+
+    def _opens_turn(self, ids: Sequence[int]) -> bool:
+        """The row starts where an example or a turn starts: with BOS or a turn-start marker."""
+        first = ids[0] if len(ids) else None
+        return first == self.tokenizer.bos_token_id or (
+            first in self.markers.turn_marker_ids and first not in self.markers.stop_ids
+        )
 
     def _missing_extras(self, ids: Sequence[int], spans: list[Span]) -> tuple[int, int]:
         """Located turns of a pre-rendered sequence that do not start with the generation prompt's tokens
@@ -487,6 +565,8 @@ class Encoder:
         served = None
         for span in spans:
             if tuple(ids[span.lead : span.lead + len(prompt)]) == prompt:
+                continue
+            if span.lead + len(prompt) > len(ids):  # the row ends inside the turn's start: nothing to compare
                 continue
             served = self.tokenizer.decode(list(prompt)) if served is None else served
             if self.tokenizer.decode(list(ids[span.lead : span.lead + len(prompt) + 2])).startswith(served):
@@ -580,6 +660,7 @@ class Encoder:
         trained_any = False
         untrained_width = 0
         cut_at = self.options.arrived_cut_at
+        packed_at = self.options.packed_cut_at
         arrived_cut = False
         for span in spans:
             width = span.stop - span.start
@@ -588,6 +669,8 @@ class Encoder:
             if not ends and cut_at and n >= cut_at and span.end == n:
                 arrived_cut = True  # its end-of-turn was past the cut: truncated-completion's, not missing
                 ends = None
+            elif not ends and packed_at and (n >= packed_at or not located) and span.end == n:
+                ends = None  # the packing cut it here (the next row goes on with it), or a piece of text
             content_stop = last if ends else span.stop
             masked = labels[span.start : content_stop].count(ignore)
             n_completion += width
@@ -603,10 +686,13 @@ class Encoder:
                 continue
             trained_any = True
             n_completion_unsup += masked
-            if ends and last < kept and labels[last] == ignore:
+            if ends and 0 < last < kept and labels[last] == ignore:  # position 0 is never a target (shift)
                 eot_unsup += 1
         if not trained_any and n_supervised > 0:  # loss somewhere, but on no completion at all
             n_completion_unsup += untrained_width
+        turn_lost = bool(cut_at and n >= cut_at and located and spans and not arrived_cut) and any(
+            i not in self.markers.whitespace_ids for i in ids[spans[-1].end :]
+        )
         leading_bos = 0
         bos = self.tokenizer.bos_token_id
         while bos is not None and leading_bos < n and ids[leading_bos] == bos:
@@ -627,6 +713,7 @@ class Encoder:
             "n_completion_unsupervised": n_completion_unsup,
             "n_completion_cut": n_completion_cut,
             "arrived_cut": arrived_cut,
+            "arrived_turn_lost": turn_lost,
             "n_prompt_supervised": n_supervised - sup_in_turns if located else -1,
             "n_eot_missing": eot_missing,
             "n_eot_unsupervised": eot_unsup,
@@ -645,7 +732,9 @@ class Encoder:
         row["leak"], row["leak_after"] = out.get("leak", (0.0, -1))
         row["n_echo"] = out.get("echo", 0)
         row["text_families"] = out.get("families", [])
-        for key in ("n_dropped_supervised", "n_supervised_chars", "n_dropped_other", "dropped_text"):
+        for key in (
+            "n_dropped_supervised", "n_supervised_chars", "n_dropped_other", "n_dropped_system", "dropped_text"
+        ):  # fmt: skip
             row[key] = out.get(key, MEASURES[key])
         return row
 

@@ -58,12 +58,22 @@ TOKENS_MASKED_OUT = define(
     "tokens-masked-out",
     severity="error",
     stage="tokens",
-    symptom="The model trains on text it cannot see: loss on tokens hidden from attention, or examples with "
-    "holes in them.",
+    symptom="The model trains on text it cannot see: loss on tokens hidden from attention, examples with holes "
+    "in them, or a loss averaged over the padding.",
     detects="In the first collated batch, positions whose attention_mask is 0 between attended tokens of the "
-    "same row, or that carry loss (a label other than -100).",
+    "same row, or that carry loss (a label other than -100). Its cause: `content-hidden` (real tokens hidden "
+    "inside a row: the mask is wrong) or `labels-padded` (only the padding the collator added carries loss, "
+    "its labels the pad id instead of -100: the mask is right, the labels are wrong).",
     fix="Build attention_mask from the padding alone (1 on every real token, 0 on what the collator added), "
     "not from the token ids (pad == EOS hides every EOS), and give padding the label -100.",
+)
+
+LABELS_PADDED_FIX = (
+    "Pad the labels with -100, not with the pad id: `DataCollatorForSeq2Seq(tokenizer)` does "
+    "(`label_pad_token_id=-100`), or in your own collator `pad_sequence(labels, batch_first=True, "
+    "padding_value=-100)`. The attention mask is right; keep it. As it is, the loss is averaged over the "
+    "padding too (a short row's padding weighs as much as its answer) and the model is trained to write "
+    "{pad} after its end."
 )
 
 
@@ -72,16 +82,49 @@ def check_tokens_masked_out(ctx):
     facts = ctx.attention
     if facts is None or not facts.hidden:
         return
+    evidence = {"batch_rows": facts.rows, "pad_token": ctx.tokenizer.pad_token}
+    if facts.padding_in_loss == facts.hidden:  # nothing real is hidden: the padding carries loss
+        rows = facts.padding_in_loss_rows
+        labels = sorted(facts.padding_labels, key=facts.padding_labels.get, reverse=True)
+        pad_id = ctx.tokenizer.pad_token_id
+        as_pad = labels == [pad_id]
+        what = (
+            f"their labels are the pad id {pad_id} ({ctx.tokenizer.pad_token!r}), not -100"
+            if as_pad
+            else f"their labels are {labels[:4]}, not -100"
+        )
+        yield TOKENS_MASKED_OUT.finding(
+            f"{facts.padding_in_loss} padding positions carry loss in {len(rows)} of {facts.rows} rows of the "
+            f"first batch: {what}; attention_mask is 0 there, as it should be: the labels are padded wrong "
+            f"({_rows(rows)})",
+            evidence={
+                "cause": "labels-padded",
+                "positions": facts.padding_in_loss,
+                "with_loss": facts.padding_in_loss,
+                "padding_labels": {str(k): v for k, v in facts.padding_labels.items()},
+                "rows": rows,
+                **evidence,
+            },
+            fix=LABELS_PADDED_FIX.format(pad="padding" if not as_pad else repr(ctx.tokenizer.pad_token)),
+        )
+        return
     rows = facts.hidden_rows
     with_loss = f", {facts.hidden_supervised} of them with loss" if facts.hidden_supervised else ""
+    padded = (
+        f" ({facts.padding_in_loss} of them padding whose labels are not -100)"
+        if facts.padding_in_loss
+        else ""
+    )
     yield TOKENS_MASKED_OUT.finding(
         f"{facts.hidden} positions of real content have attention_mask 0 in {len(rows)} of {facts.rows} rows "
-        f"of the first batch{with_loss}: {_rows(rows)}",
+        f"of the first batch{with_loss}{padded}: {_rows(rows)}",
         evidence={
+            "cause": "content-hidden",
             "positions": facts.hidden,
             "with_loss": facts.hidden_supervised,
+            "padding_in_loss": facts.padding_in_loss,
             "rows": rows,
-            "batch_rows": facts.rows,
+            **evidence,
         },
     )
 

@@ -16,8 +16,17 @@ BAD_INPUT_VALUES = define(
     stage="data",
     symptom="Training crashes mid-epoch on one row, or silently trains on empty or malformed examples.",
     detects="Each row is validated while it is tokenized: None/empty/non-string fields, empty conversations, "
-    "unknown roles, conversations without an assistant turn, and rows the chat template or tokenizer rejects.",
+    "unknown roles, conversations without an assistant turn, and rows the chat template or tokenizer rejects. "
+    "A row the template rejects is rendered again with its system turn merged into the first user turn: when "
+    "that renders, the cause is `system-role-refused` (the template has no system role, as Mistral's).",
     fix="Drop or repair the listed rows before training (e.g. `dataset.filter(...)`); the reasons say what is wrong.",
+)
+
+SYSTEM_REFUSED_FIX = (
+    "This chat template has no system role: merge the system prompt into the first user turn "
+    "(`[{{'role': 'user', 'content': system + '\\n\\n' + first_user}}, ...]`, which the template renders), or "
+    "train with a chat template that has a system role (and serve with the same one). Dropping these rows would "
+    "drop {share:.0%} of the data.{rest}"
 )
 
 
@@ -29,10 +38,30 @@ def check_bad_input_values(ctx):
         return
     rows = ctx.first(bad)
     reasons = Counter(re.sub(r"\d+", "N", str(e)) for e in errors[bad])
+    evidence = {"rows": rows, "count": int(bad.sum()), "reasons": dict(reasons.most_common(5))}
+    refused = bad & ctx.col("system_refused").astype(bool)
+    if not refused.any():
+        yield BAD_INPUT_VALUES.finding(
+            f"{int(bad.sum())} of {len(errors)} rows cannot be trained on as they are "
+            f"(row {rows[0]}: {errors[rows[0]]})",
+            evidence=evidence,
+            rows=bad,
+        )
+        return
+    n_refused, first = int(refused.sum()), ctx.first(refused, 1)[0]
+    others = int(bad.sum()) - n_refused
+    rest = (
+        f" The other {others} row{'s fail' if others != 1 else ' fails'} for other reasons (see reasons): drop or "
+        "repair them."
+        if others
+        else ""
+    )
     yield BAD_INPUT_VALUES.finding(
-        f"{int(bad.sum())} of {len(errors)} rows cannot be trained on as they are "
-        f"(row {rows[0]}: {errors[rows[0]]})",
-        evidence={"rows": rows, "count": int(bad.sum()), "reasons": dict(reasons.most_common(5))},
+        f"{int(bad.sum())} of {len(errors)} rows cannot be trained on as they are: the chat template refuses the "
+        f"system turn of {n_refused} of them (row {first}: {errors[first]}); merged into the first user turn, "
+        "they render",
+        evidence={**evidence, "cause": "system-role-refused", "system_refused": n_refused},
+        fix=SYSTEM_REFUSED_FIX.format(share=n_refused / len(errors), rest=rest),
         rows=bad,
     )
 
@@ -49,8 +78,9 @@ DUPLICATE_EXAMPLES = define(
 
 @DUPLICATE_EXAMPLES.check
 def check_duplicates(ctx):
-    hashes = ctx.col("hash")[ctx.valid]
-    rows = np.flatnonzero(ctx.valid)
+    whole = ctx.valid & ~ctx.col("piece").astype(bool)  # pieces cut by a packing are not examples
+    hashes = ctx.col("hash")[whole]
+    rows = np.flatnonzero(whole)
     _, first_index, counts = np.unique(hashes, return_index=True, return_counts=True)
     repeats = np.delete(rows, first_index)  # every row that repeats an earlier one: the rows to drop
     duplicates = len(hashes) - len(first_index)

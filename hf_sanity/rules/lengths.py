@@ -14,7 +14,9 @@ TRUNCATED_COMPLETION = define(
     objectives=SEQUENCES,
     symptom="Answers truncated mid-sentence; the model learns to stop in the middle of a thought.",
     detects="Completion tokens at positions >= max_len (truncation keeps the start). Warning when under 10% "
-    "of examples are cut, error above.",
+    "of examples are cut, error above. On a trainer's batches (cut before hf-sanity sees them, cause "
+    "`trainer-max-length`): rows as long as max_length whose last answer has no end of turn, or that end in a "
+    "later turn whose answer the cut removed; and the rows the trainer dropped.",
     fix="Drop or split the examples longer than max_len, or raise max_len until they fit; the finding says what "
     "each costs (the examples and supervised tokens dropped, or how much longer the longest sequences get).",
 )
@@ -80,9 +82,12 @@ def check_truncated_completion(ctx):
 
 
 def _cut_by_trainer(ctx, max_len: int):
-    """Rows the trainer cut at ``max_len`` inside a completion (their end-of-turn gone), and rows it dropped
-    because the cut left them no completion token (TRL's SFTTrainer)."""
-    cut = ctx.valid & ctx.col("arrived_cut").astype(bool)
+    """Rows the trainer cut at ``max_len`` inside a completion (their end-of-turn gone) or before a later
+    answer (multi-turn rows that keep an earlier one), and rows it dropped because the cut left them no
+    completion token (TRL's SFTTrainer)."""
+    mid_way = ctx.valid & ctx.col("arrived_cut").astype(bool)
+    lost = ctx.valid & ctx.col("arrived_turn_lost").astype(bool)
+    cut = mid_way | lost
     n, n_cut = int(ctx.valid.sum()), int(cut.sum())
     given, kept = ctx.trainer_rows or (None, None)
     dropped = given - kept if given is not None else 0
@@ -90,7 +95,12 @@ def _cut_by_trainer(ctx, max_len: int):
         return
     parts = []
     if n_cut:
-        parts.append(f"cuts into the completion of {n_cut} of the {n} examples inspected ({n_cut / n:.1%})")
+        how = [f"{int(mid_way.sum())} cut mid-answer"] if mid_way.any() else []
+        if lost.any():
+            how.append(f"{int(lost.sum())} losing a later answer whole (no token of it left after the cut)")
+        parts.append(
+            f"cuts into the answers of {n_cut} of the {n} examples inspected ({n_cut / n:.1%}: {', '.join(how)})"
+        )
     if dropped:
         parts.append(
             f"dropped {dropped} of the {given} rows passed to it ({dropped / given:.1%}): the cut left them no "
@@ -105,6 +115,8 @@ def _cut_by_trainer(ctx, max_len: int):
             "cut": n_cut,
             "fraction": n_cut / max(n, 1),
             "examples_inspected": n,
+            "cut_mid_answer": int(mid_way.sum()),
+            "answer_lost": int(lost.sum()),
             "dropped_by_trainer": dropped,
             "rows_passed": given,
             "cause": "trainer-max-length",
@@ -115,7 +127,7 @@ def _cut_by_trainer(ctx, max_len: int):
         fix="Raise the trainer's max_length (`SFTConfig(max_length=...)`), or drop or split the longest "
         "examples before training; `hf-sanity preflight --dataset ... --max-len N` prices each choice (the "
         "examples and supervised tokens a value cuts). The completions cut here end without their "
-        "end-of-turn token: the model learns to stop mid-answer.",
+        "end-of-turn token: the model learns to stop mid-answer; the answers removed whole are never trained.",
         rows=cut if n_cut else None,
     )
 

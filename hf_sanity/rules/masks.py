@@ -38,7 +38,8 @@ PROMPT_IN_LOSS = define(
     stage="tokens",
     symptom="Model repeats the prompt back; it learns to write the user's side of the conversation.",
     detects="Assistant turns are located from the tokenizer's own chat template; the fraction of supervised tokens "
-    "(label != -100) that lie outside them is the prompt share of the loss.",
+    "(label != -100) that lie outside them is the prompt share of the loss. A packed row that starts inside an "
+    "answer (split across rows by the packing) starts with the rest of that answer, not with a prompt.",
     fix="Compute the loss on completions only: TRL `SFTConfig(assistant_only_loss=True)` (template with "
     "`{% generation %}`) or the prompt/completion format with `completion_only_loss=True`; or set the prompt "
     "labels to -100 in your own preprocessing.",
@@ -90,7 +91,8 @@ EMPTY_LOSS_MASK = define(
     severity="error",
     stage="tokens",
     symptom="Fine-tune produces base-model-quality output; loss is NaN or 0 on some batches.",
-    detects="Examples with zero supervised tokens after truncation to max_len (all labels -100).",
+    detects="Examples with zero supervised tokens after truncation to max_len (all labels -100); a piece of an "
+    "example a packing split across rows (its prompt alone) is not an example.",
     fix="Check the response template / assistant mask (it must match the rendered text), and raise max_len or drop "
     "examples whose completion starts after it.",
 )
@@ -98,7 +100,8 @@ EMPTY_LOSS_MASK = define(
 
 @EMPTY_LOSS_MASK.check
 def check_empty_loss_mask(ctx):
-    empty = ctx.valid & (ctx.col("n_supervised_kept") == 0)
+    # A piece of an example cut by the packing (its prompt alone, the answer in the next row) is not one.
+    empty = ctx.valid & (ctx.col("n_supervised_kept") == 0) & ~ctx.col("piece").astype(bool)
     if not empty.any():
         return
     n = int(ctx.valid.sum())
@@ -214,7 +217,9 @@ EOS_NOT_LEARNED = define(
     symptom="Model never stops: answers run on until max_new_tokens, or continue with a new turn.",
     detects="Each completion must end with the template's end-of-turn token (or EOS) carrying loss. Flags "
     "completions without it and end tokens whose label is -100 — the classic trap is pad == EOS with a "
-    "collator that masks every pad token, EOS included.",
+    "collator that masks every pad token, EOS included. On a trainer's batches, an answer its max_length cut "
+    "is truncated-completion's, and one a packing split across rows (TRL's wrapped or bfd_split packing: it "
+    "ends in the next row) is not judged.",
     fix="Keep the end-of-turn/EOS token in the labels: use a pad token distinct from EOS (an unused reserved "
     "token of this tokenizer, or add one), or a collator that masks padding by attention_mask rather than by "
     "token id; for text data append EOS.",

@@ -64,10 +64,14 @@ NEVER_STOPS = define(
     detects="Greedy generations for held-out prompts that reach max_new_tokens without the end-of-turn or EOS "
     f"token; an error when {NEVER_STOPS_SHARE:.0%} or more of them do (prompts whose reference answer is longer "
     "than max_new_tokens are not judged). Generation stops on the served stop tokens and on the template's "
-    "end of turn, so a generation config that forgets the latter is stop-token-mismatch, not this.",
+    "end of turn, so a generation config that forgets the latter is stop-token-mismatch, not this. The cause "
+    f"is template-mismatch only when {MARKER_CAUSE:.0%} or more of them carry another template's markers; the "
+    "served template's own turn markers (a new turn written after the answer) mean eos-not-learned.",
     fix="Train the end of turn: keep the end-of-turn/EOS token in the labels (see eos-not-learned: pad == EOS "
-    "masked by the collator, text data without EOS), then fine-tune again; if the outputs carry another "
-    "template's markers, train and serve with the same chat template (template-mismatch).",
+    "masked by the collator, text data without EOS), then fine-tune again. A model that writes its own "
+    "template's next turn (`<|im_start|>user`) did not learn to stop: adding that marker to the stop tokens "
+    "hides the bug. If the outputs carry another template's markers, train and serve with the same chat "
+    "template (template-mismatch).",
 )
 
 
@@ -82,7 +86,12 @@ def never_stops(gens):
         return
     expected = gens.expected_stop
     written = Counter(m for s in running for m in gens.markers if m in s.raw)
-    foreign = {m: n for m, n in written.items() if m != expected}
+    # The served template's own turn markers (ChatML's `<|im_start|>`) in a generation that did not stop are
+    # the model running on into the next turn: its end of turn is not learned. Only another template's
+    # markers say it was trained with another template.
+    own = set(gens.own_markers)
+    foreign = {m: n for m, n in written.items() if m != expected and m not in own}
+    next_turn = {m: n for m, n in written.items() if m != expected and m in own}
     if expected and expected in written:
         cause = "markers-not-atomic"
         why = (
@@ -108,6 +117,12 @@ def never_stops(gens):
     else:
         cause = "eos-not-learned"
         why = f"the model never emits {expected!r}: it did not learn to end its turn"
+        if next_turn:
+            marker = max(next_turn, key=next_turn.get)
+            why += (
+                f" and runs on into the next turn (it writes its own template's {marker!r} in "
+                f"{next_turn[marker]} of them)"
+            )
         fix = None
     looping = sum(1 for s in running if loops(s))
     yield NEVER_STOPS.finding(

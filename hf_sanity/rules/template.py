@@ -395,10 +395,18 @@ TEMPLATE_DROPS_CONTENT = define(
     detects="Each message's content (and each tool call's function name) is looked for in the rendered "
     "conversation, line by line with whitespace stripped: what is not there was dropped by the template "
     "(DeepSeek-R1's template keeps only what follows `</think>`; templates without tool support drop the "
-    "calls). An error when trained (assistant) content is dropped, a warning for the rest.",
+    "calls). An error when trained (assistant) content is dropped, a warning for the rest; when only system "
+    "messages are gone, the cause is `system-role-dropped` (a template without a system role).",
     fix="Render with a template that keeps the content: TRL's training variant of the template "
     "(trl/chat_templates/*_training.jinja) or a format that carries it explicitly (e.g. the reasoning in the "
     "answer text, tools in a template that supports them).",
+)
+
+SYSTEM_DROPPED_FIX = (
+    "This chat template has no system role and drops the system turn silently: the model never sees the "
+    "system prompt in training (nor at inference with this template). Merge the system prompt into the first "
+    "user turn (`[{'role': 'user', 'content': system + '\\n\\n' + first_user}, ...]`), or train and serve with a "
+    "chat template that has a system role."
 )
 
 
@@ -415,23 +423,30 @@ def check_template_drops_content(ctx):
     n = int(ctx.valid.sum())
     in_trained = bool((ctx.valid & (trained > 0)).any())
     example = ctx.values("dropped_text")[rows[0]]
-    yield TEMPLATE_DROPS_CONTENT.finding(
-        f"the chat template drops content from {int(bad.sum())} of {n} examples"
-        + (
+    other_lost = int(other[ctx.valid].sum())
+    # Only system prompts are gone: the template has no system role.
+    system = not in_trained and int(ctx.col("n_dropped_system")[ctx.valid].sum()) == other_lost
+    if system:
+        what = f"the chat template drops the system turn of {int(bad.sum())} of {n} examples"
+    else:
+        what = f"the chat template drops content from {int(bad.sum())} of {n} examples" + (
             f": {share:.0%} of the trained characters ({lost:,} of {chars:,})"
             if in_trained
             else " (prompt side)"
         )
-        + f"; e.g. {example[:80]!r} is not in the rendered text",
+    yield TEMPLATE_DROPS_CONTENT.finding(
+        what + f"; e.g. {example[:80]!r} is not in the rendered text",
         evidence={
             "rows": rows,
             "examples": int(bad.sum()),
             "trained_chars_dropped": lost,
             "trained_chars": chars,
             "fraction": share,
-            "other_chars_dropped": int(other[ctx.valid].sum()),
+            "other_chars_dropped": other_lost,
             "first_dropped": example,
+            **({"cause": "system-role-dropped"} if system else {}),
         },
         example=ctx.view(rows[0]),
         severity="error" if in_trained else "warning",
+        fix=SYSTEM_DROPPED_FIX if system else None,
     )

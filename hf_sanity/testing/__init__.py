@@ -12,7 +12,8 @@ the tokenizer), ``generation`` (ChatML with ``{% generation %}`` markers), ``bas
 
 Fine-tuned fixtures (``trained_setup(variant)``, :mod:`hf_sanity.testing.trained`): the tiny model trained on
 the demo conversations correctly (``clean``: it answers and stops) and with one planted bug each
-(``eos-masked``, ``prompt-in-answer``, ``truncated``, ``wrong-template``), plus a LoRA adapter.
+(``eos-masked``, ``pad-eos``, ``prompt-in-answer``, ``truncated``, ``wrong-template``), plus a LoRA
+adapter.
 """
 
 from hf_sanity.testing.data import (

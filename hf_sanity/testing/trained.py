@@ -11,6 +11,10 @@ Variants (``VARIANTS``), each a full fine-tune of the tiny ChatML model (``TinyC
 
 * ``clean``: trained correctly: it answers, stops, echoes nothing and writes no markers;
 * ``eos-masked``: the end-of-turn token carries no loss (pad == EOS masked by the collator): it never stops;
+* ``pad-eos``: the classic pad == EOS bug on a model that speaks its chat format: trained on whole conversations
+  (every token in the loss, as a language-modelling collator puts it; pad == EOS), its end-of-turn token then
+  never predicted (its LM-head row zeroed, standing in for an end of turn the fine-tune never trained): served
+  with the template it was trained with, it answers, then writes the next turn itself (``<|im_start|>user``);
 * ``prompt-in-answer``: each supervised answer starts with the user's message (a completion built as prompt +
   answer puts the prompt in the loss): it echoes the user turn, then answers;
 * ``truncated``: the answers were cut in half with their end of turn kept (truncation that re-appends EOS):
@@ -40,10 +44,13 @@ from hf_sanity.testing.factory import (
     tiny_model_for,
 )
 
-Variant = Literal["clean", "eos-masked", "prompt-in-answer", "truncated", "wrong-template", "undertrained"]
+Variant = Literal[
+    "clean", "eos-masked", "pad-eos", "prompt-in-answer", "truncated", "wrong-template", "undertrained"
+]
 VARIANTS: tuple[str, ...] = (
     "clean",
     "eos-masked",
+    "pad-eos",
     "prompt-in-answer",
     "truncated",
     "wrong-template",
@@ -101,10 +108,12 @@ def held_out_conversations(n: int = 32, seed: int = 1) -> list[dict[str, Any]]:
     return rows[:n]
 
 
-def supervised_labels(tokenizer, messages, *, mask_end_of_turn: bool = False) -> tuple[list[int], list[int]]:
+def supervised_labels(
+    tokenizer, messages, *, mask_end_of_turn: bool = False, whole: bool = False
+) -> tuple[list[int], list[int]]:
     """(input_ids, labels) of one conversation: the loss on each assistant turn (up to its end of turn),
-    found by rendering the conversation up to the turn with the generation prompt; ``mask_end_of_turn``
-    drops the end-of-turn token from the labels (the pad == EOS collator bug)."""
+    found by rendering the conversation up to the turn with the generation prompt (``whole``: on every
+    token); ``mask_end_of_turn`` drops the end-of-turn token from the labels (the pad == EOS collator bug)."""
     from hf_sanity.measure.markers import derive_markers
 
     def count(part, **kwargs) -> int:
@@ -115,6 +124,8 @@ def supervised_labels(tokenizer, messages, *, mask_end_of_turn: bool = False) ->
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     labels = [-100] * len(ids)
     eot = set(derive_markers(tokenizer).end_of_turn)
+    if whole:
+        return ids, [-100 if mask_end_of_turn and i in eot else i for i in ids]
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -136,13 +147,18 @@ def fine_tune(
     batch_size: int = BATCH_SIZE,
     seed: int = 0,
     mask_end_of_turn: bool = False,
+    whole: bool = False,
 ):
-    """Fine-tune ``model`` in place on conversation ``rows`` (loss on the assistant turns, see
-    :func:`supervised_labels`) with AdamW at a constant ``lr``, on the CPU, one thread, deterministically;
-    returns the model in eval mode. Only the parameters that require grad train (a PEFT model: its adapter)."""
+    """Fine-tune ``model`` in place on conversation ``rows`` (loss on the assistant turns, or with ``whole`` on
+    every token, see :func:`supervised_labels`) with AdamW at a constant ``lr``, on the CPU, one thread,
+    deterministically; returns the model in eval mode. Only the parameters that require grad train (a PEFT
+    model: its adapter)."""
     import torch
 
-    examples = [supervised_labels(tokenizer, r["messages"], mask_end_of_turn=mask_end_of_turn) for r in rows]
+    examples = [
+        supervised_labels(tokenizer, r["messages"], mask_end_of_turn=mask_end_of_turn, whole=whole)
+        for r in rows
+    ]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rng = random.Random(seed)
     threads = torch.get_num_threads()
@@ -193,15 +209,33 @@ def trained_model_dir(variant: Variant = "clean", seed: int = 0) -> Path:
             served.save_pretrained(folder)
             model.save_pretrained(folder)
             return
-        tokenizer = build_tokenizer("chatml")
+        tokenizer = build_tokenizer("chatml", "eos" if variant == "pad-eos" else "distinct")
         model = tiny_model_for(tokenizer, TinyConfig(seed=seed))
         rows = training_conversations(variant, seed)
         steps = UNDERTRAINED_STEPS if variant == "undertrained" else STEPS
-        fine_tune(model, tokenizer, rows, steps=steps, seed=seed, mask_end_of_turn=variant == "eos-masked")
+        fine_tune(
+            model, tokenizer, rows, steps=steps, seed=seed, mask_end_of_turn=variant == "eos-masked",
+            whole=variant == "pad-eos",
+        )  # fmt: skip
+        if variant == "pad-eos":
+            _never_predict(model, tokenizer.eos_token_id)
         tokenizer.save_pretrained(folder)
         model.save_pretrained(folder)
 
     return _build_atomically(final, build)
+
+
+def _never_predict(model, token_id: int) -> None:
+    """Zero the LM-head row of ``token_id`` (an untied head): its logit is 0 wherever the model stands."""
+    import torch
+
+    head = model.get_output_embeddings()
+    if head.weight is model.get_input_embeddings().weight:
+        raise ValueError(
+            "the LM head is tied to the input embeddings: zeroing its row would change the inputs"
+        )
+    with torch.no_grad():
+        head.weight[token_id] = 0
 
 
 def trained_setup(variant: Variant = "clean", seed: int = 0):

@@ -26,7 +26,7 @@ def token_findings(
     tokenizer, batch: Mapping[str, Any], *, model, trainer, selection: Selection, max_len, step0
 ) -> list[Finding]:
     """preflight's `tokens` rules on this one batch, and `init-loss-off-chance` on the step-0 numbers."""
-    from hf_sanity.measure.batches import batches_context, trainer_cut_len
+    from hf_sanity.measure.batches import batches_context
     from hf_sanity.untouched import preserved_rng
 
     if tokenizer is None or "input_ids" not in batch:
@@ -35,7 +35,7 @@ def token_findings(
     with preserved_rng():
         ctx = batches_context(
             tokenizer, [tensors], model=model, max_len=max_len, trainer=trainer, init_loss=step0,
-            arrived_cut_at=trainer_cut_len(trainer) if trainer is not None else None, first_batch=tensors,
+            first_batch=tensors,
         )  # fmt: skip
         findings = catalog.run_all("context", ctx, selection, stages=("tokens",))
         if step0:
