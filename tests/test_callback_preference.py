@@ -212,3 +212,21 @@ def test_clean_kto_orpo_simpo_ipo_and_reward_runs_are_silent(tmp_path):
         silent(cb)
         assert trainer.state.global_step == 6, name
     assert cb.report.stats["objective"] == "reward"
+
+
+# -- doctor on a finished preference run -----------------------------------------------------------------------
+@pytest.mark.clean("loss-flat", "underfitting", "curves")
+def test_doctor_reads_a_dpo_run_as_one_not_as_a_flat_sft_loss(tmp_path):
+    """A DPO run whose loss stayed at ln 2 (its pairs identical): read as SFT, its curve is `loss-flat` at
+    0.6931; doctor reads the objective from TRL's logged metrics and runs no SFT curve rule on it."""
+    import hf_sanity
+    from hf_sanity.drivers.curves import analyze
+    from hf_sanity.measure.runs import read_run
+
+    trainer = setups.dpo(tmp_path, shared_prefix_pairs(), max_length=40, max_steps=12)
+    trainer.train()
+    trainer.save_state()
+    assert [f.rule for f in analyze(read_run(tmp_path / "out").curves, final=True)] == ["loss-flat"]
+    report = hf_sanity.doctor([tmp_path / "out"], use_config=False)
+    assert report.stats["runs"][0]["objective"] == "preference"
+    assert report.findings == []

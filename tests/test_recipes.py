@@ -58,3 +58,22 @@ def test_a_full_finetune_trained_long_enough_passes_the_output_check(tmp_path):
 
 OUTPUT_RULES = {"never-stops", "stop-token-mismatch", "repeats-prompt", "stray-markers-in-output",
                 "adapter-no-effect", "repetition-loop", "answer-truncated"}  # fmt: skip
+
+
+@pytest.mark.clean("preference-pairs-identical", "preference-no-signal", "reference-mismatch", "policy-drift")
+def test_the_dpo_recipe_runs_with_no_arguments_and_passes(tmp_path):
+    """DPO after SFT on the embedded tiny model: preflight of the pairs, the callback on TRL's metrics, the
+    output check against the same model with its adapter off: all silent, exit 0."""
+    result = subprocess.run(
+        [sys.executable, str(RECIPES / "dpo.py"), "--output-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert (
+        "hf-sanity preflight: no findings" in result.stdout
+        and "hf-sanity outputs: no findings" in result.stdout
+    )
+    report = json.loads((tmp_path / "out" / "hf-sanity" / "report.json").read_text())
+    assert report["stats"]["objective"] == "preference" and report["findings"] == []
+    said = json.loads((tmp_path / "out" / "hf-sanity" / "outputs.json").read_text())
+    assert said["stats"]["objective"] == "preference" and said["stats"]["stopped"] == said["stats"]["prompts"]

@@ -18,6 +18,7 @@ from hf_sanity import catalog
 from hf_sanity.drivers.curves import analyze
 from hf_sanity.errors import UserInputError
 from hf_sanity.findings import Finding
+from hf_sanity.measure.objective import of_log_history
 from hf_sanity.measure.runs import RUN_HELP, Run, RunSet, describe, global_step, read_predictions, read_run
 from hf_sanity.report import Report
 from hf_sanity.selection import Selection, resolve
@@ -167,14 +168,18 @@ def doctor(
 
     several = len(loaded) > 1
     per_run: list[list[Finding]] = []
+    objectives = []
     for run in loaded:
-        from_curves = analyze(run.curves, final=True)
+        objective = of_log_history(run.state.get("log_history"))
+        objectives.append(objective.kind)
+        narrowed = selection.for_objective(objective.kind)  # a DPO run's loss is not read as an SFT one
+        from_curves = analyze(run.curves, final=True, selection=narrowed)
         if run.callback_report is not None:
             merged = _merge(from_curves, _from_callback(run))
         else:
             merged = _merge_counters(from_curves, _from_counters(run))
         found = catalog.without_explained(merged)
-        per_run.append([_with_run(f, run, several) for f in found])
+        per_run.append([_with_run(f, run, several) for f in found if narrowed.enabled(f.rule)])
 
     run_set = RunSet(
         descriptions=[describe(run) for run in loaded],
@@ -201,8 +206,9 @@ def doctor(
             "vocab_size": run.curves.vocab_size,
             "side_files": run.files,
             "callback_findings": len(run.callback_findings) if run.callback_report is not None else None,
+            "objective": objective,
         }
-        for run in loaded
+        for run, objective in zip(loaded, objectives)
     ]
     if rows is not None:
         report.stats["predictions"] = len(rows)

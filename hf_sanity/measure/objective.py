@@ -138,3 +138,24 @@ def of_columns(columns: Iterable[str]) -> Objective:
         if needed <= present:
             return Objective(kind, variant, None, "columns")
     return Objective("sft", "sft", None, "columns")
+
+
+# What a finished run's logged metrics say it trained for (TRL logs its own vocabulary; most specific first).
+LOGGED_KEYS: tuple[tuple[str, str, str], ...] = (
+    ("frac_reward_zero_std", "rl", "grpo"),
+    ("completions/clipped_ratio", "rl", "grpo"),
+    ("mean_reward", "reward", "reward"),
+    ("log_odds_chosen", "preference", "orpo"),
+    ("rewards/accuracies", "preference", "dpo"),
+    ("kl", "preference-unpaired", "kto"),
+    ("rewards/chosen", "preference", "dpo"),
+)
+
+
+def of_log_history(entries) -> Objective:
+    """The objective a run's ``log_history`` (trainer_state.json) shows, from the metric names TRL logs."""
+    keys = {key for entry in entries or () if isinstance(entry, dict) for key in entry}
+    for key, kind, variant in LOGGED_KEYS:
+        if key in keys:
+            return Objective(kind, variant, None, "logs")
+    return Objective("sft", "sft", None, "logs")

@@ -27,7 +27,9 @@ from hf_sanity.measure.formats import extract_prompt, is_conversational
 # TRL's defaults (1.16), for rows checked without a trainer.
 DEFAULT_MAX_LENGTH = 1024
 SCRIPT_SAMPLE = 256  # pairs whose completions are decoded for their script
-PREFIX_SAMPLE = 64  # rows re-tokenized for TRL's prompt-prefix condition (a template's way: the same for every row)
+PREFIX_SAMPLE = (
+    64  # rows re-tokenized for TRL's prompt-prefix condition (a template's way: the same for every row)
+)
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
@@ -353,7 +355,9 @@ def pairs_from_trainer(trainer, *, tokenizer, markers, reward: bool, sample: int
     leaked = np.asarray([leaks_prompt(row) for row in raw], dtype=bool) if raw else None
     same_text = None
     if precut and {"chosen", "rejected"} <= set(data.column_names):
-        same_text = np.asarray([c == r for c, r in zip(*read_columns(data, "chosen", "rejected"))], dtype=bool)
+        same_text = np.asarray(
+            [c == r for c, r in zip(*read_columns(data, "chosen", "rejected"))], dtype=bool
+        )
     dropped = (given - len(data)) if given is not None else 0
     pairs = measure_pairs(
         prompts, chosen, rejected, max_length=max_length, truncation_mode=mode,
