@@ -40,64 +40,47 @@ def common(tmp_path, **overrides) -> dict:
     }
 
 
-def dpo(tmp_path, rows, *, callbacks=(), model=None, template="chatml", **config):
-    from trl import DPOConfig, DPOTrainer
-
+def build(trainer_cls, config_cls, tmp_path, rows, *, callbacks=(), model=None, template="chatml", **config):
+    """``trainer_cls`` on the tiny model loaded from its folder, over ``rows``, with ``common`` settings."""
     model = model if model is not None else AutoModelForCausalLM.from_pretrained(folder(template))
-    return DPOTrainer(
+    extra = {"peft_config": config.pop("peft_config")} if "peft_config" in config else {}
+    return trainer_cls(
         model=model,
-        args=DPOConfig(**common(tmp_path, **config)),
+        args=config_cls(**common(tmp_path, **config)),
         train_dataset=datasets.Dataset.from_list(rows),
         processing_class=tokenizer(template),
         callbacks=list(callbacks),
+        **extra,
     )
 
 
-def kto(tmp_path, rows, *, callbacks=(), **config):
+def dpo(tmp_path, rows, **kwargs):
+    from trl import DPOConfig, DPOTrainer
+
+    return build(DPOTrainer, DPOConfig, tmp_path, rows, **kwargs)
+
+
+def kto(tmp_path, rows, **kwargs):
     from trl import KTOConfig, KTOTrainer
 
-    return KTOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(folder()),
-        args=KTOConfig(**common(tmp_path, **config)),
-        train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer(),
-        callbacks=list(callbacks),
-    )
+    return build(KTOTrainer, KTOConfig, tmp_path, rows, **kwargs)
 
 
-def reward(tmp_path, rows, *, callbacks=(), peft_config=None, **config):
+def reward(tmp_path, rows, **kwargs):
+    """A reward model: the tiny model with a one-output sequence-classification head."""
     from trl import RewardConfig, RewardTrainer
 
     model = AutoModelForSequenceClassification.from_pretrained(folder(), num_labels=1)
-    return RewardTrainer(
-        model=model,
-        args=RewardConfig(**common(tmp_path, **config)),
-        train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer(),
-        peft_config=peft_config,
-        callbacks=list(callbacks),
-    )
+    return build(RewardTrainer, RewardConfig, tmp_path, rows, model=model, **kwargs)
 
 
-def cpo(tmp_path, rows, *, callbacks=(), **config):
+def cpo(tmp_path, rows, **kwargs):
     from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-    return CPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(folder()),
-        args=CPOConfig(**common(tmp_path, **config)),
-        train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer(),
-        callbacks=list(callbacks),
-    )
+    return build(CPOTrainer, CPOConfig, tmp_path, rows, **kwargs)
 
 
-def orpo(tmp_path, rows, *, callbacks=(), **config):
+def orpo(tmp_path, rows, **kwargs):
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    return ORPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(folder()),
-        args=ORPOConfig(**common(tmp_path, **config)),
-        train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer(),
-        callbacks=list(callbacks),
-    )
+    return build(ORPOTrainer, ORPOConfig, tmp_path, rows, **kwargs)
