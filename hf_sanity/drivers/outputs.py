@@ -17,6 +17,7 @@ from hf_sanity import catalog
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.formats import check_alpaca_template
 from hf_sanity.measure.generate import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS
+from hf_sanity.measure.sources import as_dataset
 from hf_sanity.report import Report
 from hf_sanity.selection import resolve
 
@@ -92,6 +93,7 @@ def outputs(
     started = time.perf_counter()
     served = inference_tokenizer or tokenizer
     has_template = bool(getattr(served, "chat_template", None))
+    dataset = as_dataset(dataset)
     prompts = held_out_prompts(
         dataset, n=n, fmt=format, has_template=has_template, alpaca_template=alpaca_template
     )

@@ -10,6 +10,7 @@ from hf_sanity.errors import UserInputError
 from hf_sanity.measure.context import Context
 from hf_sanity.measure.encode import EncodeOptions
 from hf_sanity.measure.formats import check_alpaca_template, detect_format
+from hf_sanity.measure.sources import as_dataset
 from hf_sanity.report import Report
 from hf_sanity.selection import Selection, resolve
 
@@ -65,6 +66,8 @@ def preflight(
     selection = resolve(select, ignore, use_config=use_config)
     started = time.perf_counter()
     load_seconds: list[float] = []  # the model loader's, if it runs
+    if eval_dataset is not None:
+        eval_dataset = as_dataset(eval_dataset, "eval_dataset")
     if trainer is not None:
         from hf_sanity.measure.batches import trainer_context
 
@@ -78,6 +81,7 @@ def preflight(
         check_options(
             loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template, task=task
         )
+        dataset = as_dataset(dataset)
         fmt = detect_format(dataset.column_names, format)
         # `model` may be a function that loads the model, so that only a model rule pays for loading it.
         is_loader = callable(model) and not hasattr(model, "forward")
@@ -112,6 +116,11 @@ def preflight(
     if rank != 0:
         return distributed.broadcast(None)
     report = run_checks(ctx, selection)
+    if not ctx.has_model and reads_model(selection):
+        report.notes.append(
+            "no model was given: the model-stage checks that read its weights did not run (`hf-sanity rules "
+            "--stage model`); pass model= to run them"
+        )
     checked = time.perf_counter()
     model_load = sum(load_seconds)
     report.stats["seconds_by_phase"] = {  # where the wall time went (the CLI adds its own loading)
@@ -137,6 +146,12 @@ def preflight(
         report.stats["processes"] = size
         return distributed.broadcast(report)
     return report
+
+
+def reads_model(selection: Selection) -> bool:
+    """Whether a selected rule is of the model stage, the one that reads the model's weights (the others read
+    the tokenizer, the data and the config)."""
+    return any(catalog.detectors("context", stages=("model",), enabled=selection.enabled))
 
 
 def _timed(load, seconds: list[float]):

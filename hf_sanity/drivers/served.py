@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from hf_sanity import catalog
 from hf_sanity.errors import UserInputError
+from hf_sanity.measure.sources import as_dataset
 from hf_sanity.report import Report
 from hf_sanity.selection import resolve
 
@@ -49,7 +50,7 @@ def served(
         raise UserInputError(f"--sample must be at least 1, got {sample}")
     selection = resolve(select, ignore, use_config=use_config).restricted(set(SERVED_RULES))
     started = time.perf_counter()
-    data = dataset if dataset is not None else probe_rows(tokenizer)
+    data = as_dataset(dataset) if dataset is not None else probe_rows(tokenizer)
     fmt = detect_format(data.column_names, None)
     ctx = Context(
         tokenizer=tokenizer,

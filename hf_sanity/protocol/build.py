@@ -85,13 +85,11 @@ def encode_examples(
     tokenizer, dataset, n: int, *, fmt=None, loss_on="completion", max_len=None, alpaca_template=None
 ) -> list[dict]:
     """The first ``n`` rows that tokenize, as TRL would tokenize them (labels included)."""
-    import datasets
-
     from hf_sanity.measure.encode import EncodeOptions, Encoder
     from hf_sanity.measure.formats import detect_format
+    from hf_sanity.measure.sources import as_dataset
 
-    if isinstance(dataset, list):
-        dataset = datasets.Dataset.from_list(dataset)
+    dataset = as_dataset(dataset)
     if len(dataset) == 0:
         raise UserInputError("the dataset is empty")
     fmt = detect_format(dataset.column_names, fmt)
