@@ -117,9 +117,17 @@ def test_nothing_written_into_the_model_folder(model_dir, data_file, tmp_path):
     assert sorted(p.name for p in Path(model_dir).iterdir()) == before
 
 
-def test_demo_shows_clean_and_broken():
-    result = cli("demo")
+def test_demo_shows_clean_and_broken(tmp_path):
+    """`make demo`'s command: both setups shown, and nothing of it left in the temporary folder."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = cli("demo", env={"TMPDIR": str(scratch)})
     assert result.returncode == 0, result.stdout + result.stderr
+    # torch's compile cache (torchinductor_<user>) is created by importing torch._dynamo, for any program
+    # that imports transformers' Trainer: a per-user cache that is reused, not the demo's leftovers.
+    left = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == [], left
+    assert "the demo's files were written under" in result.stdout
     for slug in (
         "prompt-in-loss",
         "eos-not-learned",

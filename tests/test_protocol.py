@@ -201,8 +201,8 @@ def no_search_ran(report) -> bool:
     return stats["lr_search"] is None and stats["lr_chosen_by"] == "default" and stats["steps_run"] <= 20
 
 
-def test_optimizer_built_before_the_adapter_holds_none_of_its_params():
-    report = overfit(**broken_setup())
+def test_optimizer_built_before_the_adapter_holds_none_of_its_params(tmp_path):
+    report = overfit(**broken_setup(str(tmp_path)))
     assert cause(report) == "params-not-in-optimizer" and no_search_ran(report)
     path = report.stats["overfit"]["gradient_path"]
     assert path["in_optimizer"] == 0 and path["trainable"] > 0 and path["optimizer_frozen"] > 0
