@@ -185,7 +185,10 @@ def test_no_trainable_params(model, tok):
 
 
 def test_optimizer_over_a_subset_of_the_params(model, tok, tmp_path):
-    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    """An optimizer that holds only the final norm (64 of 202k weights) cannot memorise the examples: named.
+    (One over every norm, 320 weights, memorises them in 45 steps at lr 1, within --steps 100: that overfit
+    passes, as it should.)"""
+    norms = [p for n, p in model.named_parameters() if n == "model.norm.weight"]
     trainer = make_trainer(model, tok, tmp_path, optimizer=torch.optim.AdamW(norms, lr=1e-2))
     report = overfit(trainer=trainer, steps=100)
     assert cause(report) == "params-not-in-optimizer"
@@ -314,7 +317,7 @@ def assert_searched_and_reached(stats, steps):
     assert stats["passed"] and stats["lr_chosen_by"] == "search"
     assert stats["lr"] == pytest.approx(search["tried"][-1]["lr"], rel=1e-3)
     assert search["tried"][-1]["ended"] == "near zero" and stats["loss_final"] <= stats["near_zero"]
-    assert search["steps"] <= search["step_limit"] == 3 * steps
+    assert search["steps"] <= 3 * steps and search["step_limit"] == 4 * steps
 
 
 def test_clean_full_fine_tune_overfits_with_the_default_options(model, tok):
@@ -370,7 +373,10 @@ def test_labels_that_cannot_be_memorised_fail_after_a_wide_lr_search(model, tok,
     assert finding.evidence["lr_chosen_by"] == "search"
     assert any(lr == pytest.approx(finding.evidence["lr"], rel=0.01) for lr, _ in tried)  # the best run's
     assert f"{len(tried)} LRs tried" in finding.message and "cannot be memorised" in finding.fix
-    assert stats["lr_search"]["steps"] <= 3 * 100
+    assert stats["lr_search"]["steps"] <= 4 * 100
+    # `--steps 100` means 100: the best LR's run was not left where the search cut it (it stopped at 51 and
+    # advised "more --steps")
+    assert stats["steps_run"] == stats["step_budget"] == 100 and "more --steps" in finding.fix
     assert stats["gradient_path"]["grads"]["nonzero"] == 21  # the gradient path itself is fine
 
 
