@@ -310,6 +310,92 @@ def test_optimizer_step_that_updates_nothing(model, tok, tmp_path):
     assert report.stats["overfit"]["gradient_path"]["optimizer"] == "LoggingAdamW"
 
 
+def test_a_trainer_that_already_trained_is_overfit_with_the_optimizer_inside_accelerates_wrapper(
+    model, tok, tmp_path
+):
+    """After train(), trainer.optimizer is accelerate's AcceleratedOptimizer around the AdamW (its __init__ takes
+    the optimizer it wraps): the copy is trained with a fresh AdamW built by AdamW's own constructor, and the LR
+    the schedule started from is the configured one (not where it decayed to)."""
+    trainer = make_trainer(model, tok, tmp_path, lr_scheduler_type="linear", learning_rate=3e-3)
+    trainer.train()
+    assert type(trainer.optimizer).__name__ == "AcceleratedOptimizer"
+    report = overfit(trainer=trainer, steps=60, lr=3e-3)
+    assert report.by_rule("overfit-failed") == [] and report.stats["overfit"]["passed"]
+    assert report.stats["setup"]["optimizer"] == "AdamW"
+    assert report.stats["setup"]["configured_lr"] == pytest.approx(3e-3)
+
+
+class WarmupSGD(torch.optim.SGD):
+    """SGD whose constructor matters: it keeps its own argument in ``defaults`` (as torch's optimizers do) and
+    sets up the step counter its ``step`` reads."""
+
+    def __init__(self, params, lr=1e-2, momentum=0.0, *, warmup_steps: int):
+        super().__init__(params, lr=lr, momentum=momentum)
+        self.defaults["warmup_steps"] = warmup_steps
+        self.steps_done = 0
+
+    def step(self, closure=None):
+        self.steps_done += 1
+        scale = min(1.0, self.steps_done / self.defaults["warmup_steps"])
+        lrs = [group["lr"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["lr"] *= scale
+        try:
+            return super().step(closure)
+        finally:
+            for group, lr in zip(self.param_groups, lrs):
+                group["lr"] = lr
+
+
+class Lookahead(torch.optim.Optimizer):
+    """Lookahead (Zhang et al., 2019) around a base optimizer: its constructor takes the optimizer it wraps, not
+    parameters, so no fresh one can be built from param groups and defaults."""
+
+    def __init__(self, base_optimizer, k: int = 5, alpha: float = 0.5):
+        self.base_optimizer, self.k, self.alpha, self.steps_done = base_optimizer, k, alpha, 0
+        self.param_groups, self.defaults, self.state = (
+            base_optimizer.param_groups, base_optimizer.defaults, base_optimizer.state
+        )  # fmt: skip
+        self.slow = [p.detach().clone() for g in self.param_groups for p in g["params"]]
+
+    def step(self, closure=None):
+        loss = self.base_optimizer.step(closure)
+        self.steps_done += 1
+        if self.steps_done % self.k == 0:
+            fast = [p for g in self.param_groups for p in g["params"]]
+            with torch.no_grad():
+                for slow, p in zip(self.slow, fast):
+                    slow += self.alpha * (p - slow)
+                    p.copy_(slow)
+        return loss
+
+
+def test_the_users_optimizer_is_rebuilt_by_its_own_constructor(model, tok, tmp_path):
+    optimizer = WarmupSGD(model.parameters(), lr=0.3, momentum=0.9, warmup_steps=4)
+    from hf_sanity.protocol.optimizers import remap_optimizer
+
+    twin = copy.deepcopy(model)
+    rebuilt = remap_optimizer(optimizer, model, twin, lr=0.1)
+    assert type(rebuilt) is WarmupSGD and rebuilt.steps_done == 0  # its __init__ ran
+    assert rebuilt.defaults["warmup_steps"] == 4 and rebuilt.param_groups[0]["momentum"] == 0.9
+    assert rebuilt.param_groups[0]["lr"] == 0.1 and rebuilt.state == {}
+    assert {id(p) for p in rebuilt.param_groups[0]["params"]} == {id(p) for p in twin.parameters()}
+    trainer = make_trainer(model, tok, tmp_path, optimizer=optimizer)
+    report = overfit(trainer=trainer, steps=60, lr=0.3)
+    assert report.stats["setup"]["optimizer"] == "WarmupSGD" and report.by_rule("overfit-failed") == []
+
+
+def test_an_optimizer_that_cannot_be_rebuilt_is_said_in_one_line(model, tok, tmp_path):
+    """Not an object assembled without its constructor (it would step without its base optimizer): bad input."""
+    optimizer = Lookahead(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    trainer = make_trainer(model, tok, tmp_path, optimizer=optimizer)
+    with pytest.raises(
+        UserInputError, match=r"cannot rebuild the optimizer Lookahead .* raised AttributeError"
+    ) as info:
+        overfit(trainer=trainer, steps=20, lr=1e-2)
+    assert "\n" not in str(info.value)
+
+
 # -- the overfit LR --------------------------------------------------------------------------------
 def assert_searched_and_reached(stats, steps):
     """The LR was searched, the run shown is the search's last and reached near zero, within 3 step budgets."""
