@@ -207,11 +207,11 @@ def preflight_command(
     ignore: IgnoreOpt = None,
 ) -> None:
     """Inspect model, tokenizer, data and adapter before a single training step."""
-    from hf_sanity.drivers.preflight import check_options
+    from hf_sanity.drivers.preflight import check_options, reads_model
     from hf_sanity.selection import resolve
 
     # Bad options fail in a blink, before transformers is imported or anything is loaded.
-    resolve(select, ignore)
+    weights = reads_model(resolve(select, ignore))  # with the model stage off, the folder needs no weights
     check_options(loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template, task=task)
     if format is not None:
         from hf_sanity.measure.formats import FORMATS
@@ -235,7 +235,8 @@ def preflight_command(
     )
 
     loading = time.perf_counter()
-    config = load_config(model, trust_remote_code=trust_remote_code)  # fails early on a broken model folder
+    # fails early on a broken model folder
+    config = load_config(model, trust_remote_code=trust_remote_code, weights=weights)
     if adapter:  # an unreadable adapter fails now, not after the dataset is tokenized
         if not Path(adapter).is_dir():
             raise UserInputError(
@@ -259,7 +260,7 @@ def preflight_command(
     )
     loaded = time.perf_counter() - loading
     report = preflight(
-        model=lambda: load_model(model, trust_remote_code=trust_remote_code),
+        model=(lambda: load_model(model, trust_remote_code=trust_remote_code)) if weights else None,
         model_config=config,
         generation_config=load_generation_config(model),
         tokenizer=tok,

@@ -36,9 +36,10 @@ def tiny_threads():
         torch.set_num_threads(before)
 
 
-def broken_setup() -> dict:
+def broken_setup(workdir: str) -> dict:
     """The keyword arguments of ``diagnose`` for a broken setup: ``{"trainer": Trainer}`` whose optimizer was built
-    before the LoRA adapter was attached (it holds the frozen base weights, none of the trainable LoRA ones)."""
+    before the LoRA adapter was attached (it holds the frozen base weights, none of the trainable LoRA ones);
+    its output_dir is under ``workdir``."""
     import datasets
     import torch
     from peft import LoraConfig, get_peft_model
@@ -59,7 +60,7 @@ def broken_setup() -> dict:
             model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
         )
     args = TrainingArguments(
-        output_dir=os.path.join(tempfile.gettempdir(), "hf-sanity-demo"),
+        output_dir=os.path.join(workdir, "diagnosed-run"),
         per_device_train_batch_size=8,
         max_steps=10,
         report_to=[],
@@ -77,9 +78,14 @@ def broken_setup() -> dict:
     return {"trainer": trainer}
 
 
-def demo_diagnose(console: Console | None = None):
-    """Run `diagnose` on :func:`broken_setup`, print the report and return it (a few seconds on 2 CPU cores)."""
+def demo_diagnose(console: Console | None = None, workdir: str | None = None):
+    """Run `diagnose` on :func:`broken_setup`, print the report and return it (a few seconds on 2 CPU cores).
+    What it writes goes under ``workdir`` (default: a temporary folder, removed on return)."""
     from hf_sanity.protocol import diagnose
+
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="hf-sanity-demo-") as scratch:
+            return demo_diagnose(console, scratch)
 
     console = console or Console()
     console.print(Rule("diagnose on a broken training setup"))
@@ -88,8 +94,8 @@ def demo_diagnose(console: Console | None = None):
         style="dim",
     )
     with tiny_threads():
-        setup = broken_setup()
-        report = diagnose(**setup, repro=tempfile.mkdtemp(prefix="hf-sanity-repro-"), with_plot=False)
+        setup = broken_setup(workdir)
+        report = diagnose(**setup, repro=os.path.join(workdir, "repro"), with_plot=False)
     console.print(report)
     return report
 
@@ -105,12 +111,10 @@ def broken_pipeline_rows(tokenizer, conversations) -> list[dict]:
     return rows
 
 
-def watched_broken_run(console: Console):
+def watched_broken_run(console: Console, workdir: str):
     """A Trainer run whose hand-written loss takes log(softmax(logits / T)) at a small temperature: softmax
     underflows to 0, 0 * log(0) is NaN, and Trainer logs the step as loss 0.0. SanityCallback names the
-    exact step and the cause, and stops the run."""
-    import tempfile
-
+    exact step and the cause, and stops the run (its report and the saved batch go under ``workdir``)."""
     import datasets
     import torch
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
@@ -143,7 +147,7 @@ def watched_broken_run(console: Console):
     trainer = DistillStyleTrainer(
         model=copy.deepcopy(model),
         args=TrainingArguments(
-            output_dir=tempfile.mkdtemp(prefix="hf-sanity-demo-"),
+            output_dir=os.path.join(workdir, "watched-run"),
             max_steps=20,
             per_device_train_batch_size=8,
             learning_rate=1e-3,
@@ -164,13 +168,23 @@ def watched_broken_run(console: Console):
 
 
 def run_demo(console: Console | None = None) -> int:
+    """Every part of the demo, printed on ``console``; 0 when each part shows what it should. What the runs
+    write (the callback's report and saved batch, the reproduction) goes to a temporary folder, removed at
+    the end."""
+    console = console or Console()
+    with tempfile.TemporaryDirectory(prefix="hf-sanity-demo-") as workdir:
+        code = _run_demo(console, workdir)
+    console.print(f"the demo's files were written under {workdir} and removed", style="dim")
+    return code
+
+
+def _run_demo(console: Console, workdir: str) -> int:
     import datasets
 
     from hf_sanity.drivers.preflight import preflight
     from hf_sanity.testing import build_tokenizer, demo_conversations, tiny_model_dir
     from hf_sanity.testing.factory import tiny_setup
 
-    console = console or Console()
     conversations = demo_conversations(64)
     data = datasets.Dataset.from_list(conversations)
 
@@ -200,9 +214,9 @@ def run_demo(console: Console | None = None) -> int:
     )
     console.print(broken)
 
-    watched = watched_broken_run(console)
+    watched = watched_broken_run(console, workdir)
 
-    diagnosis = demo_diagnose(console)
+    diagnosis = demo_diagnose(console, workdir)
     named = diagnosis.stats.get("broken_layer")
     console.print(Rule())
     console.print(f"tiny model: {folder}", style="dim")

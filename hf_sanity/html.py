@@ -110,6 +110,7 @@ table.sidebyside td {{ vertical-align: top; padding: 6px 8px; white-space: pre-w
   font-size: 13px; }}
 mark.stray {{ background: #f6c6cb; color: #7a0c17; font-weight: 700; border-radius: 2px; }}
 p.none {{ color: #2e6b3a; font-weight: 600; }}
+ul.notes {{ color: #8a5300; margin: 8px 0 0; padding-left: 20px; }}
 footer {{ max-width: 1120px; margin: 24px auto; padding: 0 24px; color: #8a8f99; font-size: 12px; }}
 """
 
@@ -197,13 +198,15 @@ def _header(report: Report, title: str) -> str:
         )
     if not report.findings:
         badges.insert(0, '<li><span class="badge clean">no findings</span></li>')
+    notes = "".join(f"<li>{esc(note)}</li>" for note in report.notes)
     return (
         '<header class="page">'
         f"<h1>{esc(title)}</h1>"
         f'<p class="meta">hf-sanity <span class="version">{esc(version())}</span> · '
         f"{len(report.findings)} finding{'' if len(report.findings) == 1 else 's'}</p>"
         f'<ul class="counts">{"".join(badges)}</ul>'
-        "</header>"
+        + (f'<ul class="notes">{notes}</ul>' if notes else "")
+        + "</header>"
     )
 
 
@@ -212,7 +215,12 @@ def _findings(report: Report) -> str:
     out = ['<section class="findings"><h2>Findings</h2>']
     ordered = report.ordered()
     if not ordered:
-        out.append('<p class="none">No findings: every selected check passed.</p>')
+        ran = (
+            "every selected check that ran passed (see the notes above)"
+            if report.notes
+            else "every selected check passed"
+        )
+        out.append(f'<p class="none">No findings: {ran}.</p>')
     for i, finding in enumerate(ordered, 1):
         out.append(_finding(finding, i))
     out.append("</section>")

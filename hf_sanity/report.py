@@ -34,6 +34,9 @@ class Report:
     stats: dict[str, Any] = field(default_factory=dict)
     # Figures that belong to the report (title -> PNG bytes): shown by the HTML page, not part of the JSON.
     plots: dict[str, bytes] = field(default_factory=dict)
+    # What was not checked, and why, one line each (checks that could not run, a run that was skipped): said
+    # under the summary, so that "no findings" never stands for checks that did not run.
+    notes: list[str] = field(default_factory=list)
 
     def add(self, finding: Finding) -> None:
         self.findings.append(finding)
@@ -72,6 +75,7 @@ class Report:
             "hf_sanity_version": version(),
             "title": self.title,
             "findings": [f.to_dict() for f in self.ordered()],
+            "notes": list(self.notes),
             "stats": jsonable(self.stats),
         }
 
@@ -111,12 +115,16 @@ class Report:
         counts = self.counts()
         style = "bold red" if counts["error"] else "bold yellow" if counts["warning"] else "bold green"
         yield Text(self.summary(), style=style)
+        yield from self.rendered_notes()
         for finding in self.ordered():
             yield Text()
             yield render_finding(finding)
         if self.stats:
             yield Text()
             yield Text("stats: " + ", ".join(f"{k}={_short(v)}" for k, v in self.stats.items()), style="dim")
+
+    def rendered_notes(self) -> list[Text]:
+        return [Text(f"note: {note}", style="yellow") for note in self.notes]
 
     def print(self, console: Console | None = None) -> None:
         (console or Console()).print(self)

@@ -30,7 +30,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 import hf_sanity
-from hf_sanity.callback import SanityCallback
 
 
 def parse_args(argv=None):
@@ -109,9 +108,12 @@ def main(argv=None):
         rows = datasets.Dataset.from_list(demo_conversations(64))
         held_out = datasets.Dataset.from_list(held_out_conversations(16))  # conversations not trained on
     else:
-        from hf_sanity.measure.sources import load_dataset_ref
-
-        split = load_dataset_ref(args.dataset).train_test_split(test_size=0.1, seed=0)
+        if Path(args.dataset).suffix in (".json", ".jsonl", ".parquet"):
+            builder = "parquet" if args.dataset.endswith(".parquet") else "json"
+            data = datasets.load_dataset(builder, data_files=args.dataset, split="train")
+        else:
+            data = datasets.load_dataset(args.dataset, split="train")
+        split = data.train_test_split(test_size=0.1, seed=0)
         rows, held_out = split["train"], split["test"]
 
     report = hf_sanity.preflight(model=model, tokenizer=tokenizer, dataset=rows, max_len=args.max_len)
@@ -124,7 +126,7 @@ def main(argv=None):
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # With --generate-every N: at evaluations from step N on, generate for 8 held-out prompts and run the
     # output checks, so a run whose model will never stop is caught at its first such evaluation.
-    sanity = SanityCallback(abort_on="error", generate_every=args.generate_every)
+    sanity = hf_sanity.SanityCallback(abort_on="error", generate_every=args.generate_every)
     every = args.generate_every or max(1, args.max_steps // 4)
     trainer = Trainer(
         model=model,

@@ -14,13 +14,14 @@ Top to bottom:
      and answer differently from the base model).
 
 Run it:
-    python recipes/lora_sft.py                    # the embedded tiny model and demo data, on CPU, in seconds
+    python recipes/lora_sft.py                    # a tiny chat model and demo data, on CPU, in seconds
     python recipes/lora_sft.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset train.jsonl \\
         --max-len 2048 --max-steps 1000 --lr 2e-4 --bf16 --output-dir out/qwen-lora
 
-Copy it and edit it: nothing here is hidden in a framework. On the embedded tiny model (random weights) a
-few dozen LoRA steps teach no chat format: step 6 then reports what such a model says (never-stops), and the
-recipe exits 1. That is the check doing its job; on a real model and run it is the last gate.
+With no --model, the base is a tiny ChatML model already fine-tuned to answer and stop
+(`hf_sanity.testing.trained_model_dir("clean")`, built once in about 15 s on a CPU, then cached), as a
+real run starts from an instruct model; with no --dataset, LoRA teaches it a new answer style: every answer
+opens with "Sure.". Copy it and edit it: nothing here is hidden in a framework.
 """
 
 from __future__ import annotations
@@ -35,23 +36,22 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
 import hf_sanity
-from hf_sanity.callback import SanityCallback
-from hf_sanity.rules.adapter import served_model_findings
 
 
 def parse_args(argv=None):
+    # The defaults train the tiny default model; a real run passes its own (see "Run it" above).
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="model folder or hub id (default: the embedded tiny model)")
+    parser.add_argument("--model", help="model folder or hub id (default: a tiny chat model, see above)")
     parser.add_argument(
         "--dataset", help="JSON/JSONL/Parquet file or hub id with a `messages` column (default: demo data)"
     )
     parser.add_argument("--output-dir", default="out/lora_sft")
     parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--max-steps", type=int, default=60)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-steps", type=int, default=100)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-2)
     parser.add_argument("--lora-r", type=int, default=8)
-    parser.add_argument("--lora-target", default="q_proj,k_proj,v_proj,o_proj")
+    parser.add_argument("--lora-target", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="output check: tokens per answer")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--force", action="store_true", help="train even when preflight finds errors")
@@ -60,9 +60,9 @@ def parse_args(argv=None):
 
 def load(args):
     if args.model is None:
-        from hf_sanity.testing import tiny_model_dir
+        from hf_sanity.testing import trained_model_dir
 
-        args.model = str(tiny_model_dir("chatml", "distinct"))
+        args.model = str(trained_model_dir("clean"))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=torch.bfloat16 if args.bf16 else torch.float32
@@ -70,11 +70,18 @@ def load(args):
     if args.dataset is None:
         from hf_sanity.testing import demo_conversations
 
-        data = datasets.Dataset.from_list(demo_conversations(64))
-    else:
-        from hf_sanity.measure.sources import load_dataset_ref
+        def sure(message):  # the new style: every answer opens with "Sure."
+            if message["role"] != "assistant":
+                return message
+            return {**message, "content": f"Sure. {message['content']}"}
 
-        data = load_dataset_ref(args.dataset)
+        rows = [{"messages": [sure(m) for m in row["messages"]]} for row in demo_conversations(256)]
+        data = datasets.Dataset.from_list(rows)
+    elif Path(args.dataset).suffix in (".json", ".jsonl", ".parquet"):
+        builder = "parquet" if args.dataset.endswith(".parquet") else "json"
+        data = datasets.load_dataset(builder, data_files=args.dataset, split="train")
+    else:
+        data = datasets.load_dataset(args.dataset, split="train")
     split = data.train_test_split(test_size=0.1, seed=0)
     return model, tokenizer, split["train"], split["test"]
 
@@ -152,7 +159,7 @@ def main(argv=None):
     )
     model = get_peft_model(model, lora)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    sanity = SanityCallback(abort_on="error")  # stops the run cleanly at the first error finding
+    sanity = hf_sanity.SanityCallback(abort_on="error")  # stops the run cleanly at the first error finding
     trainer = Trainer(
         model=model,
         args=TrainingArguments(
@@ -181,10 +188,9 @@ def main(argv=None):
     stop_on_errors(hf_sanity.preflight(trainer=trainer), args, "preflight on the batches")
     trainer.train()
 
-    # 5. Save, merge, reload as a server would, and check that what is served is what was trained.
+    # 5. Save, merge, reload as a server would, and check that what is served is what was trained: the base
+    #    with the saved adapter against the merged model, and the chat template it is served with.
     model.save_pretrained(out / "adapter")
-    probe = collate(pad_id)([evaluation[0]])
-    probe = {k: v for k, v in probe.items() if k != "labels"}
     merged = model.merge_and_unload()
     merged.save_pretrained(out / "merged")
     tokenizer.save_pretrained(out / "merged")
@@ -192,22 +198,16 @@ def main(argv=None):
     served_tokenizer = AutoTokenizer.from_pretrained(out / "merged")
     base = AutoModelForCausalLM.from_pretrained(args.model, dtype=merged.dtype)
     serving = hf_sanity.Report(title="hf-sanity serving check")
-    serving.extend(served_model_findings(merged, served, probe, base=base))
+    serving.extend(
+        hf_sanity.served(served, base=base, adapter=str(out / "adapter"), tokenizer=tokenizer).findings
+    )
     serving.extend(
         hf_sanity.preflight(
-            model=base,
             tokenizer=tokenizer,
             dataset=eval_rows,
-            adapter=str(out / "adapter"),
             inference_tokenizer=served_tokenizer,
             max_len=args.max_len,
-            select=[
-                "adapter-untrained",
-                "adapter-not-loaded",
-                "adapter-base-mismatch",
-                "template-mismatch",
-                "generation-prompt-mismatch",
-            ],
+            select=["template-mismatch", "generation-prompt-mismatch"],
         ).findings
     )
     serving.print()

@@ -33,7 +33,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 import hf_sanity
-from hf_sanity.callback import SanityCallback
 
 
 def parse_args(argv=None):
@@ -66,14 +65,15 @@ def main(argv=None):
         from hf_sanity.testing import as_prompt_completion, demo_conversations
 
         data = datasets.Dataset.from_list(as_prompt_completion(demo_conversations(64), conversational=True))
+    elif Path(args.dataset).suffix in (".json", ".jsonl", ".parquet"):
+        builder = "parquet" if args.dataset.endswith(".parquet") else "json"
+        data = datasets.load_dataset(builder, data_files=args.dataset, split="train")
     else:
-        from hf_sanity.measure.sources import load_dataset_ref
-
-        data = load_dataset_ref(args.dataset)
+        data = datasets.load_dataset(args.dataset, split="train")
     split = data.train_test_split(test_size=0.1, seed=0)
     data, held_out = split["train"], split["test"]  # held-out prompts for the output check
 
-    sanity = SanityCallback(abort_on="error")
+    sanity = hf_sanity.SanityCallback(abort_on="error")
     trainer = SFTTrainer(
         model=model,
         args=SFTConfig(

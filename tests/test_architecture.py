@@ -162,6 +162,30 @@ def test_rules_read_the_measurement_core_not_the_drivers():
             assert not [t for t in targets if t.startswith(drivers)], name
 
 
+def test_production_code_does_not_depend_on_the_test_fixtures():
+    """hf_sanity.testing builds tiny models and data for tests; what checks a user's setup never needs it. The
+    demo is the exception by design: it runs on those fixtures."""
+    graph = import_graph()
+    users = sorted(
+        name
+        for name, targets in graph.items()
+        if not name.startswith("hf_sanity.testing")
+        and any(t.startswith("hf_sanity.testing") for t in targets)
+    )
+    assert users == ["hf_sanity.demo"]
+
+
+def test_recipes_use_only_the_public_api():
+    """A recipe is what users copy: it imports ``hf_sanity`` (its exports) and the documented tiny fixtures of
+    ``hf_sanity.testing``, never a module of the implementation."""
+    for recipe in sorted((ROOT / "recipes").glob("*.py")):
+        tree = ast.parse(recipe.read_text(encoding="utf-8"))
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        ours = {name for name in imported if name.split(".")[0] == "hf_sanity"}
+        assert ours <= {"hf_sanity", "hf_sanity.testing"}, (recipe.name, sorted(ours))
+
+
 @pytest.mark.slow
 def test_the_catalog_and_option_checks_load_without_torch_or_transformers():
     code = (

@@ -117,9 +117,17 @@ def test_nothing_written_into_the_model_folder(model_dir, data_file, tmp_path):
     assert sorted(p.name for p in Path(model_dir).iterdir()) == before
 
 
-def test_demo_shows_clean_and_broken():
-    result = cli("demo")
+def test_demo_shows_clean_and_broken(tmp_path):
+    """`make demo`'s command: both setups shown, and nothing of it left in the temporary folder."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = cli("demo", env={"TMPDIR": str(scratch)})
     assert result.returncode == 0, result.stdout + result.stderr
+    # torch's compile cache (torchinductor_<user>) is created by importing torch._dynamo, for any program
+    # that imports transformers' Trainer: a per-user cache that is reused, not the demo's leftovers.
+    left = [p.name for p in scratch.iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == [], left
+    assert "the demo's files were written under" in result.stdout
     for slug in (
         "prompt-in-loss",
         "eos-not-learned",
@@ -287,3 +295,50 @@ def test_rows_out_lists_every_offending_row_with_the_users_umask(model_dir, data
     assert rows["truncated-completion"][:10] == truncated["evidence"]["rows"]
     assert report["stats"]["rows_file"] == str(rows_file)
     assert {p.stat().st_mode & 0o777 for p in (rows_file, report_file)} == {0o664}
+
+
+def test_a_file_that_is_not_utf8_is_one_line_naming_the_byte(model_dir, tmp_path):
+    """A JSONL saved as Latin-1: pyarrow's JSON reader takes the bytes in silently and raised deep inside it
+    later; preflight and outputs say which byte, once."""
+    rows = demo_conversations(24)
+    rows[3]["messages"][-1]["content"] += " Café au lait."
+    data = tmp_path / "latin1.jsonl"
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    data.write_bytes(text.encode("latin-1"))
+    offset = text.encode("latin-1").index(b"\xe9")
+    for command in ("preflight", "outputs"):
+        assert_one_line_error(
+            cli(command, "--model", model_dir, "--dataset", data),
+            f"dataset '{data}' is not UTF-8: byte {offset} (line 4) is 0xe9",
+        )
+
+
+def test_no_progress_bar_on_redirected_stderr(model_dir, tmp_path):
+    """README: progress shows on a terminal only; 5,000 rows used to draw datasets' bar into a redirected
+    stderr."""
+    from hf_sanity.testing import synthetic_conversations
+
+    data = _jsonl(tmp_path / "big.jsonl", synthetic_conversations(5200, words=4))
+    result = cli("preflight", "--model", model_dir, "--dataset", data, "--select", "data,tokens")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == "" and "examples=5200" in result.stdout.replace(",", "")
+
+
+def test_ignore_model_needs_no_weights(model_dir, data_file, tmp_path):
+    """A folder with the config and tokenizer only (weights not downloaded yet): the data, token and template
+    checks run with the model stage ignored; without --ignore the missing weights are the one-line error."""
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    for path in Path(model_dir).iterdir():
+        if path.suffix != ".safetensors":
+            (folder / path.name).write_bytes(path.read_bytes())
+    out = tmp_path / "r.json"
+    result = cli("preflight", "--model", folder, "--dataset", data_file, "--ignore", "model", "--json", out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["findings"] == [] and report["notes"] == [] and report["stats"]["examples"] == 24
+    result = cli(
+        "preflight", "--model", folder, "--dataset", data_file, "--max-len", "12", "--ignore", "model"
+    )
+    assert result.returncode == 1 and "truncated-completion" in result.stdout  # the other checks did run
+    assert_one_line_error(cli("preflight", "--model", folder, "--dataset", data_file), "has no weights")

@@ -610,6 +610,58 @@ def test_malformed_callback_report_is_a_user_error(tmp_path):
         doctor([run], use_config=False)
 
 
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory):
+    """Two runs that SanityCallback(abort_on="error") stopped at step 1 (a NaN in the first batch), before any
+    step was logged: one saved its state (trainer.save_state(): a log_history with no loss), one saved nothing
+    but the callback's report."""
+    import torch
+    from dist import tinytrain as tt
+
+    from hf_sanity.callback import SanityCallback
+
+    root = tmp_path_factory.mktemp("stopped")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, save_state in (("saved-state", True), ("report-only", False)):
+            model, tok = tt.setup()
+            trainer = tt.trainer(
+                root / name, model=model, tok=tok, collator=tt.embeds_collator(tok, model, nan_at_batch=1),
+                callbacks=[SanityCallback(abort_on="error", use_config=False, print_findings=False)],
+            )  # fmt: skip
+            trainer.train()
+            assert trainer.state.hf_sanity_aborted_at_step == 1
+            if save_state:
+                trainer.save_state()
+    finally:
+        torch.set_num_threads(threads)
+    assert not (root / "report-only" / "trainer_state.json").exists()
+    return root / "saved-state", root / "report-only"
+
+
+def test_doctor_shows_the_report_of_a_run_stopped_before_any_loss_was_logged(stopped_runs):
+    for run in stopped_runs:
+        report = doctor([run], use_config=False)
+        (nan,) = report.by_rule("nonfinite-loss")
+        assert (nan.step, nan.evidence["cause"], nan.evidence["source"]) == (1, "input", "SanityCallback")
+        (note,) = report.notes
+        assert note.startswith(f"{run}: ") and "its curves were not" in note
+        assert report.exit_code == 1
+
+
+def test_a_run_with_nothing_to_read_is_skipped_among_others_and_bad_input_alone(stopped_runs, tmp_path):
+    clean = write_run(tmp_path / "clean", series(), config=LLAMA)
+    report = doctor([*stopped_runs, clean, tmp_path / "typo"], use_config=False)
+    assert [r["run"] for r in report.stats["runs"]] == [*map(str, stopped_runs), str(clean)]
+    assert report.notes[-1] == (
+        f"{tmp_path / 'typo'}: skipped, run {tmp_path / 'typo'} does not exist; pass a trainer_state.json, a "
+        "checkpoint folder or a Trainer output_dir"
+    )
+    with pytest.raises(UserInputError, match="does not exist"):
+        doctor([tmp_path / "typo"], use_config=False)
+
+
 # -- the command line ------------------------------------------------------------------------------
 def doctor_cli(*args, cwd=None):
     return cli("doctor", *args, cwd=cwd, timeout=120)
@@ -686,3 +738,27 @@ def test_cli_html_page_embeds_the_curves(tmp_path):
     text = page.read_text()
     assert 'data-rule="hyperparameter-churn"' in text
     assert "data:image/png;base64," in text and "loss curves" in text
+
+
+@pytest.mark.slow
+def test_cli_shows_what_a_stopped_run_left_and_skips_what_is_not_there(stopped_runs, tmp_path):
+    """`hf-sanity doctor` on the runs SanityCallback stopped at step 1 (one without trainer_state.json) and a
+    path that is not a run: the callback's finding is shown, each missing part said in one line."""
+    saved, report_only = stopped_runs
+    out = tmp_path / "report.json"
+    result = doctor_cli(saved, report_only, tmp_path / "typo", "--json", out, cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert [f["evidence"]["cause"] for f in report["findings"] if f["rule"] == "nonfinite-loss"] == [
+        "input"
+    ] * 2
+    assert report["notes"] == [
+        f"{saved}: {saved / 'trainer_state.json'} logs no loss (log_history has no 'loss' nor 'eval_loss' "
+        "entry): its curves were not analysed",
+        f"{report_only}: no trainer_state.json (the run saved no checkpoint and did not call "
+        "trainer.save_state()): its curves were not read",
+        f"{tmp_path / 'typo'}: skipped, run {tmp_path / 'typo'} does not exist; pass a trainer_state.json, a "
+        "checkpoint folder or a Trainer output_dir",
+    ]
+    shown = " ".join(result.stdout.split())
+    assert all(f"note: {note}" in shown for note in report["notes"]), result.stdout

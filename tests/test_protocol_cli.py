@@ -157,3 +157,22 @@ def test_alpaca_rows_are_read_with_the_template_asked_for(model_dir, tmp_path):
         "overfit", "--model", model_dir, "--dataset", str(path), "--alpaca-template", "markdown", cwd=tmp_path
     )
     assert_one_line_error(bad, "alpaca")
+
+
+def test_overfit_runs_the_steps_it_was_given_before_advising_more(model_dir, tmp_path):
+    """An adapter too small to memorise the examples (rank 1 on q_proj): the search cuts each run once its loss
+    falls too slowly; the LR with the best loss then trains the whole --steps, so that the verdict's "more
+    --steps" is about the budget the user gave (it used to stop at step 51 of 100 and advise more)."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in demo_conversations(24)) + "\n")
+    out = tmp_path / "r.json"
+    result = cli("overfit", "--model", model_dir, "--dataset", str(data), "--steps", "60", "--n", "10",
+                 "--lora-r", "1", "--lora-target", "q_proj", "--json", str(out), cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    stats = json.loads(out.read_text())["stats"]["overfit"]
+    runs = stats["lr_search"]["tried"]
+    assert any(run["steps"] < 60 for run in runs)  # the search did cut runs short
+    assert not stats["passed"] and stats["steps_run"] == stats["step_budget"] == 60
+    assert [run["steps"] for run in runs if run["lr"] == pytest.approx(stats["lr"], rel=1e-3)] == [60]
+    shown = " ".join(result.stdout.split())
+    assert "not near zero" in shown and "after 60 steps" in shown and "more --steps" in shown

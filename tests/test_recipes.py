@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
-@pytest.mark.parametrize("recipe", ["lora_sft.py", "sft_trl.py", "full_finetune.py"])
+@pytest.mark.parametrize("recipe", ["sft_trl.py", "full_finetune.py"])
 def test_recipe_runs(recipe, tmp_path):
     result = subprocess.run(
         [sys.executable, str(RECIPES / recipe), "--max-steps", "6", "--output-dir", str(tmp_path / "out")],
@@ -34,9 +34,54 @@ def test_recipe_runs(recipe, tmp_path):
     assert "hf-sanity preflight: no findings" in result.stdout
     report = tmp_path / "out" / "hf-sanity" / "report.json"
     assert report.is_file(), "SanityCallback writes its report at train end"
-    if recipe == "lora_sft.py":
-        assert "hf-sanity serving check: no findings" in result.stdout
-        assert (tmp_path / "out" / "merged" / "model.safetensors").is_file()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 17 item 3 (another branch): init-loss-off-chance is a false error on a fine-tuned model "
+    "scored on a new answer style, which stops this recipe; remove this marker when that fix is merged",
+)
+def test_lora_recipe_with_no_arguments_trains_serves_and_passes(tmp_path):
+    """The first command a new user runs: `python recipes/lora_sft.py`, nothing else. From a tiny chat model
+    that already answers and stops, LoRA teaches a new answer style; every check passes and it exits 0, in
+    well under a minute of CPU (the base model built and cached on first use included)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = subprocess.run(
+        [sys.executable, str(RECIPES / "lora_sft.py")], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    out = tmp_path / "out" / "lora_sft"
+    for said in ("hf-sanity serving check: no findings", "hf-sanity outputs: no findings"):
+        assert said in result.stdout
+    watched = json.loads((out / "hf-sanity" / "report.json").read_text())["findings"]
+    assert [f["rule"] for f in watched if f["severity"] != "info"] == []  # the callback: a clean run
+    outputs = json.loads((out / "hf-sanity" / "outputs.json").read_text())
+    assert outputs["stats"]["stopped"] == outputs["stats"]["prompts"] > 0  # it answers, and stops
+    assert (out / "merged" / "model.safetensors").is_file() and (out / "adapter").is_dir()
+    assert cpu < 60, f"{cpu:.0f} s of CPU"
+    # The adapter taught the style: the merged model, as served, opens its answers with "Sure."
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_sanity.testing import held_out_conversations
+
+    model, tok = (
+        AutoModelForCausalLM.from_pretrained(out / "merged"),
+        AutoTokenizer.from_pretrained(out / "merged"),
+    )
+    opened = 0
+    for row in held_out_conversations(12):
+        prompt = tok.apply_chat_template(row["messages"][:-1], add_generation_prompt=True, return_dict=True,
+                                         return_tensors="pt")  # fmt: skip
+        answer = model.generate(**prompt, max_new_tokens=24, do_sample=False)[
+            0, prompt["input_ids"].shape[1] :
+        ]
+        opened += tok.decode(answer, skip_special_tokens=True).startswith("Sure.")
+    assert opened >= 10, opened
 
 
 def test_a_full_finetune_trained_long_enough_passes_the_output_check(tmp_path):

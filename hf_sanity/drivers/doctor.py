@@ -142,6 +142,21 @@ def _failures(findings: Iterable[Finding], selection: Selection) -> frozenset[st
     return frozenset(out)
 
 
+def read_runs(paths: list[str | Path]) -> tuple[list[Run], list[tuple[str, str]]]:
+    """The runs that can be read, and (path, why) for each that cannot: one bad RUN among several is skipped,
+    not the end of the post-mortem; when none can be read, the first one's problem is the bad input."""
+    loaded, skipped, first_error = [], [], None
+    for path in paths:
+        try:
+            loaded.append(read_run(path))
+        except UserInputError as exc:
+            first_error = first_error or exc
+            skipped.append((str(path), str(exc)))
+    if not loaded:
+        raise first_error
+    return loaded, skipped
+
+
 def doctor(
     runs: list[str | Path],
     *,
@@ -159,7 +174,7 @@ def doctor(
         raise UserInputError(f"doctor needs at least one run; {RUN_HELP}")
     selection = resolve(select, ignore, use_config=use_config)
     started = time.perf_counter()
-    loaded = [read_run(path) for path in runs]
+    loaded, skipped = read_runs(runs)
     rows = read_predictions(predictions) if predictions is not None else None
     if plot is not None or with_plot:
         from hf_sanity.plots import require_matplotlib
@@ -173,7 +188,7 @@ def doctor(
         objective = of_log_history(run.state.get("log_history"))
         objectives.append(objective.kind)
         narrowed = selection.for_objective(objective.kind)  # a DPO run's loss is not read as an SFT one
-        from_curves = analyze(run.curves, final=True, selection=narrowed)
+        from_curves = analyze(run.curves, final=True, selection=narrowed) if run.has_loss else []
         if run.callback_report is not None:
             merged = _merge(from_curves, _from_callback(run))
         else:
@@ -189,6 +204,8 @@ def doctor(
     kept_together = catalog.run_all("runs", run_set, selection)
 
     report = Report(title="hf-sanity doctor")
+    report.notes += [f"{run.label}: {run.missing}" for run in loaded if run.missing]
+    report.notes += [f"{label}: skipped, {why}" for label, why in skipped]
     kept_per_run: list[list[Finding]] = []
     for findings in per_run:
         kept = [k for k in (selection.apply(f) for f in findings) if k is not None]
@@ -199,7 +216,7 @@ def doctor(
     report.stats["runs"] = [
         {
             "run": run.label,
-            "state": str(run.state_path),
+            "state": str(run.state_path) if run.state_path is not None else None,
             "global_step": global_step(run.state),
             "train_points": len(run.curves.train_loss),
             "evaluations": len(run.curves.eval_steps),

@@ -18,6 +18,7 @@ from hf_sanity.errors import UserInputError
 from hf_sanity.measure.formats import check_alpaca_template
 from hf_sanity.measure.generate import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS
 from hf_sanity.measure.objective import KINDS, of_columns
+from hf_sanity.measure.sources import as_dataset
 from hf_sanity.report import Report
 from hf_sanity.selection import resolve
 
@@ -97,13 +98,14 @@ def outputs(
     )  # fmt: skip
     if model is None or tokenizer is None or dataset is None:
         raise UserInputError("outputs needs a model, a tokenizer and a dataset of held-out prompts")
-    objective = objective or of_columns(dataset.column_names).kind
-    selection = selection.for_objective(objective)
     if adapter is not None:
         check_adapter_folder(adapter)
     started = time.perf_counter()
     served = inference_tokenizer or tokenizer
     has_template = bool(getattr(served, "chat_template", None))
+    dataset = as_dataset(dataset)
+    objective = objective or of_columns(dataset.column_names).kind
+    selection = selection.for_objective(objective)
     prompts = held_out_prompts(
         dataset, n=n, fmt=format, has_template=has_template, alpaca_template=alpaca_template
     )

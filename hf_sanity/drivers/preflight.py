@@ -9,8 +9,9 @@ from hf_sanity import catalog
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.context import Context
 from hf_sanity.measure.encode import EncodeOptions
-from hf_sanity.measure.formats import PREFERENCE_FORMATS, check_alpaca_template, detect_format
+from hf_sanity.measure.formats import COLUMNS, PREFERENCE_FORMATS, check_alpaca_template, detect_format
 from hf_sanity.measure.objective import of_columns, of_trainer
+from hf_sanity.measure.sources import as_dataset
 from hf_sanity.report import Report
 from hf_sanity.selection import Selection, resolve
 
@@ -66,6 +67,8 @@ def preflight(
     selection = resolve(select, ignore, use_config=use_config)
     started = time.perf_counter()
     load_seconds: list[float] = []  # the model loader's, if it runs
+    if eval_dataset is not None:
+        eval_dataset = as_dataset(eval_dataset, "eval_dataset")
     if trainer is not None:
         from hf_sanity.measure.batches import trainer_context
 
@@ -81,6 +84,7 @@ def preflight(
         check_options(
             loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template, task=task
         )
+        dataset = as_dataset(dataset)
         fmt = detect_format(dataset.column_names, format)
         # `model` may be a function that loads the model, so that only a model rule pays for loading it.
         is_loader = callable(model) and not hasattr(model, "forward")
@@ -94,7 +98,7 @@ def preflight(
         if fmt in PREFERENCE_FORMATS:
             from hf_sanity.measure.preference import rows_context
 
-            objective = of_columns(dataset.column_names)
+            objective = of_columns(COLUMNS[fmt])  # the format's own columns: --format decides
             ctx = rows_context(tokenizer, dataset, objective=objective, max_len=max_len, **model_side)
         else:
             ctx = Context(
@@ -121,7 +125,13 @@ def preflight(
     rank, size = distributed.world() if ctx.shard else (0, 1)
     if rank != 0:
         return distributed.broadcast(None)
-    report = run_checks(ctx, selection.for_objective(ctx.objective.kind))
+    selection = selection.for_objective(ctx.objective.kind)
+    report = run_checks(ctx, selection)
+    if not ctx.has_model and reads_model(selection):
+        report.notes.append(
+            "no model was given: the model-stage checks that read its weights did not run (`hf-sanity rules "
+            "--stage model`); pass model= to run them"
+        )
     checked = time.perf_counter()
     model_load = sum(load_seconds)
     report.stats["seconds_by_phase"] = {  # where the wall time went (the CLI adds its own loading)
@@ -167,6 +177,12 @@ def _preference_stats(ctx) -> dict:
             "TRL's DPO/ORPO/CPO tokenization (prompt with the generation prompt, completion after it)"
         )
     return out
+
+
+def reads_model(selection: Selection) -> bool:
+    """Whether a selected rule is of the model stage, the one that reads the model's weights (the others read
+    the tokenizer, the data and the config)."""
+    return any(catalog.detectors("context", stages=("model",), enabled=selection.enabled))
 
 
 def _timed(load, seconds: list[float]):

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 from hf_sanity import catalog
 from hf_sanity.errors import UserInputError
+from hf_sanity.measure.sources import as_dataset
 from hf_sanity.report import Report
 from hf_sanity.selection import resolve
 
@@ -49,7 +50,7 @@ def served(
         raise UserInputError(f"--sample must be at least 1, got {sample}")
     selection = resolve(select, ignore, use_config=use_config).restricted(set(SERVED_RULES))
     started = time.perf_counter()
-    data = dataset if dataset is not None else probe_rows(tokenizer)
+    data = as_dataset(dataset) if dataset is not None else probe_rows(tokenizer)
     fmt = detect_format(data.column_names, None)
     ctx = Context(
         tokenizer=tokenizer,
@@ -73,13 +74,30 @@ def served(
     return report
 
 
+# The default rows the logits are compared on (``dataset`` replaces them): short conversations of the kinds
+# people fine-tune on, one with a system turn and one with two exchanges, so that the chat template's markers
+# and roles are in the batch too.
+PROBE_CONVERSATIONS: tuple[tuple[tuple[str, str], ...], ...] = (
+    (("system", "You are a helpful assistant."), ("user", "What is the capital of France?"),
+     ("assistant", "The capital of France is Paris.")),
+    (("user", "What is 7 plus 5?"), ("assistant", "7 plus 5 is 12.")),
+    (("user", "Please spell the word river backwards."), ("assistant", "The word river backwards is revir.")),
+    (("user", "Write the number 4 in words."), ("assistant", "4 in words is four.")),
+    (("user", "Name a colour of the sky."), ("assistant", "The sky is often blue."),
+     ("user", "And at sunset?"), ("assistant", "At sunset it can be orange or red.")),
+    (("user", "Summarise: the meeting moved to Tuesday at noon."), ("assistant", "The meeting is on Tuesday at noon.")),
+    (("user", "Translate 'thank you' into French."), ("assistant", "'Thank you' in French is 'merci'.")),
+    (("user", "Is 9 an even number?"), ("assistant", "No, 9 is an odd number.")),
+)  # fmt: skip
+
+
 def probe_rows(tokenizer):
-    """A few short conversations (or their text, for a tokenizer without a chat template)."""
+    """:data:`PROBE_CONVERSATIONS` as a dataset (their text, for a tokenizer without a chat template)."""
     import datasets
 
-    from hf_sanity.testing import demo_conversations
-
-    rows = demo_conversations(PROBE_ROWS)
+    rows = [[{"role": role, "content": content} for role, content in turns] for turns in PROBE_CONVERSATIONS]
     if getattr(tokenizer, "chat_template", None):
-        return datasets.Dataset.from_list(rows)
-    return datasets.Dataset.from_list([{"text": " ".join(m["content"] for m in r["messages"])} for r in rows])
+        return datasets.Dataset.from_list([{"messages": messages} for messages in rows])
+    return datasets.Dataset.from_list(
+        [{"text": " ".join(m["content"] for m in messages)} for messages in rows]
+    )

@@ -213,8 +213,9 @@ class Context:
     def _map(self, dataset):
         import datasets
 
-        # A progress bar for a second of work is noise; under hf-sanity's display, datasets' draws over it.
-        quiet = (len(dataset) < 5000 or progress.active()) and not datasets.utils.are_progress_bars_disabled()
+        # datasets' own bar never shows: on a terminal hf-sanity's display counts the rows (datasets' would draw
+        # over it); piped, redirected or from Python nothing extra is printed.
+        quiet = not datasets.utils.are_progress_bars_disabled()
         if quiet:
             datasets.disable_progress_bars()
         counted = progress.active() and not (self.num_proc and self.num_proc > 1)  # other processes: no count

@@ -36,7 +36,7 @@ class Run:
     """One finished run as read from disk."""
 
     label: str
-    state_path: Path
+    state_path: Path | None  # None: no trainer_state.json, only SanityCallback's report
     state: dict[str, Any]
     curves: Curves
     model_config: dict[str, Any] = field(default_factory=dict)
@@ -44,6 +44,11 @@ class Run:
     files: list[str] = field(default_factory=list)  # the side files that were read
     callback_report: Path | None = None  # SanityCallback's report.json, when it watched this run
     callback_findings: list[dict[str, Any]] = field(default_factory=list)  # the findings it holds, as written
+    missing: str | None = None  # what could not be read and so was not analysed, in one line
+
+    @property
+    def has_loss(self) -> bool:
+        return bool(self.curves.train_loss or self.curves.eval_loss)
 
 
 # -- reading runs ----------------------------------------------------------------------------------
@@ -166,16 +171,30 @@ def _read_callback_report(folders: list[Path]) -> tuple[Path | None, list[dict[s
 
 def read_run(path: str | Path) -> Run:
     """Read one RUN: its trainer state, the config.json beside it, its training arguments and the report of
-    the SanityCallback that watched it."""
-    state_path = find_state(path)
-    state = read_json(state_path, "trainer state")
-    if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
-        raise UserInputError(f"{state_path} has no log_history list, so it is not a {STATE}; {RUN_HELP}")
+    the SanityCallback that watched it. What is there is read: a run SanityCallback stopped before any step
+    was logged (``abort_on="error"``), or one that saved no trainer_state.json, still has the callback's
+    report; ``missing`` says what was not there. Nothing at all to read is bad input."""
+    try:
+        state_path = find_state(path)
+    except UserInputError:  # no state: is SanityCallback's report there?
+        folder = Path(path)
+        if not (folder.is_dir() and (folder / CALLBACK_REPORT).is_file()):
+            raise
+        state_path, state = None, {"log_history": []}
+        missing = (
+            f"no {STATE} (the run saved no checkpoint and did not call trainer.save_state()): its curves were "
+            "not read"
+        )
+    else:
+        state = read_json(state_path, "trainer state")
+        if not isinstance(state, dict) or not isinstance(state.get("log_history"), list):
+            raise UserInputError(f"{state_path} has no log_history list, so it is not a {STATE}; {RUN_HELP}")
+        missing = None
     model_config: dict[str, Any] = {}
     files: list[str] = []
-    folders = _side_files(state_path)
-    for folder in folders:
-        config_path = folder / "config.json"
+    folders = _side_files(state_path) if state_path is not None else [folder]
+    for side in folders:
+        config_path = side / "config.json"
         if not model_config and config_path.is_file():
             data = read_json(config_path, "model config")
             if isinstance(data, dict):
@@ -186,13 +205,24 @@ def read_run(path: str | Path) -> Run:
     if callback_report is not None:
         files.append(str(callback_report))
     curves = Curves.from_log_history(state["log_history"], vocab_size=_vocab_size(model_config))
-    if not curves.train_loss and not curves.eval_loss:
-        raise UserInputError(
-            f"{state_path} logs no loss (log_history has no 'loss' nor 'eval_loss' entry); "
-            "train with logging_steps set so that at least one step is logged"
-        )
+    if state_path is not None and not curves.train_loss and not curves.eval_loss:
+        no_loss = f"{state_path} logs no loss (log_history has no 'loss' nor 'eval_loss' entry)"
+        if callback_report is None and not _counted(state):
+            raise UserInputError(
+                f"{no_loss}; train with logging_steps set so that at least one step is logged"
+            )
+        missing = f"{no_loss}: its curves were not analysed"
     return Run(
-        str(path), state_path, state, curves, model_config, args, files, callback_report, callback_findings
+        str(path), state_path, state, curves, model_config, args, files, callback_report, callback_findings,
+        missing,
+    )  # fmt: skip
+
+
+def _counted(state: dict[str, Any]) -> bool:
+    """Whether SanityCallback logged a count of its findings into the state's log_history."""
+    return any(
+        isinstance(entry, dict) and any(key.startswith("hf_sanity/") for key in entry)
+        for entry in state["log_history"]
     )
 
 

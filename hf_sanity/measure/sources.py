@@ -94,14 +94,14 @@ def load_tokenizer(ref: str, *, trust_remote_code: bool = False, kind: str = "to
         ) from None
 
 
-def _check_model_folder(ref: str) -> Path:
+def _check_model_folder(ref: str, weights: bool = True) -> Path:
     path = Path(os.path.expanduser(ref))
     if looks_local(ref):
         if not path.exists():
             raise _missing("model", ref)
         if not path.is_dir():
             raise UserInputError(f"model {ref!r} is a file; pass the folder written by save_pretrained")
-        if not any(any(path.glob(p)) for p in WEIGHT_PATTERNS):
+        if weights and not any(any(path.glob(p)) for p in WEIGHT_PATTERNS):
             raise UserInputError(
                 f"model folder {ref!r} has no weights (*.safetensors or pytorch_model.bin); "
                 "pass the folder written by model.save_pretrained"
@@ -161,6 +161,8 @@ def _load_dataset_ref(ref: str, split: str):
                     )
                 if path.stat().st_size == 0:
                     raise UserInputError(f"dataset {ref!r} is empty")
+                if builder in TEXT_BUILDERS:
+                    check_utf8(path, ref)
                 try:
                     return datasets.load_dataset(builder, data_files=str(path), split="train")
                 except Exception:
@@ -171,6 +173,9 @@ def _load_dataset_ref(ref: str, split: str):
             if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
                 loaded = datasets.load_from_disk(str(path))
             else:
+                for data_file in sorted(path.rglob("*")):
+                    if DATA_BUILDERS.get(data_file.suffix.lower()) in TEXT_BUILDERS and data_file.is_file():
+                        check_utf8(data_file, str(data_file))
                 loaded = datasets.load_dataset(str(path))
         else:
             loaded = datasets.load_dataset(ref)
@@ -186,6 +191,67 @@ def _load_dataset_ref(ref: str, split: str):
             )
         return loaded[split]
     return loaded
+
+
+TEXT_BUILDERS = ("json", "csv")  # read as UTF-8 text (pyarrow's JSON reader takes invalid bytes in silently)
+
+
+def check_utf8(path: Path, ref: str) -> None:
+    """Bad input when the file is not UTF-8: the byte offset and line of the first invalid byte. pyarrow's JSON
+    reader loads invalid bytes without a word and the first row read that holds one raises deep inside it."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, line = 0, 1
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            pending = len(decoder.getstate()[0])  # the start of a character cut by the previous chunk
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:  # exc.object: the pending bytes, then this chunk
+                where = offset - pending + exc.start
+                line += exc.object.count(b"\n", 0, exc.start)
+                raise UserInputError(
+                    f"dataset {ref!r} is not UTF-8: byte {where} (line {line}) is {exc.object[exc.start]:#04x}; "
+                    "re-encode the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            offset += len(chunk)
+            line += chunk.count(b"\n")
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise UserInputError(
+            f"dataset {ref!r} is not UTF-8: it ends inside a multi-byte character (byte {offset}); re-encode the "
+            "file as UTF-8"
+        ) from None
+
+
+def as_dataset(data, what: str = "dataset"):
+    """``data`` as a ``datasets.Dataset``: a Dataset as is; a list of row dicts (the rows the README's examples
+    build) or a pandas DataFrame converted; bad input otherwise."""
+    import datasets
+
+    if isinstance(data, datasets.DatasetDict):
+        raise UserInputError(
+            f"{what} is a DatasetDict with splits {sorted(data)}; pass one split, e.g. {what}['train']"
+        )
+    if isinstance(data, (list, tuple)):
+        if not data:
+            raise UserInputError(f"{what} is an empty list")
+        if not all(isinstance(row, dict) for row in data):
+            bad = next(i for i, row in enumerate(data) if not isinstance(row, dict))
+            raise UserInputError(f"{what} row {bad} is a {type(data[bad]).__name__}; pass rows as dicts")
+        try:
+            return datasets.Dataset.from_list(list(data))
+        except Exception as exc:  # rows whose columns do not fit one table
+            raise UserInputError(f"cannot make a dataset of the {what} rows: {_first_line(exc)}") from None
+    if type(data).__name__ == "DataFrame" and hasattr(data, "to_dict"):  # pandas, not imported for the check
+        return datasets.Dataset.from_pandas(data, preserve_index=False)
+    if not isinstance(data, datasets.Dataset):
+        raise UserInputError(
+            f"{what} is a {type(data).__name__}; pass a datasets.Dataset or a list of rows (dicts)"
+        )
+    return data
 
 
 def json_problem(path: Path) -> str | None:
@@ -226,12 +292,12 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def load_config(ref: str, *, trust_remote_code: bool = False):
-    """The model's config, without its weights; a local folder must also hold weights (checked early, so a
-    broken folder fails before any work is done)."""
+def load_config(ref: str, *, trust_remote_code: bool = False, weights: bool = True):
+    """The model's config, without its weights; a local folder must also hold weights unless ``weights`` is
+    False (checked early, so a broken folder fails before any work is done)."""
     from transformers import AutoConfig
 
-    path = _check_model_folder(ref)
+    path = _check_model_folder(ref, weights)
     try:
         return AutoConfig.from_pretrained(
             str(path) if looks_local(ref) else ref, trust_remote_code=trust_remote_code

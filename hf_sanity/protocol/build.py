@@ -22,7 +22,7 @@ from typing import Any
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.tensors import pad_batches, pad_id
 from hf_sanity.protocol.lora import adapter_dict, attach_lora, is_peft, lora_config
-from hf_sanity.protocol.optimizers import adamw, remap_optimizer
+from hf_sanity.protocol.optimizers import adamw, remap_optimizer, unwrapped
 from hf_sanity.protocol.options import MIN_EXAMPLES, ProtocolOptions
 from hf_sanity.protocol.pipeline import DEFAULT_MAX_GRAD_NORM, Learner, NullOptimizer, Pipeline, _cpu
 
@@ -85,13 +85,11 @@ def encode_examples(
     tokenizer, dataset, n: int, *, fmt=None, loss_on="completion", max_len=None, alpaca_template=None
 ) -> list[dict]:
     """The first ``n`` rows that tokenize, as TRL would tokenize them (labels included)."""
-    import datasets
-
     from hf_sanity.measure.encode import EncodeOptions, Encoder
     from hf_sanity.measure.formats import detect_format
+    from hf_sanity.measure.sources import as_dataset
 
-    if isinstance(dataset, list):
-        dataset = datasets.Dataset.from_list(dataset)
+    dataset = as_dataset(dataset)
     if len(dataset) == 0:
         raise UserInputError("the dataset is empty")
     fmt = detect_format(dataset.column_names, fmt)
@@ -242,7 +240,11 @@ def from_trainer(trainer, *, options: ProtocolOptions | None = None) -> Pipeline
         raise UserInputError("the trainer's train dataloader is empty")
     args = trainer.args
     user_optimizer = getattr(trainer, "optimizer", None)
-    configured = user_optimizer.param_groups[0]["lr"] if user_optimizer is not None else args.learning_rate
+    if user_optimizer is not None:
+        user_optimizer = unwrapped(user_optimizer)  # after train(): accelerate's wrapper around it
+    # a scheduler keeps the LR it started from in "initial_lr": after train(), "lr" is where it decayed to
+    first_group = user_optimizer.param_groups[0] if user_optimizer is not None else {}
+    configured = first_group.get("initial_lr", first_group.get("lr", args.learning_rate))
     overfit_lr = opts.lr if opts.lr is not None else max(configured or 0.0, default_lr(trainer.model))
     original = trainer.model
 

@@ -6,7 +6,8 @@ LRs half a decade apart, the first a decade below that point (the range test's s
 once its loss falls too slowly to get near zero. While every run's loss still fell at its end the next LR is
 higher; once one diverges or stops falling (it plateaus or oscillates) the next is lower. The search stops at
 the first run that reaches near zero, or once ``LR_SEARCH_BUDGETS`` step budgets are spent, the range test
-included. The thresholds are those of
+included; when no run got there, the best LR then runs the whole step budget before the verdict. The
+thresholds are those of
 `hf_sanity.rules.protocol`, which judges the runs; this module only takes them.
 """
 
@@ -70,10 +71,18 @@ def next_rung(tried: dict[int, LRTrial]) -> int:
 
 
 def trial_run(
-    pipeline: Pipeline, lr: float, steps: int, threshold: float, weights: list[float], window: int
+    pipeline: Pipeline,
+    lr: float,
+    steps: int,
+    threshold: float,
+    weights: list[float],
+    window: int,
+    *,
+    stop_early: bool = True,
 ) -> tuple[LRTrial, str | None]:
     """A run from the starting weights at ``lr`` (on its own working copy), stopped early as
-    :func:`~hf_sanity.protocol.loop.train` does with ``window``; and the error of a step that raised."""
+    :func:`~hf_sanity.protocol.loop.train` does with ``window`` (unless not ``stop_early``: the whole ``steps``,
+    its trend still read over ``window``); and the error of a step that raised."""
     import torch
 
     torch.manual_seed(0)
@@ -92,8 +101,8 @@ def trial_run(
             trial.losses,
             steps,
             threshold,
-            window=window,
-            name=f"LR search: lr {lr:.2g}",
+            window=window if stop_early else None,
+            name=f"LR search: lr {lr:.2g}" if stop_early else f"overfit at lr {lr:.2g}",
         )
     except Exception as exc:  # a step that raises is not an LR problem: the search reports it as measured
         error = f"lr {lr:.3g}, step {len(trial.losses)}: {first_line(exc)}"
@@ -130,5 +139,19 @@ def search_lr(pipeline: Pipeline, steps: int, threshold: float, weights: list[fl
         if search.error is not None or trial.reached:
             break
         rung = next_rung(tried)
+    best = search.reported()
+    if (
+        best is not None
+        and search.error is None
+        and not best.reached
+        and best.ended_finite
+        and best.steps < steps
+    ):
+        # No LR got there, and the runs were cut once their loss fell too slowly: before the verdict, the best
+        # LR runs the whole budget the user gave (a slow run may still get there; if not, "more --steps" is
+        # advice about that budget, not about a run the search cut short).
+        full, search.error = trial_run(pipeline, best.lr, steps, threshold, weights, window, stop_early=False)
+        search.tried[search.tried.index(best)] = full
+        spent += full.steps
     search.steps = spent
     return search

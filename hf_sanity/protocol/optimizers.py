@@ -3,6 +3,8 @@ groups, fresh state), or AdamW."""
 
 from __future__ import annotations
 
+from hf_sanity.errors import UserInputError
+from hf_sanity.protocol.loop import first_line
 from hf_sanity.protocol.pipeline import NullOptimizer
 
 
@@ -13,9 +15,21 @@ def adamw(model, lr: float):
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0) if params else NullOptimizer()
 
 
+def unwrapped(optimizer):
+    """The optimizer a wrapper steps: Trainer puts accelerate's ``AcceleratedOptimizer`` around its optimizer
+    in ``train()`` (``.optimizer``); the class to rebuild is the one inside."""
+    import torch
+
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def remap_optimizer(optimizer, original, model, lr: float):
-    """The user's optimizer rebuilt over ``model`` (a copy of ``original``): same class, same param groups (by
-    parameter name), fresh state. Parameters the original model does not own are dropped (counted)."""
+    """The user's optimizer rebuilt over ``model`` (a copy of ``original``): same class, built by its own
+    constructor, same param groups (by parameter name), fresh state. Parameters the original model does not
+    own are dropped (counted)."""
+    optimizer = unwrapped(optimizer)
     names = {id(p): n for n, p in original.named_parameters()}
     copied = dict(model.named_parameters())
     groups, foreign = [], 0
@@ -38,19 +52,23 @@ def remap_optimizer(optimizer, original, model, lr: float):
 
 
 def _same_class(optimizer, groups: list[dict], lr: float):
-    """A fresh optimizer of ``optimizer``'s class over ``groups``, with its defaults."""
+    """A fresh optimizer of ``optimizer``'s class over ``groups``: ``type(optimizer)(groups, **defaults)``, so
+    that whatever its ``__init__`` sets up is there (torch's optimizers keep every constructor argument in
+    ``defaults``). One that cannot be built that way is bad input, said in one line: an optimizer assembled
+    without its constructor would step differently from the user's, or not at all."""
     import inspect
 
-    import torch
-
     cls = type(optimizer)
-    defaults = {k: v for k, v in optimizer.defaults.items() if k != "lr"}
+    defaults = {**optimizer.defaults, "lr": lr}
+    accepted = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        defaults = {k: v for k, v in defaults.items() if k in accepted}
     try:
-        accepted = inspect.signature(cls.__init__).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-            defaults = {k: v for k, v in defaults.items() if k in accepted}
-        return cls(groups, lr=lr, **defaults)
-    except Exception:  # a constructor we cannot call: the same class, initialised as torch's base class does
-        rebuilt = cls.__new__(cls)
-        torch.optim.Optimizer.__init__(rebuilt, groups, {**optimizer.defaults, "lr": lr})
-        return rebuilt
+        return cls(groups, **defaults)
+    except Exception as exc:
+        raise UserInputError(
+            f"cannot rebuild the optimizer {cls.__name__} for the copy of the model that overfit and diagnose "
+            f"train: {cls.__name__}(param_groups, **optimizer.defaults) raised {first_line(exc)}; keep its "
+            "constructor's arguments in optimizer.defaults (as torch's optimizers do), or leave the optimizer to "
+            "the Trainer (or to overfit: AdamW)"
+        ) from None

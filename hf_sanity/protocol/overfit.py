@@ -221,7 +221,7 @@ def search_stats(search: Search, steps: int) -> dict[str, Any]:
             for t in search.tried
         ],
         "steps": search.steps,
-        "step_limit": LR_SEARCH_BUDGETS * steps,
+        "step_limit": (LR_SEARCH_BUDGETS + 1) * steps,  # the search's budgets, and the best LR's whole run
     }
 
 

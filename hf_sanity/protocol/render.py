@@ -56,6 +56,7 @@ class ProtocolReport(Report):
         counts = self.counts()
         style = "bold red" if counts["error"] else "bold yellow" if counts["warning"] else "bold green"
         yield Text(self.summary(), style=style)
+        yield from self.rendered_notes()
         stats = self.stats
         if stats.get("verdict"):
             yield Text(stats["verdict"], style="bold red" if stats.get("broken_layer") else "bold green")

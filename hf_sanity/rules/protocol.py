@@ -16,7 +16,8 @@ user's model and hands them here. Thresholds are the named constants below, quot
   before by 5% of the way left to near zero (too slow to get there), and its loss still falls when that
   difference is at least 2 standard errors. The next LR is higher while every run's loss still fell at its
   end (too low an LR), lower once one diverges or stops falling (plateaus or oscillates). The search stops
-  at the first run that reaches near zero, or once 3 step budgets are spent, the sweep included.
+  at the first run that reaches near zero, or once 3 step budgets are spent, the sweep included; when none
+  reaches it, the best LR's run goes on to the whole step budget before the verdict.
 * *precision tolerance*: 8 unit roundoffs of the half format relative to the float32 loss (bf16: 3.1%,
   fp16: 0.39%), plus 0.02 nat: a half-precision forward pass rounds at every op, and a few roundoffs of
   relative error on the mean loss is its normal noise; more means a module lost range or precision.
@@ -37,6 +38,7 @@ DIVERGE_RATIO = 4.0
 DIVERGE_FLOOR = 0.25  # of the starting loss
 SUGGEST_BELOW = 10.0  # the suggested LR is an order of magnitude below divergence
 LR_SEARCH_BUDGETS = 3  # the overfit's LR search trains at most this many step budgets, its sweep included
+# ... then, when no run reached near zero, the best LR's run goes on to the whole step budget (one more at most)
 LR_SEARCH_RUNG = 10**0.5  # the LRs it tries are half a decade apart
 LR_SEARCH_WINDOW = 1 / 6  # of the step budget: a search run's loss trend is read over windows this long
 LR_SEARCH_PACE = 0.05  # a window must cut this share of the way left to near zero, or the run stops
@@ -63,7 +65,8 @@ OVERFIT_FAILED = define(
     "where the sweep diverges. A run stops once its mean loss over a sixth of the step budget is not below "
     "the sixth before by 5% of the way left to near zero; the next LR is higher while every run's loss still "
     "fell (by 2 standard errors), lower once one diverges or plateaus or oscillates. The search stops at the "
-    "first run that reaches near zero, within 3 step budgets in all (the sweep included). The loss stalls "
+    "first run that reaches near zero, within 3 step budgets in all (the sweep included); when none does, the "
+    "LR with the best loss runs the whole step budget before the verdict. The loss stalls "
     "(not-converged) when no LR tried reaches near zero; the evidence lists each LR tried with its best "
     "loss. A model whose loss does not move when every input token is replaced cannot tell the examples "
     "apart at any LR: that is named (input-ignored), not not-converged. An LR given with --lr is used as is, "
