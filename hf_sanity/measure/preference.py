@@ -93,9 +93,8 @@ class Pairs:
     prefix_mismatch: np.ndarray | None = None
     chosen_script: list[str] = field(default_factory=list)  # the first pairs', from the decoded completion
     rejected_script: list[str] = field(default_factory=list)
-    leaked: np.ndarray | None = (
-        None  # the completion repeats the user/system turn (conversational, with prompt)
-    )
+    # The completion repeats the user/system turn (conversational, with a prompt)
+    leaked: np.ndarray | None = None
     source: np.ndarray | None = None  # each pair's row in the dataset the user gave (None: the same index)
     gen_prompt_doubled: np.ndarray | None = None  # the completion opens with the assistant header again
     double_bos: np.ndarray | None = None  # the prompt starts with BOS twice
@@ -131,17 +130,11 @@ def measure_pairs(
             kept(len(p), len(c), max_length, truncation_mode),
             kept(len(p), len(r), max_length, truncation_mode),
         )
-        same = cut(p, c, max_length, truncation_mode) == cut(p, r, max_length, truncation_mode)
-        cause = ""
-        if same:
-            text_equal = c == r if same_text is None else bool(same_text[i])
-            cause = (
-                "empty-completion"
-                if not c and not r and same_text is None
-                else "identical-text"
-                if text_equal
-                else "truncation"
-            )
+        if truncation_mode == "keep_end":  # the cut may reach into the prompt
+            same = cut(p, c, max_length, truncation_mode) == cut(p, r, max_length, truncation_mode)
+        else:
+            same = ck == rk and c[:ck] == r[:rk]
+        cause = _identical_cause(c, r, None if same_text is None else bool(same_text[i])) if same else ""
         cols["p"].append(len(p))
         cols["c"].append(len(c))
         cols["r"].append(len(r))
@@ -167,6 +160,15 @@ def measure_pairs(
         rejected_script=scripts_r, double_bos=as_bool("bos") if n else None,
         gen_prompt_doubled=as_bool("gp") if header_ids else None, **extra,
     )  # fmt: skip
+
+
+def _identical_cause(chosen: list[int], rejected: list[int], same_text: bool | None) -> str:
+    """Why a pair is identical as fed: its completions are empty, the same text, or cut where they agree."""
+    if same_text is None:
+        if not chosen and not rejected:
+            return "empty-completion"
+        same_text = chosen == rejected
+    return "identical-text" if same_text else "truncation"
 
 
 def _ends(completion: list[int], kept_tokens: int, mode: str, ends: set[int]) -> bool:
