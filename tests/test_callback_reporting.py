@@ -146,3 +146,17 @@ def test_counters_touch_only_the_entry_of_this_log():
     assert other["hf_sanity/nonfinite-loss"] == 1 and "my_metric" not in kept
     assert state.log_history[0] == {"loss": 1.0, "step": 3}
     assert not sink.report.findings  # nothing broke
+
+
+def test_a_finding_with_a_side_by_side_view_crosses_to_another_rank_and_back():
+    """Under DDP a rank's findings travel as plain data (`ranks.portable`) and the main process rebuilds them:
+    an output check's finding carries a side-by-side view, which stays behind like a token view does."""
+    from hf_sanity.findings import Finding
+    from hf_sanity.outputview import OutputExample, OutputView
+    from hf_sanity.training.ranks import portable
+
+    view = OutputView("never stops", (OutputExample.of(0, [("prompt", "Hi"), ("generation", "Hello Hello")]),))
+    finding = Finding(rule="never-stops", severity="error", message="m", example=view, step=3)
+    assert "side_by_side" in finding.to_dict()
+    rebuilt = Finding(**portable(finding))
+    assert (rebuilt.rule, rebuilt.step, rebuilt.example) == ("never-stops", 3, None)

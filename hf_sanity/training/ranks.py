@@ -101,5 +101,6 @@ class RankExchange:
 
 
 def portable(finding: Finding) -> dict[str, Any]:
-    """A finding as plain data for another process (the token view stays behind)."""
-    return {k: v for k, v in finding.to_dict().items() if k != "example"}
+    """A finding as plain data for another process (the token or side-by-side view stays behind): the fields
+    ``Finding`` is built from."""
+    return {k: v for k, v in finding.to_dict().items() if k not in ("example", "side_by_side")}
