@@ -390,8 +390,19 @@ class Context:
             return getattr(text, "vocab_size", None)
         if not self.has_model:
             return None
-        embeddings = self.model.get_input_embeddings()
+        embeddings = self.input_embeddings
         return int(embeddings.num_embeddings) if embeddings is not None else None
+
+    @cached_property
+    def input_embeddings(self):
+        """The model's input embedding module; None without a model, or for a model that does not expose one
+        (a custom ``nn.Module`` without ``get_input_embeddings``: the embedding checks cannot measure it)."""
+        get = getattr(self.model, "get_input_embeddings", None) if self.has_model else None
+        try:
+            embeddings = get() if get is not None else None
+        except NotImplementedError:  # transformers' default for a model that has none
+            return None
+        return embeddings if hasattr(embeddings, "weight") else None
 
     @cached_property
     def sample_indices(self) -> list[int]:

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from hf_sanity.catalog import define
+from hf_sanity.catalog import NotMeasured, define
 from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.losses import token_loss
 
@@ -44,10 +44,19 @@ VOCAB_SIZE_MISMATCH = define(
 )
 
 
+# Why the embedding checks cannot measure a model: said once for all of them (see catalog.NotMeasured).
+NO_INPUT_EMBEDDINGS = (
+    "the model exposes no input embeddings (no get_input_embeddings(), as a custom nn.Module): its embedding "
+    "rows cannot be read"
+)
+
+
 @VOCAB_SIZE_MISMATCH.check
 def check_vocab_size(ctx):
     rows = ctx.embedding_rows
     if not rows:
+        if ctx.model_given and ctx.input_embeddings is None:
+            raise NotMeasured(NO_INPUT_EMBEDDINGS)
         return
     max_ids = ctx.col("max_id")
     beyond = ctx.valid & (max_ids >= rows)
@@ -140,10 +149,11 @@ def check_untrained_special_tokens(ctx):
     if not ctx.has_model:
         return
     used = used_special_ids(ctx)
-    embeddings = ctx.model.get_input_embeddings()
-    if not used or embeddings is None:
+    if not used:
         return
-    health = untrained_rows(embeddings, used)
+    if ctx.input_embeddings is None:
+        raise NotMeasured(NO_INPUT_EMBEDDINGS)
+    health = untrained_rows(ctx.input_embeddings, used)
     if health is None:
         return
     suspect = sorted({i for group in health.values() for i in group})
@@ -208,9 +218,11 @@ def check_new_tokens_frozen(ctx):
     if not base:
         return
     added = [i for i in used_special_ids(ctx) if i >= base]
-    if not added or not ctx.has_model or ctx.model.get_input_embeddings() is None:
+    if not added or not ctx.has_model:
         return
-    health = untrained_rows(ctx.model.get_input_embeddings(), added)
+    if ctx.input_embeddings is None:
+        raise NotMeasured(NO_INPUT_EMBEDDINGS)
+    health = untrained_rows(ctx.input_embeddings, added)
     if health is None:
         return
     used = sorted({i for group in health.values() for i in group})  # trained added tokens need no training
@@ -222,8 +234,7 @@ def check_new_tokens_frozen(ctx):
             return
         why = "the adapter config trains no embeddings"
     elif ctx.model_given:
-        embeddings = ctx.model.get_input_embeddings()
-        if embeddings is None or embeddings.weight.requires_grad:
+        if ctx.input_embeddings.weight.requires_grad:
             return
         why = "the input embeddings do not require grad"
     else:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hf_sanity.constants import IGNORE_INDEX
-from hf_sanity.measure.tensors import forward_kwargs, logits_of
+from hf_sanity.measure.tensors import call_model, logits_of
 from hf_sanity.untouched import untouched
 
 PROBE_ROWS = 4  # rows of the first batch kept as the probe
@@ -40,8 +40,7 @@ def probe(model, batch: Mapping[str, Any], *, stats: bool = False) -> dict[str, 
 
     labels = batch.get("labels")
     with untouched(model), kept_sharded(model):
-        output = model(**forward_kwargs(model, batch, use_cache=False))
-        logits = logits_of(output)
+        logits = logits_of(call_model(model, batch, use_cache=False))
         out: dict[str, Any] = {"logits_shape": tuple(logits.shape) if logits is not None else None}
         if logits is None or labels is None or logits.dim() != 3 or labels.shape[:2] != logits.shape[:2]:
             return out
