@@ -191,6 +191,7 @@ def test_preflight_on_a_hand_written_model_says_once_what_it_cannot_measure(tmp_
     assert unmeasured.rule == "checks-skipped" and unmeasured.severity == "info"
     assert unmeasured.evidence["skipped"] == ["vocab-size-mismatch", "untrained-special-tokens"]
     assert "get_input_embeddings" in unmeasured.evidence["why"] and "needs" not in unmeasured.evidence
+    assert report.stats["step0_loss"]["tokens"] > 0  # the step-0 check, which needs vocab-size-mismatch, ran
 
 
 @pytest.mark.planted("input-ignored")
@@ -228,7 +229,7 @@ def test_the_callback_judges_the_step_0_loss_of_a_hand_written_model(tmp_path):
     callback = SanityCallback(use_config=False, print_findings=False, select="init-loss-off-chance")
     hand_trainer(tmp_path, broken, callbacks=[callback]).train()
     (finding,) = callback.report.findings
-    assert finding.step == 1 and finding.evidence["direction"] == "above", finding.message
+    assert finding.step == 1 and finding.evidence["cause"] == "nothing-predicted", finding.message
 
 
 class UnsafeLossLM(FeatureLM):

@@ -128,6 +128,14 @@ def preflight(
         max_len=ctx.options.max_len,
         seconds=round(time.perf_counter() - started, 2),
     )
+    step0 = ctx.step0_measured
+    if step0 and step0.get("tokens"):  # what the step-0 check measured, finding or not
+        report.stats["step0_loss"] = {
+            "loss": round(step0["loss"], 4),
+            "model_entropy": round(step0["entropy"], 4),
+            "top1": round(step0["top1"], 4),
+            "tokens": step0["tokens"],
+        }
     # The format as given, what it was read as, and how (ShareGPT roles, JSON columns, the Alpaca template).
     if trainer is None:
         report.stats.update(ctx.encoder.layout.describe(ctx.dataset))

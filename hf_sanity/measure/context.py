@@ -470,13 +470,19 @@ class Context:
             return None
         return trainer_loss(trainer, batch)
 
+    @property
+    def step0_measured(self) -> dict[str, Any] | None:
+        """The step-0 numbers if a rule measured them (``init_loss``), without measuring them."""
+        return self.__dict__.get("init_loss")
+
     @cached_property
     def init_loss(self) -> dict[str, float] | None:
-        """Mean step-0 loss over the supervised tokens of the sample (one no-grad pass, model state kept), or
-        the step-0 numbers the context was built with (the callback measures them on the first batch)."""
+        """The step-0 loss over the supervised tokens of the sample and what `init-loss-off-chance` reads beside
+        it (``token_loss(detail=True)``; one no-grad pass, model state kept), or the step-0
+        numbers the context was built with (the callback measures them on the first batch)."""
         if self._given_init_loss is not None:
             return dict(self._given_init_loss)
         if not self.has_model or not self.sample_indices:
             return None
         batches = self.sample_batches(by_length=True, limit=INIT_LOSS_EXAMPLES)
-        return token_loss(self.model, batches, entropy=True)
+        return token_loss(self.model, batches, detail=True)
