@@ -135,6 +135,7 @@ def preflight(
             "model_entropy": round(step0["entropy"], 4),
             "top1": round(step0["top1"], 4),
             "tokens": step0["tokens"],
+            "adapter": ctx.adapter_path and str(ctx.adapter_path),  # scored with it attached
         }
     # The format as given, what it was read as, and how (ShareGPT roles, JSON columns, the Alpaca template).
     if trainer is None:

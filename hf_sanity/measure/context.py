@@ -9,6 +9,7 @@ Rules only read it: after construction the context refuses attribute writes, and
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
@@ -404,6 +405,20 @@ class Context:
             return None
         return embeddings if hasattr(embeddings, "weight") else None
 
+    @contextlib.contextmanager
+    def model_as_trained(self):
+        """The model as the training steps run it: with a saved adapter (``--adapter``), the adapter attached
+        for the block and removed after (the model object and the folders are left as they were); else the
+        model itself. The checks that run the model (the step-0 loss, the input ablation, template against
+        text) score this one."""
+        if self.adapter_path and self.has_model:
+            from hf_sanity.measure.adapters import attached_adapter
+
+            with attached_adapter(self.model, self.adapter_path) as trained:
+                yield trained
+        else:
+            yield self.model
+
     @cached_property
     def sample_indices(self) -> list[int]:
         """A bounded, evenly spread sample of valid rows for model-side checks."""
@@ -441,7 +456,9 @@ class Context:
         if not self.has_model or not self.sample_indices:
             return None
         seqs = self.sample_seqs(ABLATION_EXAMPLES)
-        return InputAblation(self.model, self.tokenizer, seqs, partial(self.batches, by_length=True))
+        return InputAblation(
+            self.model_as_trained, self.tokenizer, seqs, partial(self.batches, by_length=True)
+        )
 
     @property
     def input_ablation(self) -> dict[str, Any] | None:
@@ -478,11 +495,12 @@ class Context:
     @cached_property
     def init_loss(self) -> dict[str, float] | None:
         """The step-0 loss over the supervised tokens of the sample and what `init-loss-off-chance` reads beside
-        it (``token_loss(detail=True)``; one no-grad pass, model state kept), or the step-0
+        it (``token_loss(detail=True)``; one no-grad pass of the model as trained, state kept), or the step-0
         numbers the context was built with (the callback measures them on the first batch)."""
         if self._given_init_loss is not None:
             return dict(self._given_init_loss)
         if not self.has_model or not self.sample_indices:
             return None
         batches = self.sample_batches(by_length=True, limit=INIT_LOSS_EXAMPLES)
-        return token_loss(self.model, batches, detail=True)
+        with self.model_as_trained() as model:
+            return token_loss(model, batches, detail=True)

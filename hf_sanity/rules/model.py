@@ -15,8 +15,8 @@ INIT_LOSS_OFF_CHANCE = define(
     severity="error",
     stage="model",
     symptom="Loss starts far above or far below expected.",
-    detects="The step-0 loss on a sample of supervised tokens, against chance ln(V) and the model's own "
-    "predictive entropy. Far above, the labels are "
+    detects="The step-0 loss on a sample of supervised tokens (with --adapter, of the model with the adapter "
+    "attached), against chance ln(V) and the model's own predictive entropy. Far above, the labels are "
     "scored in other alignments (one position earlier or later, the input's own next token): one that scores "
     "far better is an error with cause `labels-shifted` or `labels-not-input`; a model whose top guess is "
     "right on under 2% of the tokens is an error with cause `nothing-predicted` (a broken init or head, "
@@ -27,7 +27,7 @@ INIT_LOSS_OFF_CHANCE = define(
     "without them (`predictable-without-prompt`) are warnings.",
     fix="Far above: check the labels (not shifted by hand, the same tokens as the input) and the weights (loaded, "
     "not re-initialised). Far below: check label-leakage and what the labels contain.",
-    needs=("vocab-size-mismatch",),
+    needs=("vocab-size-mismatch", "adapter-empty", "adapter-base-mismatch"),
 )
 
 NO_TRAINABLE_PARAMS = define(
@@ -477,12 +477,13 @@ INPUT_IGNORED = define(
     severity="error",
     stage="model",
     symptom="Train and eval loss both flat at or near chance whatever the LR: the model never sees its input.",
-    detects="A few sampled examples are scored as they are and with every input token replaced by one filler "
-    "token (the labels kept): a model whose loss does not move at all computes the same thing whatever it "
-    "reads (a custom forward that ignores input_ids, an embedding that maps every token to the same vector).",
+    detects="A few sampled examples are scored (with --adapter, by the model with the adapter attached) as they "
+    "are and with every input token replaced by one filler token (the labels kept): a model whose loss does "
+    "not move at all computes the same thing whatever it reads (a custom forward that ignores input_ids, an "
+    "embedding that maps every token to the same vector).",
     fix="Check the model's forward: that it reads input_ids (or inputs_embeds built from them) and that the "
     "input embedding is not constant (a zeroed or frozen-at-zero embedding, weights that failed to load).",
-    needs=("vocab-size-mismatch",),
+    needs=("vocab-size-mismatch", "adapter-empty", "adapter-base-mismatch"),
 )
 
 
@@ -511,12 +512,13 @@ INIT_LOSS_ABOVE_BASE = define(
     severity="warning",
     stage="model",
     symptom="Loss much higher than the base model at step 0: the tokenizer or template differs from pretraining.",
-    detects="On a sample of conversations, the loss on the answer tokens in the training format (chat template) "
-    "is compared with the loss on the same answer after the same content as plain text. Fires when the "
-    "templated loss is more than 0.5 nat and 50% above the plain one.",
+    detects="On a sample of conversations (with --adapter, scored by the model with the adapter attached), the "
+    "loss on the answer tokens in the training format (chat template) is compared with the loss on the same "
+    "answer after the same content as plain text. Fires when the templated loss is more than 0.5 nat and 50% "
+    "above the plain one.",
     fix="Use the chat template (and tokenizer) the model was trained with, or the instruct checkpoint the template "
     "belongs to; if the template is new on purpose, expect to train its tokens (see untrained-special-tokens).",
-    needs=("vocab-size-mismatch",),
+    needs=("vocab-size-mismatch", "adapter-empty", "adapter-base-mismatch"),
 )
 
 ABOVE_BASE_SAMPLE = 32  # conversations compared ...
@@ -548,10 +550,11 @@ def check_init_loss_above_base(ctx):
     if len(templated) < 2:
         return
 
-    def loss(seqs):
-        return token_loss(ctx.model, ctx.batches(seqs, by_length=True), max_tokens=ABOVE_BASE_TOKENS)["loss"]
-
-    in_template, as_text = loss(templated), loss(plain)
+    with ctx.model_as_trained() as model:
+        in_template, as_text = (
+            token_loss(model, ctx.batches(seqs, by_length=True), max_tokens=ABOVE_BASE_TOKENS)["loss"]
+            for seqs in (templated, plain)
+        )
     if in_template > as_text + 0.5 and in_template > 1.5 * as_text:
         yield INIT_LOSS_ABOVE_BASE.finding(
             f"the answers cost {in_template:.2f} nats/token in the chat template but {as_text:.2f} as plain text",
