@@ -348,14 +348,35 @@ class Guard:
 guard = Guard
 
 
+class NotMeasured(Exception):
+    """Raised by a detector that cannot measure what it checks on this input (a custom ``nn.Module`` without
+    ``get_input_embeddings``): not a broken check. The rule is reported once as not measured, with ``why``,
+    and the checks that need it still run (nothing it measured failed)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
 def run(detector: Detector, subject: Any, *, step: int | None = None) -> list[Finding]:
-    """One detector on what it reads, guarded (nothing when its ``applies`` says the input holds nothing for it)."""
+    """One detector on what it reads, guarded (nothing when its ``applies`` says the input holds nothing for it);
+    one that cannot measure this input says so (an info finding of ``checks-skipped``, merged by :func:`run_all`
+    with the others skipped for the same reason)."""
     errors: list[Finding] = []
     with guard(detector.rule, errors, step=step):
         if detector.applies is not None and not detector.applies(subject):
             return []
-        return list(detector.fn(subject) or ())
+        try:
+            return list(detector.fn(subject) or ())
+        except NotMeasured as unmeasured:
+            return [_not_measured([detector.rule], unmeasured.why, step)]
     return errors
+
+
+def _not_measured(rules: list[str], why: str, step: int | None) -> Finding:
+    return CHECKS_SKIPPED.finding(
+        f"not measured: {', '.join(rules)}: {why}", evidence={"skipped": rules, "why": why}, step=step
+    )
 
 
 CHECKS_SKIPPED = define(
@@ -365,8 +386,11 @@ CHECKS_SKIPPED = define(
     objectives=ANY,
     symptom="Some checks did not run: a problem they depend on was found first.",
     detects="A rule that needs another to pass (e.g. the step-0 loss needs every token id inside the embedding) "
-    "is skipped when that rule finds an error on the same input; one finding lists what was skipped and why.",
-    fix="Fix the problem the skipped checks depend on (its own finding is in this report), then run again.",
+    "is skipped when that rule finds an error on the same input; a rule that cannot measure this input (the "
+    "embedding checks on a custom nn.Module without get_input_embeddings) is not measured, and the rules that "
+    "need it still run. One finding per reason lists what was skipped or not measured, and why.",
+    fix="Fix the problem the skipped checks depend on (its own finding is in this report), then run again; "
+    "for checks not measured, the finding says what the model would need to expose.",
 )
 ALWAYS_REPORTED = frozenset({INTERNAL_ERROR.slug, CHECKS_SKIPPED.slug})
 
@@ -404,6 +428,7 @@ def run_all(
     skipped: dict[str, list[str]] = {}  # failed precondition -> the rules skipped for it
     with progress.phase(show, total=len(order)) if show else contextlib.nullcontext():
         out = _run_in_order(order, subject, selection, step, skipped)
+    out = _merge_not_measured(out, step)
     for precondition, rules_skipped in skipped.items():
         names = sorted(set(rules_skipped))
         out.append(
@@ -434,11 +459,32 @@ def _run_in_order(order, subject, selection, step, skipped: dict[str, list[str]]
         found = run(detector, subject, step=step)
         if any(f.severity == "error" or f.rule == INTERNAL_ERROR.slug for f in found):
             failed.add(detector.rule)
+        unselected = not selection.enabled(detector.rule)  # a precondition, run for a rule that needs it
         for finding in found:
+            if unselected and finding.rule == CHECKS_SKIPPED.slug and "why" in finding.evidence:
+                continue  # not measured, but not asked for either
             if finding.rule in ALWAYS_REPORTED or selection.enabled(finding.rule):
                 kept = selection.apply(finding)
                 if kept is not None:
                     out.append(kept)
+    return out
+
+
+def _merge_not_measured(findings: list[Finding], step: int | None) -> list[Finding]:
+    """One ``checks-skipped`` finding per reason a rule was not measured, listing every rule it applies to, in
+    the place of the first."""
+    by_why: dict[str, list[str]] = {}
+    for f in findings:
+        if f.rule == CHECKS_SKIPPED.slug and "why" in f.evidence:
+            by_why.setdefault(f.evidence["why"], []).extend(f.evidence["skipped"])
+    out, said = [], set()
+    for f in findings:
+        why = f.evidence.get("why") if f.rule == CHECKS_SKIPPED.slug else None
+        if why is None:
+            out.append(f)
+        elif why not in said:
+            said.add(why)
+            out.append(_not_measured(by_why[why], why, step))
     return out
 
 

@@ -376,6 +376,7 @@ def test_init_loss_far_above_chance(tmp_path):
     finding = only(cb, "init-loss-off-chance")
     assert finding.step == 1 and finding.evidence["direction"] == "above"
     assert finding.evidence["loss"] > 2 * finding.evidence["ln_vocab"]
+    assert finding.evidence["cause"] == "nothing-predicted" and finding.severity == "error"
 
 
 def test_shifted_labels_are_seen_on_the_first_batch(tmp_path):

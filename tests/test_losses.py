@@ -42,7 +42,7 @@ def batches():
 def test_chunked_loss_equals_the_full_logits_loss(batches, chunk, monkeypatch):
     model, padded = batches
     monkeypatch.setattr(losses, "CHUNK_ELEMENTS", chunk)
-    measured = losses.token_loss(model, padded, entropy=True)
+    measured = losses.token_loss(model, padded, detail=True)
     loss, entropy = full_logits_loss(model, padded)
     assert measured["loss"] == pytest.approx(loss, abs=1e-4)
     assert measured["entropy"] == pytest.approx(entropy, abs=1e-4)

@@ -36,11 +36,6 @@ def test_recipe_runs(recipe, tmp_path):
     assert report.is_file(), "SanityCallback writes its report at train end"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 17 item 3 (another branch): init-loss-off-chance is a false error on a fine-tuned model "
-    "scored on a new answer style, which stops this recipe; remove this marker when that fix is merged",
-)
 def test_lora_recipe_with_no_arguments_trains_serves_and_passes(tmp_path):
     """The first command a new user runs: `python recipes/lora_sft.py`, nothing else. From a tiny chat model
     that already answers and stops, LoRA teaches a new answer style; every check passes and it exits 0, in

@@ -70,6 +70,19 @@ def test_adapter_on_another_base(base, conversations, tmp_path):
     report = run(tok, conversations[:8], model=other, adapter=str(adapter), select=ADAPTER_RULES)
     assert {f.rule for f in report.findings} == {"adapter-base-mismatch", "checks-skipped"}
     assert report.by_rule("checks-skipped")[0].evidence["skipped"] == ["adapter-not-loaded"]
+    # So would the checks that run the model with the adapter attached.
+    report = run(
+        tok,
+        conversations[:8],
+        model=other,
+        adapter=str(adapter),
+        select=["init-loss-off-chance", "input-ignored"],
+    )
+    (skipped,) = report.findings
+    assert skipped.evidence == {
+        "skipped": ["init-loss-off-chance", "input-ignored"],
+        "needs": "adapter-base-mismatch",
+    }
 
 
 @pytest.mark.planted("adapter-not-loaded")
@@ -164,3 +177,74 @@ def test_cli_with_a_trained_adapter_is_clean(base, conversations, tmp_path):
     assert "Warning" not in result.stderr, result.stderr  # peft's read of a deprecated transformers name
     findings = json.loads((tmp_path / "r.json").read_text())["findings"]
     assert [f["rule"] for f in findings if f["severity"] != "info"] == []
+
+
+# -- --adapter in the checks that run the model --------------------------------------------------------------
+def adapter_rows_file(folder):
+    """The rows the fixture adapter was trained on (every answer opens with "Sure."), as JSONL."""
+    import json
+
+    from hf_sanity.testing.trained import training_conversations
+
+    path = folder / "sure.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in training_conversations("adapter")[:32]))
+    return path
+
+
+def folder_digest(folder):
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.clean("init-loss-off-chance", "input-ignored", "adapter-not-loaded")
+def test_the_step_0_loss_is_measured_with_the_adapter_attached_and_the_model_left_as_it_was(tmp_path):
+    """An adapter trained on exactly these rows lowers their step-0 loss: the checks that run the model run it
+    with the adapter, and the user's model object and the adapter folder are left as they were."""
+    import datasets
+
+    from hf_sanity.drivers.preflight import preflight
+    from hf_sanity.testing import trained_adapter_dir, trained_setup
+
+    model, tok = trained_setup("clean")
+    adapter = trained_adapter_dir()
+    data = datasets.load_dataset("json", data_files=str(adapter_rows_file(tmp_path)), split="train")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    modules, digest = [n for n, _ in model.named_modules()], folder_digest(adapter)
+    rules = ["init-loss-off-chance", "input-ignored", "adapter-not-loaded"]
+    without = preflight(model=model, tokenizer=tok, dataset=data, select=rules, use_config=False)
+    attached = preflight(model=model, tokenizer=tok, dataset=data, adapter=str(adapter), select=rules,
+                         use_config=False)  # fmt: skip
+    base_loss, adapted = without.stats["step0_loss"], attached.stats["step0_loss"]
+    assert adapted["adapter"] == str(adapter) and base_loss["adapter"] is None
+    assert adapted["loss"] < 0.5 * base_loss["loss"], (adapted, base_loss)
+    assert adapted["top1"] > base_loss["top1"] + 0.3  # "Sure." is what the adapter says first
+    assert [f.rule for f in attached.findings] == []  # it fits its own training rows: nothing to say
+    assert [n for n, _ in model.named_modules()] == modules and not hasattr(model, "peft_config")
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert folder_digest(adapter) == digest
+
+
+@pytest.mark.slow
+@pytest.mark.clean("init-loss-off-chance")
+def test_cli_adapter_is_applied_in_the_step_0_loss(tmp_path):
+    import json
+
+    from helpers import cli
+    from hf_sanity.testing import trained_adapter_dir, trained_model_dir
+
+    model, adapter, data = trained_model_dir("clean"), trained_adapter_dir(), adapter_rows_file(tmp_path)
+    digests = folder_digest(model), folder_digest(adapter)
+    losses = {}
+    for name, extra in (("base", []), ("adapter", ["--adapter", adapter])):
+        out = tmp_path / f"{name}.json"
+        done = cli(
+            "preflight", "--model", model, "--dataset", data, "--select", "model", *extra, "--json", out
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        report = json.loads(out.read_text())
+        assert [f["rule"] for f in report["findings"] if f["severity"] != "info"] == []
+        losses[name] = report["stats"]["step0_loss"]
+    assert losses["adapter"]["adapter"] == str(adapter) and losses["base"]["adapter"] is None
+    assert losses["adapter"]["loss"] < 0.5 * losses["base"]["loss"], losses
+    assert (folder_digest(model), folder_digest(adapter)) == digests

@@ -53,18 +53,31 @@ def test_no_truncation_no_finding(chatml, conversations):
 
 
 @pytest.mark.planted("max-len-exceeds-model")
-def test_max_len_exceeds_model(chatml, conversations):
+def test_max_len_exceeds_model_is_an_error_when_rows_reach_past_the_positions(chatml, conversations):
+    config = LlamaConfig(max_position_embeddings=256)
+    long_one = {
+        "messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "word " * 300}]
+    }
+    rows = [*conversations[:4], long_one]
+    (finding,) = run(chatml, rows, select="max-len-exceeds-model", max_len=1024, model_config=config).findings
+    longest = len(chatml.apply_chat_template(long_one["messages"])["input_ids"])
+    assert finding.severity == "error" and longest > 256
+    assert finding.evidence == {
+        "max_len": 1024,
+        "max_position_embeddings": 256,
+        "longest": longest,
+        "beyond": 1,
+    }
+    assert run(chatml, rows, select="max-len-exceeds-model", max_len=256, model_config=config).findings == []
+
+
+def test_max_len_exceeds_model_is_a_warning_when_no_row_comes_near(chatml, conversations):
     config = LlamaConfig(max_position_embeddings=256)
     (finding,) = run(
-        chatml, conversations[:4], select="max-len-exceeds-model", max_len=1024, model_config=config
+        chatml, conversations, select="max-len-exceeds-model", max_len=1024, model_config=config
     ).findings
-    assert finding.evidence == {"max_len": 1024, "max_position_embeddings": 256}
-    assert (
-        run(
-            chatml, conversations[:4], select="max-len-exceeds-model", max_len=256, model_config=config
-        ).findings
-        == []
-    )
+    assert finding.severity == "warning" and finding.evidence["beyond"] == 0
+    assert finding.evidence["longest"] < 100 and "no row reaches it now" in finding.message
 
 
 @pytest.mark.planted("context-beyond-window")
@@ -78,8 +91,9 @@ def test_context_beyond_sliding_window(chatml, conversations):
     assert run(chatml, conversations, select="context-beyond-window", model_config=config).findings == []
 
 
-def sft_trainer(tmp_path, max_length: int, callbacks=()):
-    """TRL's SFTTrainer on conversational prompt/completion rows, loss on the completions, cut at max_length."""
+def sft_trainer(tmp_path, max_length: int | None, callbacks=(), rows=None, steps: int = 4):
+    """TRL's SFTTrainer on conversational prompt/completion rows, loss on the completions, cut at max_length
+    (None: SFTConfig's default, 1024)."""
     import datasets
     from dist import tinytrain as tt
     from trl import SFTConfig, SFTTrainer
@@ -87,11 +101,13 @@ def sft_trainer(tmp_path, max_length: int, callbacks=()):
     from hf_sanity.testing import as_prompt_completion
 
     model, tok = tt.setup()
-    data = datasets.Dataset.from_list(as_prompt_completion(demo_conversations(32), conversational=True))
+    rows = rows if rows is not None else demo_conversations(32)
+    data = datasets.Dataset.from_list(as_prompt_completion(rows, conversational=True))
+    length = {} if max_length is None else {"max_length": max_length}
     config = SFTConfig(
-        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3,
+        output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=4, learning_rate=1e-3,
         report_to=[], save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, completion_only_loss=True,
-        max_length=max_length,
+        **length,
     )  # fmt: skip
     trainer = SFTTrainer(
         model=model, args=config, train_dataset=data, processing_class=tok, callbacks=list(callbacks)
@@ -187,3 +203,34 @@ def test_sft_trainer_whose_max_length_fits_is_silent(tmp_path):
     trainer, data = sft_trainer(tmp_path, 128)
     report = preflight(trainer=trainer, dataset=data)
     assert [f.rule for f in report.findings if f.severity != "info"] == []
+
+
+@pytest.mark.clean("max-len-exceeds-model")
+def test_sft_trainer_default_max_length_on_a_512_position_model_is_a_warning(tmp_path):
+    """TRL's default max_length=1024 on the tiny model's 512 positions, every row under 100 tokens: nothing
+    breaks, so preflight(trainer=) and the callback warn, and abort_on="error" does not stop the run."""
+    from hf_sanity import preflight
+    from hf_sanity.callback import SanityCallback
+
+    watch = SanityCallback(abort_on="error", select="tokens", use_config=False, print_findings=False)
+    trainer, data = sft_trainer(tmp_path, None, [watch])
+    assert trainer.args.max_length == 1024 and trainer.model.config.max_position_embeddings == 512
+    (finding,) = preflight(trainer=trainer, dataset=data, select="max-len-exceeds-model").findings
+    assert finding.severity == "warning" and finding.evidence["longest"] < 100
+    trainer.train()
+    (online,) = watch.report.by_rule("max-len-exceeds-model")
+    assert online.severity == "warning" and trainer.state.global_step == 4
+    assert [f.rule for f in watch.report.findings if f.severity == "error"] == []
+
+
+@pytest.mark.planted("max-len-exceeds-model")
+def test_sft_trainer_rows_past_the_model_positions_are_an_error(tmp_path):
+    long_one = {
+        "messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "word " * 600}]
+    }
+    trainer, data = sft_trainer(tmp_path, None, rows=[long_one, *demo_conversations(31)])
+    from hf_sanity import preflight
+
+    (finding,) = preflight(trainer=trainer, dataset=data, select="max-len-exceeds-model").findings
+    assert finding.severity == "error" and finding.evidence["beyond"] >= 1
+    assert 512 < finding.evidence["longest"] <= 1024

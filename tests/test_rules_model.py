@@ -134,8 +134,9 @@ def test_init_loss_far_above_chance(setup, conversations):
     with torch.no_grad():
         model.lm_head.weight.mul_(60.0)  # a broken init: confident and wrong
     (finding,) = run(tok, conversations, model=model, select="init-loss-off-chance").findings
-    assert finding.evidence["direction"] == "above"
+    assert finding.evidence["direction"] == "above" and finding.severity == "error"
     assert finding.evidence["loss"] > math.log(len(tok)) + 1
+    assert finding.evidence["cause"] == "nothing-predicted" and finding.evidence["top1"] < 0.02
 
 
 def test_init_loss_far_below_chance_when_the_model_has_seen_the_data(setup, conversations):
@@ -154,7 +155,7 @@ def test_init_loss_far_below_chance_when_the_model_has_seen_the_data(setup, conv
     (finding,) = run(tok, rows, model=model, select="init-loss-off-chance").findings
     assert finding.evidence["direction"] == "below"
     # It answers from the question, but the questions do not contain the answers: it has seen them.
-    assert finding.evidence["cause"] == "seen-data", finding.message
+    assert finding.evidence["cause"] == "seen-data" and finding.severity == "warning", finding.message
     assert finding.evidence["loss_prompt_blanked"] > 2 * finding.evidence["loss"]
     assert finding.evidence["answer_in_prompt"] < 0.5 and "trained on these examples" in finding.fix
 

@@ -150,6 +150,15 @@ def preflight(
         max_len=ctx.options.max_len,
         seconds=round(time.perf_counter() - started, 2),
     )
+    step0 = ctx.step0_measured
+    if step0 and step0.get("tokens"):  # what the step-0 check measured, finding or not
+        report.stats["step0_loss"] = {
+            "loss": round(step0["loss"], 4),
+            "model_entropy": round(step0["entropy"], 4),
+            "top1": round(step0["top1"], 4),
+            "tokens": step0["tokens"],
+            "adapter": ctx.adapter_path and str(ctx.adapter_path),  # scored with it attached
+        }
     # The format as given, what it was read as, and how (ShareGPT roles, JSON columns, the Alpaca template).
     if ctx.pairs is not None or ctx.unpaired is not None:
         report.stats.update(_preference_stats(ctx))

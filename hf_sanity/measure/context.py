@@ -9,6 +9,7 @@ Rules only read it: after construction the context refuses attribute writes, and
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
@@ -403,8 +404,33 @@ class Context:
             return getattr(text, "vocab_size", None)
         if not self.has_model:
             return None
-        embeddings = self.model.get_input_embeddings()
+        embeddings = self.input_embeddings
         return int(embeddings.num_embeddings) if embeddings is not None else None
+
+    @cached_property
+    def input_embeddings(self):
+        """The model's input embedding module; None without a model, or for a model that does not expose one
+        (a custom ``nn.Module`` without ``get_input_embeddings``: the embedding checks cannot measure it)."""
+        get = getattr(self.model, "get_input_embeddings", None) if self.has_model else None
+        try:
+            embeddings = get() if get is not None else None
+        except NotImplementedError:  # transformers' default for a model that has none
+            return None
+        return embeddings if hasattr(embeddings, "weight") else None
+
+    @contextlib.contextmanager
+    def model_as_trained(self):
+        """The model as the training steps run it: with a saved adapter (``--adapter``), the adapter attached
+        for the block and removed after (the model object and the folders are left as they were); else the
+        model itself. The checks that run the model (the step-0 loss, the input ablation, template against
+        text) score this one."""
+        if self.adapter_path and self.has_model:
+            from hf_sanity.measure.adapters import attached_adapter
+
+            with attached_adapter(self.model, self.adapter_path) as trained:
+                yield trained
+        else:
+            yield self.model
 
     @cached_property
     def sample_indices(self) -> list[int]:
@@ -443,7 +469,9 @@ class Context:
         if not self.has_model or not self.sample_indices:
             return None
         seqs = self.sample_seqs(ABLATION_EXAMPLES)
-        return InputAblation(self.model, self.tokenizer, seqs, partial(self.batches, by_length=True))
+        return InputAblation(
+            self.model_as_trained, self.tokenizer, seqs, partial(self.batches, by_length=True)
+        )
 
     @property
     def input_ablation(self) -> dict[str, Any] | None:
@@ -472,13 +500,20 @@ class Context:
             return None
         return trainer_loss(trainer, batch)
 
+    @property
+    def step0_measured(self) -> dict[str, Any] | None:
+        """The step-0 numbers if a rule measured them (``init_loss``), without measuring them."""
+        return self.__dict__.get("init_loss")
+
     @cached_property
     def init_loss(self) -> dict[str, float] | None:
-        """Mean step-0 loss over the supervised tokens of the sample (one no-grad pass, model state kept), or
-        the step-0 numbers the context was built with (the callback measures them on the first batch)."""
+        """The step-0 loss over the supervised tokens of the sample and what `init-loss-off-chance` reads beside
+        it (``token_loss(detail=True)``; one no-grad pass of the model as trained, state kept), or the step-0
+        numbers the context was built with (the callback measures them on the first batch)."""
         if self._given_init_loss is not None:
             return dict(self._given_init_loss)
         if not self.has_model or not self.sample_indices:
             return None
         batches = self.sample_batches(by_length=True, limit=INIT_LOSS_EXAMPLES)
-        return token_loss(self.model, batches, entropy=True)
+        with self.model_as_trained() as model:
+            return token_loss(model, batches, detail=True)

@@ -47,11 +47,12 @@ class InputAblation:
     everything else (the prompt and the template's scaffolding) replaced by one filler token
     (``prompt_blanked``), and with every input token replaced (``input_blanked``): what the prompt contributes
     to predicting the answer, and whether the input reaches the model at all. Each variant is measured once,
-    when first asked for. ``batches`` pads pairs into tensor batches."""
+    when first asked for. ``model`` gives the model to score, as a context manager (the context's
+    ``model_as_trained``); ``batches`` pads pairs into tensor batches."""
 
     def __init__(
         self,
-        model,
+        model: Callable[[], Any],
         tokenizer,
         seqs: Sequence[tuple[list[int], list[int]]],
         batches: Callable[[list], list[dict[str, Any]]],
@@ -81,7 +82,8 @@ class InputAblation:
     def loss(self, variant: str) -> float | None:
         if variant not in self._losses:
             # The variants share their labels, so a cap scores the same positions in each: a paired comparison.
-            result = token_loss(self.model, self.batches(self._blanked(variant)), max_tokens=ABLATION_TOKENS)
+            with self.model() as model:
+                result = token_loss(model, self.batches(self._blanked(variant)), max_tokens=ABLATION_TOKENS)
             self._losses[variant] = result["loss"] if result["tokens"] else None
         return self._losses[variant]
 

@@ -4,6 +4,7 @@ what its ``forward`` accepts (a custom ``nn.Module`` may take no ``use_cache`` o
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -95,6 +96,36 @@ def forward_kwargs(model, batch: Mapping[str, Any], *, labels: bool = False, **e
         kwargs = {k: v for k, v in kwargs.items() if k in named}
     kwargs.update({k: v for k, v in extra.items() if k in named})
     return kwargs
+
+
+# Models whose forward reads its labels whatever it is given (a custom `forward(x, labels=None)` that computes
+# its loss unconditionally): called with them, once one call without them has failed.
+_NEEDS_LABELS: weakref.WeakSet = weakref.WeakSet()
+
+
+def needs_labels(model) -> bool:
+    """Whether ``model``'s forward was found to need its labels (see :func:`call_model`)."""
+    return model in _NEEDS_LABELS
+
+
+def call_model(model, batch: Mapping[str, Any], **extra):
+    """``model`` on ``batch`` as :func:`forward_kwargs` builds its call: without the labels, so that the model
+    computes no loss hf-sanity does not read. A forward that computes its loss whatever it is given fails
+    without them: it is called again with them (and with them from then on); if that fails too, the first
+    error is raised."""
+    try:
+        return model(**forward_kwargs(model, batch, labels=needs_labels(model), **extra))
+    except Exception as first:
+        signature = forward_signature(model)
+        takes_labels = signature is not None and ("labels" in signature[0] or signature[1])
+        if needs_labels(model) or batch.get("labels") is None or not takes_labels:
+            raise
+        try:
+            output = model(**forward_kwargs(model, batch, labels=True, **extra))
+        except Exception:
+            raise first from None
+    _NEEDS_LABELS.add(model)
+    return output
 
 
 def logits_of(output):

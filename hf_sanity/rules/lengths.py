@@ -150,7 +150,9 @@ MAX_LEN_EXCEEDS_MODEL = define(
     stage="tokens",
     objectives=SEQUENCES,
     symptom="Position embeddings run out: index errors on long batches, or garbage beyond the trained length.",
-    detects="max_len is larger than the model's `max_position_embeddings`.",
+    detects="max_len is larger than the model's `max_position_embeddings`: an error when rows are longer than "
+    "the positions (they reach past them), a warning when no row is (TRL's default max_length=1024 on a "
+    "512-position model with short rows: nothing breaks until a longer row comes).",
     fix="Set max_len <= max_position_embeddings, or extend the context properly (RoPE scaling) before training.",
 )
 
@@ -159,10 +161,29 @@ MAX_LEN_EXCEEDS_MODEL = define(
 def check_max_len_exceeds_model(ctx):
     positions, _ = model_window(ctx.model_config)
     max_len = ctx.options.max_len
-    if positions and max_len and max_len > positions:
+    if not (positions and max_len and max_len > positions):
+        return
+    lengths = ctx.col("n_tokens")[ctx.valid]  # cut at max_len, a row longer than the positions still is
+    beyond = int((lengths > positions).sum())
+    longest = int(lengths.max()) if len(lengths) else 0
+    evidence = {
+        "max_len": max_len,
+        "max_position_embeddings": positions,
+        "longest": longest,
+        "beyond": beyond,
+    }
+    if beyond:
         yield MAX_LEN_EXCEEDS_MODEL.finding(
-            f"max_len={max_len} exceeds the model's max_position_embeddings={positions}",
-            evidence={"max_len": max_len, "max_position_embeddings": positions},
+            f"max_len={max_len} exceeds the model's max_position_embeddings={positions}, and {beyond} of "
+            f"{len(lengths)} rows are longer than {positions} tokens (the longest {longest:,})",
+            evidence=evidence,
+        )
+    else:
+        yield MAX_LEN_EXCEEDS_MODEL.finding(
+            f"max_len={max_len} exceeds the model's max_position_embeddings={positions}; no row reaches it now "
+            f"(the longest is {longest:,} tokens), a longer one would",
+            evidence=evidence,
+            severity="warning",
         )
 
 

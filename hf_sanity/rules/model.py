@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from hf_sanity.catalog import define
+from hf_sanity.catalog import NotMeasured, define
 from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.losses import token_loss
 from hf_sanity.measure.objective import ANY, SEQUENCES
@@ -16,12 +16,19 @@ INIT_LOSS_OFF_CHANCE = define(
     severity="error",
     stage="model",
     symptom="Loss starts far above or far below expected.",
-    detects="The step-0 loss on a sample of supervised tokens, against what the model and vocabulary predict: "
-    "for a fresh head ln(V). Far above ln(V) points at misaligned labels or a broken init; far below at "
-    "leakage (the answer is in the input) or labels that are trivially predictable.",
-    fix="Far above: check the labels (not shifted by hand, right tokens) and the init. Far below: check "
-    "label-leakage and what the labels contain.",
-    needs=("vocab-size-mismatch",),
+    detects="The step-0 loss on a sample of supervised tokens (with --adapter, of the model with the adapter "
+    "attached), against chance ln(V) and the model's own predictive entropy. Far above, the labels are "
+    "scored in other alignments (one position earlier or later, the input's own next token): one that scores "
+    "far better is an error with cause `labels-shifted` or `labels-not-input`; a model whose top guess is "
+    "right on under 2% of the tokens is an error with cause `nothing-predicted` (a broken init or head, "
+    "weights that did not load, another tokenizer's ids); otherwise the data is new to a trained model "
+    "(`new-data`, info: a new answer style costs more than the model's own entropy). Far below, the prompts "
+    "are blanked: answers copied from the input are an error (`answer-in-input`); answers the model knows "
+    "from their prompts (`seen-data`: continued fine-tuning on data it was trained on or data like it) or "
+    "without them (`predictable-without-prompt`) are warnings.",
+    fix="Far above: check the labels (not shifted by hand, the same tokens as the input) and the weights (loaded, "
+    "not re-initialised). Far below: check label-leakage and what the labels contain.",
+    needs=("vocab-size-mismatch", "adapter-empty", "adapter-base-mismatch"),
 )
 
 NO_TRAINABLE_PARAMS = define(
@@ -47,10 +54,19 @@ VOCAB_SIZE_MISMATCH = define(
 )
 
 
+# Why the embedding checks cannot measure a model: said once for all of them (see catalog.NotMeasured).
+NO_INPUT_EMBEDDINGS = (
+    "the model exposes no input embeddings (no get_input_embeddings(), as a custom nn.Module): its embedding "
+    "rows cannot be read"
+)
+
+
 @VOCAB_SIZE_MISMATCH.check
 def check_vocab_size(ctx):
     rows = ctx.embedding_rows
     if not rows:
+        if ctx.model_given and ctx.input_embeddings is None:
+            raise NotMeasured(NO_INPUT_EMBEDDINGS)
         return
     max_ids = ctx.col("max_id")
     beyond = ctx.valid & (max_ids >= rows)
@@ -144,10 +160,11 @@ def check_untrained_special_tokens(ctx):
     if not ctx.has_model:
         return
     used = used_special_ids(ctx)
-    embeddings = ctx.model.get_input_embeddings()
-    if not used or embeddings is None:
+    if not used:
         return
-    health = untrained_rows(embeddings, used)
+    if ctx.input_embeddings is None:
+        raise NotMeasured(NO_INPUT_EMBEDDINGS)
+    health = untrained_rows(ctx.input_embeddings, used)
     if health is None:
         return
     suspect = sorted({i for group in health.values() for i in group})
@@ -213,9 +230,11 @@ def check_new_tokens_frozen(ctx):
     if not base:
         return
     added = [i for i in used_special_ids(ctx) if i >= base]
-    if not added or not ctx.has_model or ctx.model.get_input_embeddings() is None:
+    if not added or not ctx.has_model:
         return
-    health = untrained_rows(ctx.model.get_input_embeddings(), added)
+    if ctx.input_embeddings is None:
+        raise NotMeasured(NO_INPUT_EMBEDDINGS)
+    health = untrained_rows(ctx.input_embeddings, added)
     if health is None:
         return
     used = sorted({i for group in health.values() for i in group})  # trained added tokens need no training
@@ -227,8 +246,7 @@ def check_new_tokens_frozen(ctx):
             return
         why = "the adapter config trains no embeddings"
     elif ctx.model_given:
-        embeddings = ctx.model.get_input_embeddings()
-        if embeddings is None or embeddings.weight.requires_grad:
+        if ctx.input_embeddings.weight.requires_grad:
             return
         why = "the input embeddings do not require grad"
     else:
@@ -261,50 +279,145 @@ def check_init_loss(ctx):
         "tokens": measured["tokens"],
         "examples": measured.get("examples", len(ctx.sample_indices)),
     }
+    if measured.get("top1") is not None:
+        evidence["top1"] = round(measured["top1"], 4)
     # A calibrated model's loss is close to its own predictive entropy; a fresh head's is ln(V).
-    if far_above_chance(loss, chance) or loss > entropy + max(2.0, 0.5 * chance):
-        yield INIT_LOSS_OFF_CHANCE.finding(
-            f"step-0 loss {loss:.2f} is far above chance ln(V)={chance:.2f} (model entropy {entropy:.2f}): "
-            "labels or init are wrong",
-            evidence={**evidence, "direction": "above"},
-        )
+    if far_above_chance(loss, chance):
+        yield above_chance(loss, f"far above chance ln(V)={chance:.2f}", measured, evidence)
+    elif loss > entropy + max(2.0, 0.5 * chance):
+        compared = f"far above the model's own predictive entropy {entropy:.2f} (chance ln(V)={chance:.2f})"
+        yield above_chance(loss, compared, measured, evidence)
     elif loss < FAR_BELOW_FRACTION * chance:
-        # What the prompt contributes: blanked, a copied answer can no longer be copied.
-        ablation = ctx.prompt_ablation or {}
-        blanked, as_is = ablation.get("prompt_blanked"), ablation.get("as_is")
-        copied = ablation.get("answer_in_prompt", 0.0)
-        if blanked is None:
-            cause, why = "unknown", "leakage, or data the model has seen"
-        elif blanked > max(2 * as_is, as_is + 1.0) and copied >= ANSWER_IN_PROMPT:
-            cause = "answer-in-input"
-            why = (
-                f"with the prompts blanked it is {blanked:.2f}, and {copied:.0%} of the answers' token pairs are "
-                "in their prompts: the model copies the answers from the input (leakage, unless the task is "
-                "to quote it)"
-            )
-        elif blanked > max(2 * as_is, as_is + 1.0):
-            cause = "seen-data"
-            why = (
-                f"with the prompts blanked it is {blanked:.2f}, yet the prompts do not contain the answers: the "
-                "model already knows these answers (data it was trained on, or answers it knows)"
-            )
-        else:
-            cause = "predictable-without-prompt"
-            why = (
-                f"and {blanked:.2f} with the prompts blanked: the answers are predictable on their own (data the "
-                "model was trained on, or boilerplate labels)"
-            )
-        yield INIT_LOSS_OFF_CHANCE.finding(
-            f"step-0 loss {loss:.2f} is far below chance ln(V)={chance:.2f}; {why}",
-            evidence={
-                **evidence,
-                "direction": "below",
-                "cause": cause,
-                "loss_prompt_blanked": blanked,
-                "answer_in_prompt": copied,
-            },
-            fix=BELOW_CHANCE_FIX[cause],
+        yield below_chance(ctx, loss, chance, evidence)
+
+
+# Far above: another alignment of the labels that scores far better (half the loss, and a nat less) on a
+# quarter of the positions or more is what the labels were meant to be.
+ALIGNED_SHARE = 0.25
+NOTHING_PREDICTED = 0.02  # the model's top guess right on under 2% of the tokens: it predicts none of them
+ALIGNMENT_WHY = {
+    "label_before": (
+        "labels-shifted",
+        "scored one position earlier (each label as the target of its own position) the loss is {other:.2f} "
+        "instead of {given:.2f}: the labels were shifted by hand (labels[i] = input_ids[i+1]) and the model "
+        "shifts them again",
+    ),
+    "label_after": (
+        "labels-shifted",
+        "scored one position later the loss is {other:.2f} instead of {given:.2f}: the labels lag the input by "
+        "one position",
+    ),
+    "input_next": (
+        "labels-not-input",
+        "scored against the input's own next tokens the loss is {other:.2f} instead of {given:.2f}: the labels "
+        "are not the tokens the model reads (built from another sequence or tokenizer, or random ids)",
+    ),
+}
+ABOVE_CHANCE_FIX = {
+    "labels-shifted": "Set labels to a copy of input_ids (-100 where no loss is wanted) and let the model shift "
+    "them: do not shift them yourself.",
+    "labels-not-input": "Build the labels from the same input_ids the model reads (a copy, -100 on the prompt "
+    "and the padding): check the collator or the preprocessing that writes them.",
+    "nothing-predicted": "Check the weights: that they loaded (no 'newly initialized' warning for layers you "
+    "expect trained), that nothing re-initialised or rescaled them after loading (init_weights, a scaled "
+    "lm_head), and that the tokenizer is the model's own.",
+    "new-data": "Nothing to fix if the data is new to this model on purpose (a new answer style, new content): "
+    "expect the loss to start high and fall fast. If it should not be new, check that the tokenizer and chat "
+    "template are the ones the model was trained with.",
+    "unknown": "Check the labels (not shifted by hand, the same tokens as the input) and the weights (loaded, "
+    "not re-initialised).",
+}
+
+
+def above_chance(loss: float, compared: str, measured: dict, evidence: dict):
+    """The finding for a step-0 loss far above what the model predicts, with its cause: another alignment of
+    the labels that scores far better, a model that predicts nothing, or data new to a trained model."""
+    head = f"step-0 loss {loss:.2f} is {compared}"
+    top1 = measured.get("top1")
+    if top1 is None:  # measured without the detail (an older caller): no cause to name
+        cause, why, severity = "unknown", ": labels or init are wrong", None
+    elif aligned := better_alignment(measured):
+        name, other = aligned
+        cause, template = ALIGNMENT_WHY[name]
+        why, severity = "; " + template.format(other=other["loss"], given=other["given"]), None
+        evidence = {**evidence, "alignment": name, "loss_aligned": round(other["loss"], 4),
+                    "aligned_tokens": other["tokens"]}  # fmt: skip
+    elif top1 < NOTHING_PREDICTED:
+        cause, severity = "nothing-predicted", None
+        why = (
+            f"; the model's top guess is the label on {top1:.1%} of the tokens and no other alignment of the labels "
+            "scores better: it predicts none of them (a broken or rescaled init, weights that did not load, "
+            "token ids from another tokenizer)"
         )
+    else:
+        cause, severity = "new-data", "info"
+        why = (
+            f", but the model's top guess is the label on {top1:.0%} of the tokens and no other alignment of the "
+            "labels scores better: the data is new to this model (a style or content it has not learned)"
+        )
+    return INIT_LOSS_OFF_CHANCE.finding(
+        f"{head}{why}",
+        evidence={**evidence, "direction": "above", "cause": cause},
+        fix=ABOVE_CHANCE_FIX[cause],
+        severity=severity,
+    )
+
+
+def better_alignment(measured: dict) -> tuple[str, dict] | None:
+    """The alignment of the labels that scores far better than the labels given (half their loss and a nat
+    less, on a quarter of the positions or more); None when none does. A shift by one position is the more
+    precise diagnosis: it is preferred to the input's own tokens, which fit shifted labels as well."""
+    for name in ALIGNMENT_WHY:  # in order of preference
+        other = (measured.get("alignments") or {}).get(name)
+        if other is None:
+            continue
+        covers = other["tokens"] >= max(8, ALIGNED_SHARE * measured["tokens"])
+        if covers and other["loss"] < min(other["given"] - 1.0, 0.5 * other["given"]):
+            return name, other
+    return None
+
+
+def below_chance(ctx, loss: float, chance: float, evidence: dict):
+    """The finding for a step-0 loss far below chance, with its cause measured by blanking the prompts."""
+    # What the prompt contributes: blanked, a copied answer can no longer be copied.
+    ablation = ctx.prompt_ablation or {}
+    blanked, as_is = ablation.get("prompt_blanked"), ablation.get("as_is")
+    copied = ablation.get("answer_in_prompt", 0.0)
+    if blanked is None:
+        cause, why = "unknown", "leakage, or data the model has seen"
+    elif blanked > max(2 * as_is, as_is + 1.0) and copied >= ANSWER_IN_PROMPT:
+        cause = "answer-in-input"
+        why = (
+            f"with the prompts blanked it is {blanked:.2f}, and {copied:.0%} of the answers' token pairs are "
+            "in their prompts: the model copies the answers from the input (leakage, unless the task is "
+            "to quote it)"
+        )
+    elif blanked > max(2 * as_is, as_is + 1.0):
+        cause = "seen-data"
+        why = (
+            f"with the prompts blanked it is {blanked:.2f}, and only {copied:.0%} of the answers' token pairs are "
+            "in their prompts: the model predicts these answers from their prompts without copying them, as a "
+            "model trained on these examples or ones like them does (continued fine-tuning on the same kind of "
+            "data starts here)"
+        )
+    else:
+        cause = "predictable-without-prompt"
+        why = (
+            f"and {blanked:.2f} with the prompts blanked: the answers are predictable on their own (data the "
+            "model was trained on, or boilerplate labels)"
+        )
+    return INIT_LOSS_OFF_CHANCE.finding(
+        f"step-0 loss {loss:.2f} is far below chance ln(V)={chance:.2f}; {why}",
+        evidence={
+            **evidence,
+            "direction": "below",
+            "cause": cause,
+            "loss_prompt_blanked": blanked,
+            "answer_in_prompt": copied,
+        },
+        fix=BELOW_CHANCE_FIX[cause],
+        severity=None if cause == "answer-in-input" else "warning",
+    )
 
 
 TRAINER_SCALED = 1.5  # a trainer loss 1.5x the model's own cross-entropy is scaled, not noise
@@ -350,8 +463,9 @@ BELOW_CHANCE_FIX = {
     "answer-in-input": "Remove the answer from the prompt (check the function or template that builds it; see "
     "label-leakage for verbatim copies). If the task is to quote the input (extractive QA, RAG), this is "
     "expected: pass --task extractive.",
-    "seen-data": "Check whether this model was already trained on these examples (a checkpoint of this run, "
-    "eval data in its pretraining): evaluate on examples it has not seen, and fine-tune from the base model.",
+    "seen-data": "Expected when continuing to fine-tune on data like what the model was trained on. Otherwise "
+    "check whether it was already trained on these examples (a checkpoint of this run, eval data in its "
+    "pretraining): evaluate on examples it has not seen, and fine-tune from the base model.",
     "predictable-without-prompt": "Check whether this model was already trained on these examples (a checkpoint "
     "of this run, eval data in pretraining) and whether the labels are mostly boilerplate (a fixed answer "
     "format, repeated text): train on what the model must learn.",
@@ -368,12 +482,13 @@ INPUT_IGNORED = define(
     severity="error",
     stage="model",
     symptom="Train and eval loss both flat at or near chance whatever the LR: the model never sees its input.",
-    detects="A few sampled examples are scored as they are and with every input token replaced by one filler "
-    "token (the labels kept): a model whose loss does not move at all computes the same thing whatever it "
-    "reads (a custom forward that ignores input_ids, an embedding that maps every token to the same vector).",
+    detects="A few sampled examples are scored (with --adapter, by the model with the adapter attached) as they "
+    "are and with every input token replaced by one filler token (the labels kept): a model whose loss does "
+    "not move at all computes the same thing whatever it reads (a custom forward that ignores input_ids, an "
+    "embedding that maps every token to the same vector).",
     fix="Check the model's forward: that it reads input_ids (or inputs_embeds built from them) and that the "
     "input embedding is not constant (a zeroed or frozen-at-zero embedding, weights that failed to load).",
-    needs=("vocab-size-mismatch",),
+    needs=("vocab-size-mismatch", "adapter-empty", "adapter-base-mismatch"),
 )
 
 
@@ -402,12 +517,13 @@ INIT_LOSS_ABOVE_BASE = define(
     severity="warning",
     stage="model",
     symptom="Loss much higher than the base model at step 0: the tokenizer or template differs from pretraining.",
-    detects="On a sample of conversations, the loss on the answer tokens in the training format (chat template) "
-    "is compared with the loss on the same answer after the same content as plain text. Fires when the "
-    "templated loss is more than 0.5 nat and 50% above the plain one.",
+    detects="On a sample of conversations (with --adapter, scored by the model with the adapter attached), the "
+    "loss on the answer tokens in the training format (chat template) is compared with the loss on the same "
+    "answer after the same content as plain text. Fires when the templated loss is more than 0.5 nat and 50% "
+    "above the plain one.",
     fix="Use the chat template (and tokenizer) the model was trained with, or the instruct checkpoint the template "
     "belongs to; if the template is new on purpose, expect to train its tokens (see untrained-special-tokens).",
-    needs=("vocab-size-mismatch",),
+    needs=("vocab-size-mismatch", "adapter-empty", "adapter-base-mismatch"),
 )
 
 ABOVE_BASE_SAMPLE = 32  # conversations compared ...
@@ -439,10 +555,11 @@ def check_init_loss_above_base(ctx):
     if len(templated) < 2:
         return
 
-    def loss(seqs):
-        return token_loss(ctx.model, ctx.batches(seqs, by_length=True), max_tokens=ABOVE_BASE_TOKENS)["loss"]
-
-    in_template, as_text = loss(templated), loss(plain)
+    with ctx.model_as_trained() as model:
+        in_template, as_text = (
+            token_loss(model, ctx.batches(seqs, by_length=True), max_tokens=ABOVE_BASE_TOKENS)["loss"]
+            for seqs in (templated, plain)
+        )
     if in_template > as_text + 0.5 and in_template > 1.5 * as_text:
         yield INIT_LOSS_ABOVE_BASE.finding(
             f"the answers cost {in_template:.2f} nats/token in the chat template but {as_text:.2f} as plain text",

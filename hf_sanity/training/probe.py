@@ -1,6 +1,6 @@
 """A fixed probe batch, run without grad in eval mode (state restored): the argmax predictions at its
 supervised positions, compared across the run for `predictions-frozen`; and, on the first batch, the step-0
-numbers `init-loss-off-chance` reads (loss, the model's predictive entropy, label entropy, tokens)."""
+numbers `init-loss-off-chance` reads (``measure.losses.score_logits``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from hf_sanity.constants import IGNORE_INDEX
-from hf_sanity.measure.tensors import forward_kwargs, logits_of
+from hf_sanity.measure.losses import score_logits
+from hf_sanity.measure.tensors import call_model, logits_of
 from hf_sanity.untouched import untouched
 
 PROBE_ROWS = 4  # rows of the first batch kept as the probe
@@ -32,33 +33,29 @@ def probe_batch(batch: Mapping[str, Any], rows: int = PROBE_ROWS) -> dict[str, A
 def probe(model, batch: Mapping[str, Any], *, stats: bool = False) -> dict[str, Any]:
     """Argmax predictions at the supervised positions of ``batch`` (a device tensor, compared with later probes
     without a transfer) and, with ``stats``, the step-0 numbers preflight's init-loss check reads
-    (``Context.init_loss``: loss, the model's predictive entropy, label entropy, tokens)."""
+    (``Context.init_loss``: loss, the model's predictive entropy, its top-1 hits, the loss under other
+    alignments of the labels, label entropy, tokens)."""
     import torch
-    import torch.nn.functional as F
 
     from hf_sanity.training.shards import kept_sharded
 
     labels = batch.get("labels")
     with untouched(model), kept_sharded(model):
-        output = model(**forward_kwargs(model, batch, use_cache=False))
-        logits = logits_of(output)
+        logits = logits_of(call_model(model, batch, use_cache=False))
         out: dict[str, Any] = {"logits_shape": tuple(logits.shape) if logits is not None else None}
         if logits is None or labels is None or logits.dim() != 3 or labels.shape[:2] != logits.shape[:2]:
             return out
-        shifted = labels[:, 1:].to(logits.device)
+        labels = labels.to(logits.device)
+        shifted = labels[:, 1:]
         mask = shifted != IGNORE_INDEX
-        picked = logits[:, :-1][mask].float()
-        out["argmax"] = picked.argmax(-1)
+        out["argmax"] = logits[:, :-1][mask].float().argmax(-1)
         if stats:
             targets = shifted[mask]
             if targets.numel():
-                log_probs = F.log_softmax(picked, dim=-1)
                 _, counts = torch.unique(targets, return_counts=True)
                 p = counts.double() / counts.sum()
                 out["stats"] = {
-                    "loss": float(F.nll_loss(log_probs, targets)),
-                    "entropy": float(-(log_probs.exp() * log_probs).sum(-1).mean()),
-                    "tokens": int(targets.numel()),
+                    **score_logits(logits, labels, batch.get("input_ids"), detail=True),
                     "label_entropy": float(-(p * p.log()).sum()),
                 }
         return out
@@ -75,7 +72,7 @@ def chosen_logp(model, batch: Mapping[str, Any]):
     if labels is None:
         return None
     with untouched(model), kept_sharded(model):
-        logits = logits_of(model(**forward_kwargs(model, batch, use_cache=False)))
+        logits = logits_of(call_model(model, batch, use_cache=False))
         if logits is None or logits.dim() != 3 or labels.shape[:2] != logits.shape[:2]:
             return None
         shifted = labels[:, 1:].to(logits.device)

@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from hf_sanity.constants import IGNORE_INDEX
-from hf_sanity.measure.tensors import forward_kwargs, model_device, to_device
+from hf_sanity.measure.tensors import (
+    call_model,
+    forward_kwargs,
+    logits_of,
+    model_device,
+    needs_labels,
+    to_device,
+)
 from hf_sanity.untouched import untouched
 
 
@@ -73,12 +80,14 @@ def _outputs_finite(output) -> bool:
 
 def first_nonfinite_module(model, call) -> tuple[str | None, bool]:
     """Run ``call()`` with a forward hook on every module: the first module (in execution order) whose
-    output is non-finite, and whether the final output was finite."""
+    output is non-finite, and whether the final output (its logits) was finite. The model's own output is
+    judged by its logits: a forward that computes its loss (given labels it needs) may return a non-finite
+    loss from finite logits, which is the loss computation's doing, not a module's."""
     names = {m: n for n, m in model.named_modules()}
     first: list[str] = []
 
     def hook(module, args, output):
-        if not first and not _outputs_finite(output):
+        if not first and not _outputs_finite(_logits_or_all(output) if module is model else output):
             first.append(names.get(module) or type(module).__name__)
 
     handles = [m.register_forward_hook(hook) for m in names]
@@ -87,8 +96,12 @@ def first_nonfinite_module(model, call) -> tuple[str | None, bool]:
     finally:
         for handle in handles:
             handle.remove()
-    final_ok = _outputs_finite(getattr(output, "logits", output))
-    return (first[0] if first else None), final_ok
+    return (first[0] if first else None), _outputs_finite(_logits_or_all(output))
+
+
+def _logits_or_all(output):
+    logits = logits_of(output)
+    return output if logits is None else logits
 
 
 def replay(
@@ -103,7 +116,6 @@ def replay(
     went non-finite: the first module, the logits, and (in half precision) the same forward in float32."""
     import torch
 
-    kwargs = forward_kwargs(model, batch, use_cache=False)
     facts: dict[str, Any] = {"replayed": True}
     bad = nonfinite_weights(model)
     if bad:
@@ -111,11 +123,14 @@ def replay(
     cast = torch.autocast(autocast[0], dtype=autocast[1]) if autocast else contextlib.nullcontext()
     with untouched(model):
         with cast:
-            module, final_ok = first_nonfinite_module(model, lambda: model(**kwargs))
+            module, final_ok = first_nonfinite_module(
+                model, lambda: call_model(model, batch, use_cache=False)
+            )
         facts["module"] = module
         facts["logits_finite"] = module is None and final_ok
         facts["reproduced"] = not facts["logits_finite"]
         if half_precision and not facts["logits_finite"] and not bad:
+            kwargs = forward_kwargs(model, batch, labels=needs_labels(model), use_cache=False)
             facts["fp32_finite"] = _fp32_finite(model, kwargs, fp32_limit)
     return facts
 
@@ -133,7 +148,12 @@ def diagnose(
         facts["replay_skipped"] = skip or "no model"
         return facts
     moved = to_device(batch, model_device(model))
-    facts.update(replay(model, moved, half_precision=half_precision, autocast=autocast))
+    try:
+        facts.update(replay(model, moved, half_precision=half_precision, autocast=autocast))
+    except Exception as exc:
+        # What the batch itself showed (a NaN in its inputs) still names the cause; the evidence says why the
+        # replay could not tell more.
+        facts["replay_failed"] = f"{type(exc).__name__}: {exc}"
     return facts
 
 
@@ -181,7 +201,7 @@ def _fp32_finite(model, kwargs: dict[str, Any], limit: int) -> bool | None:
         if not params_half:
             call = forward if forward is not None else model
             out = call(**kwargs)
-            return _outputs_finite(getattr(out, "logits", out))
+            return _outputs_finite(_logits_or_all(out))
         if sum(p.numel() for p in model.parameters()) > limit:
             return None
         copy32 = copy.deepcopy(model).float()
@@ -193,7 +213,7 @@ def _fp32_finite(model, kwargs: dict[str, Any], limit: int) -> bool | None:
         }
         out = copy32(**floats)
         del copy32
-        return _outputs_finite(getattr(out, "logits", out))
+        return _outputs_finite(_logits_or_all(out))
 
 
 def nonfinite_facts(
