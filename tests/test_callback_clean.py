@@ -66,6 +66,47 @@ def test_clean_lora_is_silent(tmp_path):
     assert losses[-1] < losses[0] - 0.5
 
 
+def slow_lora(tmp_path, *, max_steps: int, seed: int = 0, **kwargs):
+    """LoRA r=8 on q/v of the tiny random Llama at lr 5e-3: a slow, steady start (6.9 -> 6.6 in 40 steps)."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = tt.setup()
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+    cb = watch(**kwargs)
+    trainer = tt.trainer(
+        tmp_path, callbacks=[cb], model=model, tok=tok, max_steps=max_steps, learning_rate=5e-3, seed=seed,
+        data_seed=seed, logging_steps=1,
+    )  # fmt: skip
+    trainer.train()
+    return cb, tt.step_losses(trainer)
+
+
+def monitor_of(cb, cls):
+    return next(m for m in cb.monitors.monitors if isinstance(m, cls))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.clean("loss-flat", "underfitting")
+def test_a_slow_steady_lora_start_is_not_loss_flat(tmp_path, seed):
+    """It was loss-flat (error, cause loss-not-learnable) at step 20: the loss fell 2% there, and kept falling."""
+    from hf_sanity.rules.training.updates import UpdateMonitor
+
+    cb, losses = slow_lora(tmp_path, max_steps=40, seed=seed)
+    assert above_info(cb) == []
+    assert monitor_of(cb, UpdateMonitor)._trend.n == 40  # the flat test fitted every step: it ran
+    assert losses[-1] < losses[0] - 0.2  # slowly, but it learns
+
+
+@pytest.mark.clean("underfitting")
+def test_a_smoke_run_is_not_judged_underfitting(tmp_path):
+    """A 20-step run whose loss moved 4% near chance: a smoke run says nothing about learning (it was underfitting,
+    barely-moved and near-chance, at step 20)."""
+    cb, losses = slow_lora(tmp_path, max_steps=20, select=["underfitting"])
+    assert cb.report.findings == []
+    assert "hf_sanity.rules.curves.underfitting" in cb.monitors.ran  # it ran at train end, and judged nothing
+    assert losses[-1] > 0.9 * losses[0]  # the loss really barely moved: what it would have judged
+
+
 @pytest.mark.clean("training", "curves", "tokens", "internal-error")
 def test_clean_sft_trainer_with_completion_only_loss_is_silent(tmp_path):
     import datasets

@@ -391,6 +391,36 @@ def test_a_plateau_after_a_drop_is_not_flat():
     assert C.loss_flat(curves) == []
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_slow_steady_start_is_not_a_flat_curve(seed):
+    """transformers' defaults from scratch (LR 1e-4, V=4096): 8.34 -> 8.25 over 100 steps, noise 0.008 (the
+    thirds' medians within 2%: the old curve test called it flat). Its fitted trend falls 1% per 100 steps."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(1, 101)
+    loss = 8.34 - 0.09 / (1 + np.exp(-(t - 40) / 8)) + 0.008 * rng.standard_normal(100)
+    curves = Curves(t.tolist(), loss.tolist(), lr=[1e-4] * 100, vocab_size=4096, planned_steps=100)
+    assert C.loss_flat(curves) == []
+    assert C.flat(loss)  # what the thirds alone said: flat
+    level = flat(math.log(4096), n=100, noise=0.001, seed=seed, vocab_size=4096)
+    assert [f.rule for f in C.loss_flat(level)] == ["loss-flat"]  # the same length, not falling: flat
+
+
+def test_underfitting_is_judged_against_the_planned_length():
+    curves = make(n=300, start=2.5, floor=2.3, tau=100, noise=0.03, evals=False)
+    assert [f.rule for f in C.underfitting(curves)] == ["underfitting"]  # no plan known: its 300 steps
+    curves.planned_steps = 300
+    assert [f.rule for f in C.underfitting(curves)] == ["underfitting"]
+    curves.planned_steps = 1000  # stopped at 30% of its plan (aborted, or still running): not judged
+    assert C.underfitting(curves) == []
+    smoke = Curves(list(range(1, 21)), decay(range(1, 21), 2.5, 2.4, 100).tolist())
+    assert C.underfitting(smoke) == []  # a 20-step smoke run
+    smoke.planned_steps = 20
+    assert C.underfitting(smoke) == []
+    for steps in (range(1, 41), range(25, 1001, 25)):  # 40 points over 40 steps (smoke) or over 1000 (judged)
+        logged = Curves(list(steps), [2.5 - 1e-4 * s for s in steps], planned_steps=max(steps))
+        assert bool(C.underfitting(logged)) is (max(steps) >= C.UNDERFIT_MIN_STEPS)
+
+
 @pytest.mark.internal_error_expected
 def test_a_broken_detector_becomes_an_internal_error(monkeypatch):
     def boom(curves):

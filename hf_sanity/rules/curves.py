@@ -47,6 +47,7 @@ from hf_sanity.measure.curves import (
     median_rows,
     noise_rows,
     rolling_median_min,
+    slope_fit,
     trailing,
     train_level_at,
     train_levels,
@@ -54,7 +55,7 @@ from hf_sanity.measure.curves import (
 )
 from hf_sanity.numbers import median, noise, rounded
 from hf_sanity.rules.training.loss import NEGATIVE_LOSS, NONFINITE_LOSS
-from hf_sanity.rules.training.updates import LOSS_FLAT, LR_ZERO, flat
+from hf_sanity.rules.training.updates import LOSS_FLAT, LR_ZERO, falling, flat, slope_error
 
 # -- thresholds ------------------------------------------------------------------------------------
 SPIKE_HISTORY = 10  # trailing points that define the running level before a step
@@ -75,6 +76,8 @@ OVERFIT_AFTER = 2  # ... with >= 2 evaluations after the best ...
 TRAIN_FELL = 0.02  # ... while the train level fell >= 2% over the same steps
 
 UNDERFIT_MIN_POINTS = 10
+UNDERFIT_MIN_STEPS = 50  # a run planned for fewer optimizer steps is a smoke run: not judged ...
+UNDERFIT_REACHED = 0.9  # ... nor a run stopped before 90% of its planned steps
 UNDERFIT_DROP = 0.10  # the best running level never got 10% below the start (train, and eval if logged)
 UNDERFIT_CHANCE = 0.8  # or, with the vocabulary known, it never got below 80% of ln(V)
 
@@ -141,8 +144,9 @@ UNDERFITTING = define(
     severity="warning",
     stage="curves",
     symptom="Both train and eval loss stay high.",
-    detects=f"At the end of training ({UNDERFIT_MIN_POINTS}+ logged points, neither flat nor oscillating): "
-    "the lowest running "
+    detects=f"At the end of a run planned for {UNDERFIT_MIN_STEPS}+ optimizer steps (the trainer state's max_steps; "
+    f"shorter runs are smoke runs and runs stopped before {UNDERFIT_REACHED:.0%} of their plan are not judged), "
+    f"with {UNDERFIT_MIN_POINTS}+ logged points, neither flat nor oscillating: the lowest running "
     f"median of the train loss never got {UNDERFIT_DROP:.0%} below its start, nor did the eval loss below "
     "its first evaluation (when logged); or, with the vocabulary size V known, both stayed above "
     f"{UNDERFIT_CHANCE:.0%} of ln(V) (near chance). A run that went down and then diverged is not "
@@ -191,8 +195,13 @@ MEMORIZING = define(
 
 
 # -- shapes -------------------------------------------------------------------------------------
-def _is_flat(loss: np.ndarray) -> bool:
-    return flat(loss)
+def _is_flat(steps: np.ndarray, loss: np.ndarray) -> bool:
+    """Flat: the levels of the curve's thirds agree (see loss-flat) and its fitted trend is known to fall by
+    less than FLAT_RATE of the level per step (a slow, steady start is not flat)."""
+    if not flat(loss):
+        return False
+    slope, spread = slope_fit(steps, loss)
+    return not falling(slope, slope_error(loss, spread), median(loss))
 
 
 # -- detectors -------------------------------------------------------------------------------------
@@ -258,10 +267,10 @@ def loss_spike(curves: Curves) -> list[Finding]:
     return events
 
 
-def _oscillation(loss: np.ndarray) -> dict[str, float] | None:
+def _oscillation(steps: np.ndarray, loss: np.ndarray) -> dict[str, float] | None:
     """The oscillation statistics of a train curve when it zig-zags without trending down, else None."""
     n = len(loss)
-    if n < OSC_MIN_POINTS or _is_flat(loss):
+    if n < OSC_MIN_POINTS or _is_flat(steps, loss):
         return None
     diffs = np.diff(loss)
     amplitude = float(np.median(np.abs(diffs)))
@@ -284,8 +293,8 @@ def _oscillation(loss: np.ndarray) -> dict[str, float] | None:
 @LOSS_OSCILLATION.detector("curve", online=True, final=True)
 def loss_oscillation(curves: Curves) -> list[Finding]:
     """Large step-to-step swings with no downward trend under them."""
-    _, loss, lr = train_points(curves)
-    stats = _oscillation(loss)
+    steps, loss, lr = train_points(curves)
+    stats = _oscillation(steps, loss)
     if stats is None:
         return []
     amplitude, level = stats["amplitude"], stats["level"]
@@ -344,12 +353,22 @@ def overfitting(curves: Curves) -> list[Finding]:
     ]
 
 
+def _smoke_or_cut_short(curves: Curves, steps: np.ndarray) -> bool:
+    """The run is a smoke run (planned for under UNDERFIT_MIN_STEPS steps; without a plan, its last logged
+    step is its length), or it stopped well before its plan: its learning is not judged."""
+    last = int(steps[-1]) if len(steps) else 0
+    planned = curves.planned_steps or last
+    return planned < UNDERFIT_MIN_STEPS or last < UNDERFIT_REACHED * planned
+
+
 @UNDERFITTING.detector("curve", online=True, final=True)
 def underfitting(curves: Curves) -> list[Finding]:
     """Both losses stay close to where they started (or near chance) until the end."""
     tsteps, tloss, _ = train_points(curves)
     n = len(tloss)
-    if n < UNDERFIT_MIN_POINTS or _is_flat(tloss) or _oscillation(tloss) is not None:
+    if n < UNDERFIT_MIN_POINTS or _smoke_or_cut_short(curves, tsteps):
+        return []
+    if _is_flat(tsteps, tloss) or _oscillation(tsteps, tloss) is not None:
         return []
     window = head_points(n)
     start = median(tloss[:window])
@@ -649,7 +668,7 @@ def lr_zero(curves: Curves) -> list[Finding]:
 def loss_flat(curves: Curves) -> list[Finding]:
     """The train loss does not move from the start (compared with chance, ln(V), where V is known)."""
     steps, loss, _ = train_points(curves)
-    if not _is_flat(loss):
+    if not _is_flat(steps, loss):
         return []
     level = median(loss)
     chance = ln_vocab(curves)

@@ -189,6 +189,8 @@ class StepSampler:
         with contextlib.suppress(Exception):
             self.warmup_steps = int(args.get_warmup_steps(state.max_steps or 0))
         self.accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        # Trainer clips at args.max_grad_norm; 0 or None turns clipping off.
+        self.max_grad_norm = float(args.max_grad_norm or 0.0) if hasattr(args, "max_grad_norm") else None
         self.vocab_size = vocab_size(model)
         skipped = self.sharding.skipped
         self.stale_sample = (
@@ -233,7 +235,9 @@ class StepSampler:
         """What the step detectors are built with."""
         from hf_sanity.rules.training.base import TrainingSetup
 
-        return TrainingSetup(self.warmup_steps, world_size, self.vocab_size, self.accumulation)
+        return TrainingSetup(
+            self.warmup_steps, world_size, self.vocab_size, self.accumulation, self.max_grad_norm
+        )
 
     def setup_values(self) -> dict[str, Any]:
         """What the gradient path looks like at train begin (for no-trainable-params, optimizer-missing-params)."""

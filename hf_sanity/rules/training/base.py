@@ -18,6 +18,7 @@ class TrainingSetup:
     world_size: int = 1
     vocab_size: int | None = None  # the model's embedding rows: chance is ln(V)
     accumulation: int = 1  # gradient_accumulation_steps
+    max_grad_norm: float | None = None  # gradient clipping (0: off; None: not known)
 
 
 class Monitor:
