@@ -3,6 +3,7 @@ and a check that breaks becomes an internal-error finding while training goes on
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -95,6 +96,40 @@ def test_a_slow_steady_lora_start_is_not_loss_flat(tmp_path, seed):
     assert above_info(cb) == []
     assert monitor_of(cb, UpdateMonitor)._trend.n == 40  # the flat test fitted every step: it ran
     assert losses[-1] < losses[0] - 0.2  # slowly, but it learns
+
+
+@pytest.mark.slow
+@pytest.mark.clean("loss-flat")
+def test_transformers_defaults_from_scratch_are_a_slow_start_not_a_flat_loss(tmp_path):
+    """A random-init 2-layer Llama (V=4096) at LR 1e-4 with transformers' defaults (linear decay, no warmup,
+    AdamW, clipping at 1) on learnable sequences: the loss falls 8.34 -> 8.30 in 40 steps (below ln V=8.32: it
+    learns). It was loss-flat (error, loss-not-learnable) at step 20."""
+    import datasets
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from hf_sanity.rules.training.updates import UpdateMonitor
+    from hf_sanity.testing.factory import build_model
+
+    vocab, rng = 4096, random.Random(0)
+    rows = []
+    for _ in range(256):  # arithmetic progressions: each token follows from the two before
+        first, stride = rng.randrange(vocab), rng.randrange(1, 8)
+        ids = [(first + stride * i) % vocab for i in range(32)]
+        rows.append({"input_ids": ids, "labels": ids, "attention_mask": [1] * 32})
+    cb = watch()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=40, learning_rate=1e-4, per_device_train_batch_size=8, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(
+        model=build_model(vocab), args=args, train_dataset=datasets.Dataset.from_list(rows),
+        data_collator=default_data_collator, callbacks=[cb],
+    )  # fmt: skip
+    trainer.train()
+    assert cb.report.by_rule("loss-flat") == []
+    assert monitor_of(cb, UpdateMonitor)._trend.n == 40  # the flat test fitted every step: it ran
+    losses = tt.step_losses(trainer)
+    assert sum(losses[-5:]) / 5 < min(math.log(vocab), sum(losses[:5]) / 5)  # below chance and the start
 
 
 @pytest.mark.clean("underfitting")

@@ -302,6 +302,19 @@ def _windows():
             yield w
 
 
+def test_noise_of_a_short_list_is_numpys_to_the_bit():
+    """loss-flat's trend test measures the noise of its last losses at every step, on a list."""
+    import numpy as np
+
+    from hf_sanity.numbers import noise
+
+    for window in _windows():
+        with np.errstate(all="ignore"):
+            expected = noise(np.asarray(window, dtype=float))
+        got = noise(list(window))
+        assert got == expected or (np.isnan(got) and np.isnan(expected)), window
+
+
 def test_is_flat_on_a_list_answers_as_on_an_array():
     """The step detectors pass lists (Python medians, an early exit); doctor passes arrays (numpy)."""
     import numpy as np

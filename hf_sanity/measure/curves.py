@@ -175,6 +175,11 @@ def median_rows(rows: np.ndarray) -> np.ndarray:
     return np.median(rows, axis=1)
 
 
+def max_rows(rows: np.ndarray) -> np.ndarray:
+    """The largest value of each row (-inf for an empty row)."""
+    return rows.max(axis=1) if rows.shape[1] else np.full(rows.shape[0], -np.inf)
+
+
 def noise_rows(rows: np.ndarray) -> np.ndarray:
     """`_noise` of each row."""
     if rows.shape[1] < 3:

@@ -30,6 +30,7 @@ monitor. Every detector is O(n) (vectorised), so analysing 100k per-step losses 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,7 @@ from hf_sanity.measure.curves import (
     hidden_nan_zeros,
     ln_vocab,
     lr_at,
+    max_rows,
     median_rows,
     noise_rows,
     rolling_median_min,
@@ -54,6 +56,7 @@ from hf_sanity.measure.curves import (
     train_points,
 )
 from hf_sanity.numbers import median, noise, rounded
+from hf_sanity.rules.training.divergence import guarded_fix, safeguards
 from hf_sanity.rules.training.loss import NEGATIVE_LOSS, NONFINITE_LOSS
 from hf_sanity.rules.training.updates import LOSS_FLAT, LR_ZERO, falling, flat, slope_error
 
@@ -62,7 +65,11 @@ SPIKE_HISTORY = 10  # trailing points that define the running level before a ste
 SPIKE_NOISE_HISTORY = 50  # trailing points that define the noise there
 SPIKE_MIN_HISTORY = 20  # no spike is judged before this many points
 SPIKE_RATIO = 1.5  # a spike is >= 50% above the running median ...
-SPIKE_NOISE = 6.0  # ... and >= 6 noise sigmas above it (Gaussian noise: ~1e-9 per point)
+SPIKE_NOISE = 6.0  # ... and >= 6 noise sigmas above it (Gaussian noise: ~1e-9 per point) ...
+SPIKE_OVER_PAST = (
+    1.5  # ... and rises 1.5x higher above it than any of the SPIKE_NOISE_HISTORY points before ...
+)
+SPIKE_BIG = 2.0  # ... and is either 2x the running median or held (the next point is 50% above it too)
 SPIKE_MAX_FINDINGS = 3
 
 OSC_MIN_POINTS = 20
@@ -100,12 +107,15 @@ LOSS_SPIKE = define(
     severity="warning",
     stage="curves",
     symptom="The loss suddenly jumps after it had been decreasing.",
-    detects=f"A logged train loss >= {SPIKE_RATIO:g}x the median of the {SPIKE_HISTORY} points before it and "
-    f">= {SPIKE_NOISE:g} noise sigmas above that median (noise: robust spread of the step-to-step differences "
-    f"over the {SPIKE_NOISE_HISTORY} points before it), "
-    "once that running median is below the median of the first points (the loss had decreased). Reports "
-    "the step, the learning rate there and how long the loss stayed up; up to "
-    f"{SPIKE_MAX_FINDINGS} spikes per run.",
+    detects=f"A logged train loss judged against the loss's own step-to-step spread: >= {SPIKE_RATIO:g}x the "
+    f"median of the {SPIKE_HISTORY} points before it, >= {SPIKE_NOISE:g} noise sigmas above that median (noise: "
+    f"robust spread of the step-to-step differences over the {SPIKE_NOISE_HISTORY} points before it), and "
+    f"{SPIKE_OVER_PAST:g}x higher above it than any of those {SPIKE_NOISE_HISTORY} points rose (a batch as hard "
+    f"as others the run has seen is noise, whatever its ratio); and either >= {SPIKE_BIG:g}x that median or held "
+    "(the next point is still up), since a one-step bump that falls straight back is one harder batch. Only once "
+    "that running median is below the median of the first points (the loss had decreased). Reports the step, "
+    "the learning rate there, how long the loss stayed up, and whether gradient clipping is off or warmup "
+    f"absent; up to {SPIKE_MAX_FINDINGS} spikes per run.",
     fix="Lower the LR or lengthen warmup, keep gradient clipping on, inspect the batch that preceded the spike.",
 )
 
@@ -205,7 +215,9 @@ def _is_flat(steps: np.ndarray, loss: np.ndarray) -> bool:
 
 
 # -- detectors -------------------------------------------------------------------------------------
-def _spike_finding(steps, loss, lr, i: int, end: int, base: float, noise: float) -> Finding:
+def _spike_finding(
+    steps, loss, lr, i: int, end: int, base: float, noise: float, guards: dict[str, Any]
+) -> Finding:
     recovered = end + 1 < len(loss)
     lr_here = lr_at(lr, i)
     sigmas = (loss[i] - base) / noise if noise > 0 else math.inf
@@ -224,8 +236,10 @@ def _spike_finding(steps, loss, lr, i: int, end: int, base: float, noise: float)
             "previous_step": int(steps[i - 1]),
             "elevated_until_step": int(steps[end]),
             "recovered": recovered,
+            **guards,
         },
         step=int(steps[i]),
+        fix=guarded_fix(LOSS_SPIKE.fix, guards),
     )
 
 
@@ -240,12 +254,18 @@ def loss_spike(curves: Curves) -> list[Finding]:
     base = trailing(loss, SPIKE_HISTORY, median_rows, SPIKE_MIN_HISTORY)
     noise = trailing(loss, SPIKE_NOISE_HISTORY, noise_rows, SPIKE_MIN_HISTORY)
     with np.errstate(invalid="ignore"):
+        rise = np.where(np.isfinite(base), loss - base, -np.inf)
+        highest = np.maximum(trailing(rise, SPIKE_NOISE_HISTORY, max_rows, SPIKE_MIN_HISTORY), 0.0)
+        held = np.append(loss[1:] >= SPIKE_RATIO * base[:-1], False)
         candidate = (
             (base > 0)
             & (base < start)
             & (loss >= SPIKE_RATIO * base)
-            & ((noise == 0) | (loss - base >= SPIKE_NOISE * noise))
+            & ((noise == 0) | (rise >= SPIKE_NOISE * noise))
+            & (rise >= SPIKE_OVER_PAST * highest)
+            & ((loss >= SPIKE_BIG * base) | held)
         )
+    guards = safeguards(curves.max_grad_norm, curves.warmup_steps)
     events: list[Finding] = []
     total = 0
     after = -1  # the last index of the previous event
@@ -260,7 +280,7 @@ def loss_spike(curves: Curves) -> list[Finding]:
         after = end
         total += 1
         if len(events) < SPIKE_MAX_FINDINGS:
-            events.append(_spike_finding(steps, loss, lr, i, end, float(base[i]), float(noise[i])))
+            events.append(_spike_finding(steps, loss, lr, i, end, float(base[i]), float(noise[i]), guards))
     if total > len(events):
         for finding in events:
             finding.evidence["spikes_in_run"] = total
