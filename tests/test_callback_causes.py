@@ -121,6 +121,15 @@ def test_a_double_softmax_at_a_small_lr_is_loss_flat_with_cause_loss_not_learnab
     assert "double softmax" in flat.fix and "hf-sanity overfit" in flat.fix
 
 
+def test_a_double_softmax_at_a_working_lr_is_underfitting_near_chance_not_a_flat_loss(tmp_path):
+    """At LR 3e-3 the same loss falls 9% in 40 steps (its floor is ln(V) - 1): not flat. At the end of the run it
+    is still near chance, and underfitting says so, with the overfit test first in its fix."""
+    _, callback = run(tmp_path, cls=DoubleSoftmax, max_steps=60)
+    assert not callback.report.by_rule("loss-flat")
+    (under,) = callback.report.by_rule("underfitting")
+    assert "near-chance" in under.evidence["reasons"] and "hf-sanity overfit" in under.fix
+
+
 def test_a_compute_loss_that_scales_the_loss_is_init_loss_off_chance_at_step_1(tmp_path):
     _, callback = run(tmp_path, select=["init-loss-off-chance"], cls=TenTimes, max_steps=3)
     (finding,) = callback.report.findings

@@ -132,6 +132,37 @@ def test_transformers_defaults_from_scratch_are_a_slow_start_not_a_flat_loss(tmp
     assert sum(losses[-5:]) / 5 < min(math.log(vocab), sum(losses[:5]) / 5)  # below chance and the start
 
 
+@pytest.mark.slow
+@pytest.mark.clean("loss-spike")
+def test_a_converging_run_with_a_few_harder_rows_has_no_loss_spike(tmp_path, monkeypatch):
+    """64 demo conversations and 2 rows of random words, batch 8, LR 3e-3: the loss converges to ~0.7 and a
+    batch that draws a harder row sits 1.6-2.5x above the running median at 6+ robust sigmas. The fixed 1.5x
+    test reported spikes at steps 27 (1.58x), 51 and 73; each harder batch falls straight back, the first under
+    2x, and the later ones rise no higher than the run's earlier ones."""
+    from hf_sanity.measure.curves import Curves
+    from hf_sanity.rules import curves as C
+    from hf_sanity.testing import synthetic_conversations
+
+    model, tok = tt.setup()
+    harder = []
+    for row in synthetic_conversations(2, seed=2, words=20):
+        ids = tok.apply_chat_template(row["messages"])["input_ids"]
+        prompt = len(tok.apply_chat_template(row["messages"][:-1], add_generation_prompt=True)["input_ids"])
+        harder.append({"input_ids": list(ids), "labels": [-100] * prompt + list(ids[prompt:])})
+    cb = watch()
+    trainer = tt.trainer(
+        tmp_path, callbacks=[cb], model=model, tok=tok, data=tt.rows(tok, 64) + harder, max_steps=100,
+        per_device_train_batch_size=8, logging_steps=1, seed=2, data_seed=2,
+    )  # fmt: skip
+    trainer.train()
+    assert above_info(cb) == []
+    assert "hf_sanity.rules.curves.loss_spike" in cb.monitors.ran
+    monkeypatch.setattr(C, "SPIKE_OVER_PAST", 0.0)  # what the ratio and the robust sigma alone said
+    monkeypatch.setattr(C, "SPIKE_BIG", C.SPIKE_RATIO)
+    steps, losses = zip(*cb.history.losses)
+    assert len(C.loss_spike(Curves(list(steps), list(losses)))) >= 2
+
+
 @pytest.mark.clean("underfitting")
 def test_a_smoke_run_is_not_judged_underfitting(tmp_path):
     """A 20-step run whose loss moved 4% near chance: a smoke run says nothing about learning (it was underfitting,
