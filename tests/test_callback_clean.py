@@ -98,6 +98,34 @@ def test_a_slow_steady_lora_start_is_not_loss_flat(tmp_path, seed):
     assert losses[-1] < losses[0] - 0.2  # slowly, but it learns
 
 
+@pytest.mark.clean("loss-flat")
+def test_a_full_fine_tune_at_lr_1e_5_is_a_slow_start_not_a_flat_loss(tmp_path):
+    """A trained model fine-tuned at LR 1e-5 on a new answer style: updates ~5e-5 of the weights per step (below
+    1e-4) and a loss that falls ~10% per 100 steps under 10% batch noise. It was loss-flat (error, lr-too-low) at
+    step 31."""
+    from hf_sanity.rules.training.updates import UpdateMonitor
+    from hf_sanity.testing import trained_setup
+    from hf_sanity.testing.trained import training_conversations
+
+    model, tok = trained_setup("clean")
+    rows = []
+    for row in training_conversations("adapter")[:64]:  # every answer opens with "Sure."
+        ids = tok.apply_chat_template(row["messages"])["input_ids"]
+        prompt = len(tok.apply_chat_template(row["messages"][:-1], add_generation_prompt=True)["input_ids"])
+        rows.append({"input_ids": list(ids), "labels": [-100] * prompt + list(ids[prompt:])})
+    cb = watch(select=["loss-flat"])
+    trainer = tt.trainer(
+        tmp_path, callbacks=[cb], model=model, tok=tok, data=rows, max_steps=60, learning_rate=1e-5,
+        lr_scheduler_type="linear", logging_steps=1,
+    )  # fmt: skip
+    trainer.train()
+    assert cb.report.findings == []
+    monitor = monitor_of(cb, UpdateMonitor)
+    assert (
+        monitor._trend.n == 60 and monitor._ratio_counts[1] > monitor._ratio_counts[0] / 2
+    )  # judged; updates < 1e-4
+
+
 @pytest.mark.slow
 @pytest.mark.clean("loss-flat")
 def test_transformers_defaults_from_scratch_are_a_slow_start_not_a_flat_loss(tmp_path):
