@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -40,11 +41,16 @@ SMALL_MEDIAN = 512
 _PLAIN = frozenset((float, int))
 
 
-def noise(values: np.ndarray) -> float:
+def noise(values: Sequence[float] | np.ndarray) -> float:
     """Robust standard deviation of a series' step-to-step noise: 1.4826 x the MAD of its differences /
-    sqrt(2). It ignores the trend and a few outliers."""
+    sqrt(2). It ignores the trend and a few outliers. (A short list of Python numbers is computed in Python, as
+    :func:`median` does, to the same bits: the step detectors call it at every step.)"""
     if len(values) < 3:
         return 0.0
+    if isinstance(values, list) and len(values) <= SMALL_MEDIAN and set(map(type, values)) <= _PLAIN:
+        diffs = [float(b) - float(a) for a, b in pairwise(values)]
+        middle = median(diffs)
+        return 1.4826 * median([abs(d - middle) for d in diffs]) / math.sqrt(2)
     diffs = np.diff(values)
     return float(1.4826 * np.median(np.abs(diffs - np.median(diffs))) / math.sqrt(2))
 

@@ -69,19 +69,65 @@ def test_adamw_at_a_huge_lr_diverges_without_nan_and_says_why(tmp_path):
     assert not {"underfitting", "loss-oscillation"} & {f.rule for f in callback.report.findings}
 
 
+@pytest.mark.planted("loss-diverged")
+def test_sgd_at_a_huge_lr_without_clipping_blows_up_once_kills_the_network_and_is_loss_diverged(tmp_path):
+    """SGD at LR 1e4 with clipping off: the loss jumps to ~1e6 at step 2, the network dies (zero gradients, the
+    loss sits at ln V) and never rises again. It diverged at step 2 because the LR is far too high; the flat
+    loss that follows is explained by it, not a second error."""
+    _, callback = run(tmp_path, learning_rate=1e4, optim="sgd", max_grad_norm=0.0, max_steps=15)
+    assert dict(callback.history.losses)[2] > 1e5  # the blow-up really is at step 2
+    assert [(rule, step, cause) for rule, step, cause in rules(callback) if rule.startswith("loss-")] == [
+        ("loss-diverged", 2, "lr-too-high")
+    ]
+    (diverged,) = callback.report.by_rule("loss-diverged")
+    assert diverged.evidence["dead_from_step"] == 3 and "died" in diverged.message
+    assert diverged.evidence["clipping_off"] is True and diverged.evidence["no_warmup"] is True
+    assert diverged.fix.startswith("First turn gradient clipping back on (max_grad_norm=1.0)")
+
+
 def test_a_learning_rate_far_too_low_is_loss_flat_with_cause_lr_too_low(tmp_path):
-    _, callback = run(tmp_path, select=["loss-flat"], learning_rate=3e-7, max_steps=40)
+    _, callback = run(tmp_path, select=["loss-flat"], learning_rate=3e-7, max_steps=80)
     (finding,) = callback.report.findings
     assert finding.evidence["cause"] == "lr-too-low" and finding.evidence["update_ratio"] < 1e-4
+    assert abs(finding.evidence["change_per_100_steps"]) < 0.01  # the loss does not fall: measured
     assert "Raise the learning rate" in finding.fix
 
 
-def test_a_double_softmax_is_loss_flat_with_cause_loss_not_learnable(tmp_path):
-    _, callback = run(tmp_path, cls=DoubleSoftmax, max_steps=40)
+class RandomTargets(Trainer):
+    """Labels drawn anew at every step: nothing in the inputs predicts them, whatever the LR."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs["labels"]
+        drawn = torch.randint(0, model.config.vocab_size, labels.shape, device=labels.device)
+        inputs["labels"] = torch.where(labels != -100, drawn, labels)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+@pytest.mark.planted("loss-flat")
+def test_targets_that_cannot_be_learned_are_loss_flat_with_cause_loss_not_learnable(tmp_path):
+    _, callback = run(tmp_path, cls=RandomTargets, max_steps=60)
+    flat = callback.report.by_rule("loss-flat")[0]
+    assert flat.evidence["cause"] == "loss-not-learnable" and flat.evidence["update_ratio"] > 1e-3
+    assert "hf-sanity overfit" in flat.fix
+    assert not callback.report.by_rule("underfitting")  # explained by the flat loss
+
+
+def test_a_double_softmax_at_a_small_lr_is_loss_flat_with_cause_loss_not_learnable(tmp_path):
+    """Cross-entropy over probabilities: the loss cannot go below ln(V) - 1 and its gradient is ~1/V of the real
+    one. At LR 3e-4 it stays at chance (0.1% per 100 steps) while the weights move healthily."""
+    _, callback = run(tmp_path, cls=DoubleSoftmax, learning_rate=3e-4, max_steps=40)
     flat = callback.report.by_rule("loss-flat")[0]
     assert flat.evidence["cause"] == "loss-not-learnable"
     assert "double softmax" in flat.fix and "hf-sanity overfit" in flat.fix
-    assert not callback.report.by_rule("underfitting")  # explained by the flat loss
+
+
+def test_a_double_softmax_at_a_working_lr_is_underfitting_near_chance_not_a_flat_loss(tmp_path):
+    """At LR 3e-3 the same loss falls 9% in 40 steps (its floor is ln(V) - 1): not flat. At the end of the run it
+    is still near chance, and underfitting says so, with the overfit test first in its fix."""
+    _, callback = run(tmp_path, cls=DoubleSoftmax, max_steps=60)
+    assert not callback.report.by_rule("loss-flat")
+    (under,) = callback.report.by_rule("underfitting")
+    assert "near-chance" in under.evidence["reasons"] and "hf-sanity overfit" in under.fix
 
 
 def test_a_compute_loss_that_scales_the_loss_is_init_loss_off_chance_at_step_1(tmp_path):

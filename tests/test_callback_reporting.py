@@ -155,7 +155,9 @@ def test_a_finding_with_a_side_by_side_view_crosses_to_another_rank_and_back():
     from hf_sanity.outputview import OutputExample, OutputView
     from hf_sanity.training.ranks import portable
 
-    view = OutputView("never stops", (OutputExample.of(0, [("prompt", "Hi"), ("generation", "Hello Hello")]),))
+    view = OutputView(
+        "never stops", (OutputExample.of(0, [("prompt", "Hi"), ("generation", "Hello Hello")]),)
+    )
     finding = Finding(rule="never-stops", severity="error", message="m", example=view, step=3)
     assert "side_by_side" in finding.to_dict()
     rebuilt = Finding(**portable(finding))

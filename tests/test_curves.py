@@ -186,6 +186,41 @@ def test_loss_spike_needs_a_jump_beyond_the_noise():
     assert C.loss_spike(curves) == []
 
 
+def harder_batches(seed, n=100, every=8, floor=0.25):
+    """A clean run converging to ~0.25 whose batches differ: most within 3% of the level, one in ``every``
+    1.2-1.7x harder (longer or rarer rows). The robust step-to-step spread sees only the common batches, so a
+    fixed 1.5x at 6 of its sigmas fired on the harder ones (as on a real run converging to ~0.25: 1.58x)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(1, n + 1)
+    level = floor + (6.9 - floor) * np.exp(-t / 12)
+    bump = np.where(rng.random(n) < 1 / every, rng.uniform(1.2, 1.7, n), 1.0)
+    return Curves(t.tolist(), (level * (1 + 0.03 * rng.standard_normal(n)) * bump).tolist(), lr=[3e-3] * n)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.clean("loss-spike")
+def test_harder_batches_of_a_converging_run_are_not_spikes(seed, monkeypatch):
+    curves = harder_batches(seed)
+    assert C.loss_spike(curves) == []
+    # What it judged: a 1.5x+ bump at 6+ sigmas, which the ratio and the robust sigma alone called a spike.
+    monkeypatch.setattr(C, "SPIKE_OVER_PAST", 0.0)
+    monkeypatch.setattr(C, "SPIKE_BIG", C.SPIKE_RATIO)
+    assert C.loss_spike(curves)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(("factor", "steps"), [(3.0, 1), (2.2, 1), (1.8, 5)], ids=["3x", "2.2x", "held-1.8x"])
+def test_real_spikes_on_the_same_noise_are_caught(seed, factor, steps):
+    curves = harder_batches(seed, every=1_000_000)  # no harder batches: the spike is the only one
+    base = float(np.median(curves.train_loss[55:69]))
+    curves.train_loss[69 : 69 + steps] = [factor * base] * steps
+    curves.max_grad_norm, curves.warmup_steps = 0.0, 0
+    (spike,) = C.loss_spike(curves)
+    assert spike.step == 70 and spike.evidence["elevated_until_step"] == 69 + steps
+    assert spike.evidence["clipping_off"] is True and spike.evidence["no_warmup"] is True
+    assert spike.fix.startswith("First turn gradient clipping back on (max_grad_norm=1.0)")
+
+
 # -- loss-oscillation ------------------------------------------------------------------------------
 def oscillating(n=200, seed=0):
     rng = np.random.default_rng(seed)
@@ -389,6 +424,36 @@ def test_a_plateau_after_a_drop_is_not_flat():
     curves = flat(5.5, n=300)
     curves.train_loss[:10] = np.linspace(6.9, 5.6, 10).tolist()
     assert C.loss_flat(curves) == []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_slow_steady_start_is_not_a_flat_curve(seed):
+    """transformers' defaults from scratch (LR 1e-4, V=4096): 8.34 -> 8.25 over 100 steps, noise 0.008 (the
+    thirds' medians within 2%: the old curve test called it flat). Its fitted trend falls 1% per 100 steps."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(1, 101)
+    loss = 8.34 - 0.09 / (1 + np.exp(-(t - 40) / 8)) + 0.008 * rng.standard_normal(100)
+    curves = Curves(t.tolist(), loss.tolist(), lr=[1e-4] * 100, vocab_size=4096, planned_steps=100)
+    assert C.loss_flat(curves) == []
+    assert C.flat(loss)  # what the thirds alone said: flat
+    level = flat(math.log(4096), n=100, noise=0.001, seed=seed, vocab_size=4096)
+    assert [f.rule for f in C.loss_flat(level)] == ["loss-flat"]  # the same length, not falling: flat
+
+
+def test_underfitting_is_judged_against_the_planned_length():
+    curves = make(n=300, start=2.5, floor=2.3, tau=100, noise=0.03, evals=False)
+    assert [f.rule for f in C.underfitting(curves)] == ["underfitting"]  # no plan known: its 300 steps
+    curves.planned_steps = 300
+    assert [f.rule for f in C.underfitting(curves)] == ["underfitting"]
+    curves.planned_steps = 1000  # stopped at 30% of its plan (aborted, or still running): not judged
+    assert C.underfitting(curves) == []
+    smoke = Curves(list(range(1, 21)), decay(range(1, 21), 2.5, 2.4, 100).tolist())
+    assert C.underfitting(smoke) == []  # a 20-step smoke run
+    smoke.planned_steps = 20
+    assert C.underfitting(smoke) == []
+    for steps in (range(1, 41), range(25, 1001, 25)):  # 40 points over 40 steps (smoke) or over 1000 (judged)
+        logged = Curves(list(steps), [2.5 - 1e-4 * s for s in steps], planned_steps=max(steps))
+        assert bool(C.underfitting(logged)) is (max(steps) >= C.UNDERFIT_MIN_STEPS)
 
 
 @pytest.mark.internal_error_expected

@@ -22,6 +22,7 @@ from hf_sanity.errors import UserInputError
 from hf_sanity.measure.curves import Curves
 from hf_sanity.measure.runs import describe, find_state, read_run
 from hf_sanity.measure.training_args import read_training_args_bin
+from hf_sanity.rules import curves as C
 from hf_sanity.rules import runs as R
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -125,6 +126,35 @@ def test_findings_name_their_run(tmp_path):
     two = doctor([tmp_path / "spiky", write_run(tmp_path / "clean", series(seed=2))], use_config=False)
     (spike,) = two.by_rule("loss-spike")  # the two also differ beyond noise: seed-unfixed, not checked here
     assert spike.message.startswith(f"{tmp_path / 'spiky'}: train loss jumped")
+
+
+def test_a_spike_says_whether_the_run_clipped_gradients_and_warmed_up(tmp_path):
+    spiky = series(seed=1)
+    spiky.train_loss[150] = 3 * spiky.train_loss[149]
+    off = write_run(
+        tmp_path / "off", spiky, args={"max_grad_norm": 0.0, "warmup_steps": 0, "learning_rate": 2e-4}
+    )
+    (spike,) = doctor([off], use_config=False).by_rule("loss-spike")
+    assert spike.evidence["clipping_off"] is True and spike.evidence["no_warmup"] is True
+    assert spike.fix.startswith("First turn gradient clipping back on (max_grad_norm=1.0): it is off")
+    on = write_run(
+        tmp_path / "on", spiky, args={"max_grad_norm": 1.0, "warmup_steps": 0.05, "learning_rate": 2e-4}
+    )
+    (spike,) = doctor([on], use_config=False).by_rule("loss-spike")
+    assert (spike.evidence["clipping_off"], spike.evidence["warmup_steps"]) == (False, 10)  # 5% of 200 steps
+    assert spike.fix == C.LOSS_SPIKE.fix
+    (spike,) = doctor([write_run(tmp_path / "unknown", spiky)], use_config=False).by_rule("loss-spike")
+    assert "clipping_off" not in spike.evidence  # no training arguments: nothing claimed
+
+
+def test_underfitting_is_judged_against_the_planned_steps_in_the_trainer_state(tmp_path):
+    barely = series(start=2.4, floor=2.25, noise=0.003, seed=2, peak=1e-3)
+    run = write_run(tmp_path / "run", barely)
+    assert rules(doctor([run], use_config=False)) == {"underfitting"}
+    state = json.loads((run / "trainer_state.json").read_text())
+    state["max_steps"] = 2000  # the run stopped at step 200 of 2000: it is not over, not judged
+    (run / "trainer_state.json").write_text(json.dumps(state))
+    assert rules(doctor([run], use_config=False)) == set()
 
 
 def test_vocab_size_from_config_json_makes_flat_at_chance(tmp_path):

@@ -194,6 +194,66 @@ def test_no_loss_flat_when_the_loss_falls_or_the_run_is_healthy():
     assert feed(UpdateMonitor(), healthy) == []
 
 
+def losses_with_updates(losses, ratio, *, first=1):
+    """(step, values) records as the callback feeds them: the update ratio at the first 10 steps, then every 10th."""
+    return [(s, {"loss": v, "loss_finite": True, "lr": 1e-4, **({"update_ratio": ratio} if s <= 10 or s % 10 == 0
+             else {})}) for s, v in enumerate(losses, first)]  # fmt: skip
+
+
+def slow_start(kind: str, seed: int, n: int = 150) -> tuple[list[float], float]:
+    """(losses, update ratio) of slow, steady starts measured in real tiny-model runs (rate, noise and update
+    ratio as measured there): LoRA r=8 on q/v at lr 5e-3 (6.9 -> 6.6 in 40 steps, noise 0.02, updates 1e-2);
+    transformers' defaults from scratch, LR 1e-4 with V=4096 (8.34 -> 8.32 over the first 30 steps, then on to
+    8.25 by step 100, noise 0.008, updates 1e-3); a full fine-tune at 1e-5 of a trained model on a new answer
+    style (loss 5 falling 10% per 100 steps, noise 10%, updates 5e-5: below 1e-4, yet learning)."""
+    rng = random.Random(seed)
+    if kind == "lora":
+        return [6.6 + 0.3 * math.exp(-s / 25) - 0.0015 * s + rng.gauss(0, 0.02) for s in range(n)], 1e-2
+    if kind == "scratch-defaults":
+        return [8.34 - 0.09 / (1 + math.exp(-(s - 40) / 8)) + rng.gauss(0, 0.008) for s in range(n)], 1e-3
+    if kind == "full-ft-1e-5":
+        return [5.0 * (1 - 1e-3 * s) * (1 + rng.gauss(0, 0.1)) for s in range(n)], 5e-5
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("kind", ["lora", "scratch-defaults", "full-ft-1e-5"])
+def test_a_slow_steady_start_is_not_a_flat_loss(kind, seed):
+    losses, ratio = slow_start(kind, seed)
+    vocab = 4096 if kind == "scratch-defaults" else 1000
+    for warmup in (0, 10):
+        monitor = UpdateMonitor(warmup_steps=warmup, vocab_size=vocab)
+        assert [f.rule for f in feed(monitor, losses_with_updates(losses, ratio))] == [], warmup
+        assert monitor._trend.n == len(losses) - warmup  # it did fit every step after warmup
+
+
+def flat_at(level: float, noise: float, seed: int, *, drift: float = 0.0, n: int = 80) -> list[float]:
+    rng = random.Random(seed)
+    return [level + drift * s + rng.gauss(0, noise) for s in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize(
+    ("losses", "ratio", "cause", "by_step"),
+    [
+        # LR 3e-7 from scratch: the loss sits at ln V with its batch noise; updates 1e-5 of the weights
+        (lambda seed: flat_at(6.9, 0.025, seed), 1e-5, "lr-too-low", 75),
+        # targets drawn at random every step: the loss creeps up from chance while the weights move healthily
+        (lambda seed: flat_at(6.92, 0.04, seed, drift=1.5e-3), 3e-2, "loss-not-learnable", 60),
+        # a double softmax at LR 3e-4: smooth, at chance, 0.1% per 100 steps
+        (lambda seed: flat_at(6.908, 3e-5, seed, drift=-7e-5), 9e-3, "loss-not-learnable", 30),
+        # updates at the low end of healthy, a loss that does not follow
+        (lambda seed: flat_at(6.9, 0.01, seed), 3e-4, "lr-too-low-or-not-learnable", 70),
+    ],
+    ids=["lr-far-too-low", "random-targets", "double-softmax", "low-end-of-healthy"],
+)
+def test_a_flat_loss_is_still_loss_flat_with_its_cause(losses, ratio, cause, by_step, seed):
+    (finding,) = feed(UpdateMonitor(vocab_size=1000), losses_with_updates(losses(seed), ratio))
+    assert (finding.rule, finding.step, finding.evidence["cause"]) == ("loss-flat", 1, cause)
+    assert finding.evidence["confirmed_step"] <= by_step
+    assert abs(finding.evidence["change_per_100_steps"]) < 0.1  # what it measured is in the evidence
+
+
 def test_lr_zero_at_the_first_step_is_confirmed_by_the_next_and_after_warmup_is_at_once():
     zero = [path(1, lr=0.0), path(2, lr=0.0)]
     assert [(f.rule, f.step) for f in feed(UpdateMonitor(), zero)] == [("lr-zero", 1)]
@@ -385,6 +445,58 @@ def test_a_blow_up_at_the_second_step_is_divergence_from_the_first():
         DivergenceMonitor(vocab_size=1000), [(s, {"loss": v}) for s, v in enumerate(healthy_losses(), 1)]
     )
     assert healthy == []
+
+
+def test_one_blow_up_that_kills_the_network_is_divergence_at_the_blow_up():
+    """SGD at LR 1e4 without clipping: 6.93, then 1.1e6, then the dead network's ln(V) with zero gradients. The
+    loss is back under the threshold at once, yet the run diverged at step 2; a blow-up the run recovers from
+    (gradients flow again, the loss moves) is not divergence."""
+    from hf_sanity.rules.training.divergence import DivergenceMonitor
+
+    dead = [
+        (1, {"loss": 6.93, "grad_norm": 3.15, "update_ratio": 2e-3}),
+        (2, {"loss": 1.1e6, "grad_norm": 8.6e5}),
+    ]
+    dead += [(s, {"loss": math.log(1000), "grad_norm": 0.0}) for s in range(3, 9)]
+    monitor = DivergenceMonitor(vocab_size=1000, max_grad_norm=0.0)
+    (found,) = feed(monitor, dead)
+    assert (found.rule, found.step, found.evidence["dead_from_step"]) == ("loss-diverged", 2, 3)
+    assert found.evidence["clipping_off"] is True and found.evidence["no_warmup"] is True
+    assert found.fix.startswith("First turn gradient clipping back on (max_grad_norm=1.0): it is off")
+    assert "died" in found.message and "gradient norm is 0" in found.message
+    # Without gradient norms, the dead network's loss repeating to float32 rounding tells the same.
+    no_norms = [(s, {k: v for k, v in values.items() if k != "grad_norm"}) for s, values in dead]
+    no_norms = [
+        (s, {**v, "loss": v["loss"] * (1 + 1e-7 * (s % 2))}) if s > 2 else (s, v) for s, v in no_norms
+    ]
+    assert [
+        (f.step, f.evidence["dead_from_step"]) for f in feed(DivergenceMonitor(vocab_size=1000), no_norms)
+    ] == [(2, 3)]
+    # One bad batch the run survives: gradients and the loss move again after it.
+    recovered = [*dead[:2], *[(s, {"loss": 6.5 - 0.05 * s, "grad_norm": 2.0}) for s in range(3, 12)]]
+    assert feed(DivergenceMonitor(vocab_size=1000), recovered) == []
+    moving = [(s, {k: v for k, v in values.items() if k != "grad_norm"}) for s, values in recovered]
+    assert feed(DivergenceMonitor(vocab_size=1000), moving) == []
+
+
+@pytest.mark.parametrize(("max_grad_norm", "warmup", "first"), [(1.0, 10, "Each update"), (0.0, 10, "First turn gradient"),
+                         (1.0, 0, "First add a warmup"), (None, 0, "Each update")])  # fmt: skip
+def test_blow_ups_say_whether_clipping_is_off_and_warmup_absent(max_grad_norm, warmup, first):
+    from hf_sanity.rules.training.divergence import DivergenceMonitor
+
+    records = [(s, {"loss": 6.9 if s < 30 else 60.0, "update_ratio": 5e-2, "grad_norm": 1.0 if s < 30 else 900.0})
+               for s in range(1, 40)]  # fmt: skip
+    for monitor in (
+        DivergenceMonitor(vocab_size=1000, warmup_steps=warmup, max_grad_norm=max_grad_norm),
+        GradientMonitor(warmup_steps=warmup, max_grad_norm=max_grad_norm),
+    ):
+        (found,) = feed(monitor, records)
+        assert found.evidence["cause"] == "lr-too-high" and found.fix.startswith(first), found.fix
+        if max_grad_norm is None:  # the trainer's arguments were not seen: nothing is claimed about them
+            assert "clipping_off" not in found.evidence and "no_warmup" not in found.evidence
+        else:
+            assert found.evidence["clipping_off"] is (max_grad_norm == 0)
+            assert found.evidence["no_warmup"] is (warmup == 0)
 
 
 def test_a_flat_loss_after_a_divergence_is_blamed_on_the_divergence_not_the_gradient_path():

@@ -26,6 +26,7 @@ from hf_sanity.rules.training.memory import MemoryMonitor
 from hf_sanity.rules.training.predictions import PredictionsMonitor
 from hf_sanity.rules.training.step0 import Step0Monitor
 from hf_sanity.rules.training.updates import UpdateMonitor
+from hf_sanity.selection import Selection
 from hf_sanity.training.measures import warmup_steps
 
 SETUP = TrainingSetup(warmup_steps=5, vocab_size=1000, accumulation=1)
@@ -323,7 +324,8 @@ def above_info(callback) -> list[str]:
     return [f"{f.rule}@{f.step}: {f.message}" for f in callback.report.findings if f.severity != "info"]
 
 
-STEP_DETECTORS = {d.name for d in catalog.detectors("step")}
+# The step detectors of the SFT rules: those a clean SFT run builds (the preference and RL ones are not built).
+STEP_DETECTORS = {d.name for d in catalog.detectors("step", enabled=Selection().for_objective("sft").enabled)}
 
 
 @pytest.mark.clean("lr-zero", "init-loss-off-chance", "loss-flat", "predictions-frozen", "internal-error")

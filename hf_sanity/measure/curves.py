@@ -41,6 +41,12 @@ class Curves:
     lr: list[float] = field(default_factory=list)
     eval_metrics: dict[str, list[float]] = field(default_factory=dict)
     vocab_size: int | None = None
+    # What the run was set up with, where known (None: not known, nothing is said about it): the optimizer
+    # steps it was planned for (the trainer state's max_steps), gradient clipping (max_grad_norm; 0: off) and
+    # the warmup steps.
+    planned_steps: int | None = None
+    max_grad_norm: float | None = None
+    warmup_steps: int | None = None
 
     @classmethod
     def from_log_history(cls, log_history: list[dict], vocab_size: int | None = None) -> Curves:
@@ -169,6 +175,11 @@ def median_rows(rows: np.ndarray) -> np.ndarray:
     return np.median(rows, axis=1)
 
 
+def max_rows(rows: np.ndarray) -> np.ndarray:
+    """The largest value of each row (-inf for an empty row)."""
+    return rows.max(axis=1) if rows.shape[1] else np.full(rows.shape[0], -np.inf)
+
+
 def noise_rows(rows: np.ndarray) -> np.ndarray:
     """`_noise` of each row."""
     if rows.shape[1] < 3:
@@ -213,6 +224,59 @@ def ln_vocab(curves: Curves) -> float | None:
 
 def eval_points(curves: Curves) -> tuple[np.ndarray, np.ndarray]:
     return finite_points(curves.eval_steps, curves.eval_loss)
+
+
+class Trend:
+    """The least-squares line through (step, value) points, kept as running sums: O(1) per point, so a monitor
+    can fit every point since warmup at every step. Steps are counted from the first point (no cancellation
+    in the sums on long runs)."""
+
+    __slots__ = ("n", "origin", "sx", "sxx", "sxy", "sy")
+
+    def __init__(self) -> None:
+        self.origin: int | None = None
+        self.n = 0
+        self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def to_state(self) -> dict[str, float | int | None]:
+        """The sums as plain data (a monitor's saved state, see `rules.training.base.Monitor.state`)."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
+    def load_state(self, state: dict[str, float | int | None]) -> None:
+        for name in self.__slots__:
+            setattr(self, name, state[name])
+
+    def add(self, step: int, value: float) -> None:
+        if self.origin is None:
+            self.origin = step
+        x = float(step - self.origin)
+        self.n += 1
+        self.sx += x
+        self.sy += value
+        self.sxx += x * x
+        self.sxy += x * value
+
+    @property
+    def spread(self) -> float:
+        """The sum of squared deviations of the steps from their mean (what a slope's standard error divides)."""
+        return self.sxx - self.sx * self.sx / self.n if self.n else 0.0
+
+    @property
+    def slope(self) -> float:
+        """Change of the value per step (NaN with fewer than two distinct steps)."""
+        spread = self.spread
+        return (self.sxy - self.sx * self.sy / self.n) / spread if spread > 0 else math.nan
+
+
+def slope_fit(steps: np.ndarray, values: np.ndarray) -> tuple[float, float]:
+    """(slope per step, spread of the steps) of the least-squares line through a curve (NaN slope when its
+    steps do not vary)."""
+    x = np.asarray(steps, dtype=np.float64)
+    x = x - x.mean() if len(x) else x
+    spread = float(np.dot(x, x))
+    if spread <= 0:
+        return math.nan, 0.0
+    return float(np.dot(x, np.asarray(values, dtype=np.float64)) / spread), spread
 
 
 def is_flat(loss: np.ndarray | list[float], *, rel: float, swing: float, min_points: int) -> bool:

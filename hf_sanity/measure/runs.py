@@ -149,6 +149,27 @@ def _read_args(folders: list[Path], files: list[str]) -> dict[str, Any]:
     return {**pickled, **written}
 
 
+def _safeguards(args: dict[str, Any], planned_steps: int | None) -> tuple[float | None, int | None]:
+    """(max_grad_norm, warmup steps) as the training arguments give them: clipping is off at 0 or None; warmup
+    is a step count, or a fraction of the planned steps (``warmup_steps`` < 1, or ``warmup_ratio``). None
+    where the arguments do not say."""
+    if "max_grad_norm" not in args:
+        return None, None
+    clip = args["max_grad_norm"]
+    max_grad_norm = float(clip) if isinstance(clip, (int, float)) and not isinstance(clip, bool) else 0.0
+    steps, ratio = args.get("warmup_steps"), args.get("warmup_ratio")
+    warmup = None
+    if isinstance(steps, (int, float)) and steps >= 1:
+        warmup = int(steps)
+    elif isinstance(steps, (int, float)) and steps > 0 and planned_steps:
+        warmup = math.ceil(planned_steps * steps)
+    elif isinstance(ratio, (int, float)) and ratio > 0 and planned_steps:
+        warmup = math.ceil(planned_steps * ratio)
+    elif steps in (0, None) and ratio in (0, None) and ("warmup_steps" in args or "warmup_ratio" in args):
+        warmup = 0
+    return max_grad_norm, warmup
+
+
 def _read_callback_report(folders: list[Path]) -> tuple[Path | None, list[dict[str, Any]]]:
     """SanityCallback's report beside the run and its well-formed findings (a finding of another shape, from
     another version, is left out rather than guessed at)."""
@@ -205,6 +226,9 @@ def read_run(path: str | Path) -> Run:
     if callback_report is not None:
         files.append(str(callback_report))
     curves = Curves.from_log_history(state["log_history"], vocab_size=_vocab_size(model_config))
+    max_steps = state.get("max_steps")
+    curves.planned_steps = max_steps if isinstance(max_steps, int) and max_steps > 0 else None
+    curves.max_grad_norm, curves.warmup_steps = _safeguards(args, curves.planned_steps)
     if state_path is not None and not curves.train_loss and not curves.eval_loss:
         no_loss = f"{state_path} logs no loss (log_history has no 'loss' nor 'eval_loss' entry)"
         if callback_report is None and not _counted(state):

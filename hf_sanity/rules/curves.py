@@ -30,6 +30,7 @@ monitor. Every detector is O(n) (vectorised), so analysing 100k per-step losses 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -44,9 +45,11 @@ from hf_sanity.measure.curves import (
     hidden_nan_zeros,
     ln_vocab,
     lr_at,
+    max_rows,
     median_rows,
     noise_rows,
     rolling_median_min,
+    slope_fit,
     trailing,
     train_level_at,
     train_levels,
@@ -54,15 +57,20 @@ from hf_sanity.measure.curves import (
 )
 from hf_sanity.measure.objective import NOT_RL
 from hf_sanity.numbers import median, noise, rounded
+from hf_sanity.rules.training.divergence import guarded_fix, safeguards
 from hf_sanity.rules.training.loss import NEGATIVE_LOSS, NONFINITE_LOSS
-from hf_sanity.rules.training.updates import LOSS_FLAT, LR_ZERO, flat
+from hf_sanity.rules.training.updates import LOSS_FLAT, LR_ZERO, falling, flat, slope_error
 
 # -- thresholds ------------------------------------------------------------------------------------
 SPIKE_HISTORY = 10  # trailing points that define the running level before a step
 SPIKE_NOISE_HISTORY = 50  # trailing points that define the noise there
 SPIKE_MIN_HISTORY = 20  # no spike is judged before this many points
 SPIKE_RATIO = 1.5  # a spike is >= 50% above the running median ...
-SPIKE_NOISE = 6.0  # ... and >= 6 noise sigmas above it (Gaussian noise: ~1e-9 per point)
+SPIKE_NOISE = 6.0  # ... and >= 6 noise sigmas above it (Gaussian noise: ~1e-9 per point) ...
+SPIKE_OVER_PAST = (
+    1.5  # ... and rises 1.5x higher above it than any of the SPIKE_NOISE_HISTORY points before ...
+)
+SPIKE_BIG = 2.0  # ... and is either 2x the running median or held (the next point is 50% above it too)
 SPIKE_MAX_FINDINGS = 3
 
 OSC_MIN_POINTS = 20
@@ -76,6 +84,8 @@ OVERFIT_AFTER = 2  # ... with >= 2 evaluations after the best ...
 TRAIN_FELL = 0.02  # ... while the train level fell >= 2% over the same steps
 
 UNDERFIT_MIN_POINTS = 10
+UNDERFIT_MIN_STEPS = 50  # a run planned for fewer optimizer steps is a smoke run: not judged ...
+UNDERFIT_REACHED = 0.9  # ... nor a run stopped before 90% of its planned steps
 UNDERFIT_DROP = 0.10  # the best running level never got 10% below the start (train, and eval if logged)
 UNDERFIT_CHANCE = 0.8  # or, with the vocabulary known, it never got below 80% of ln(V)
 
@@ -98,12 +108,15 @@ LOSS_SPIKE = define(
     severity="warning",
     stage="curves",
     symptom="The loss suddenly jumps after it had been decreasing.",
-    detects=f"A logged train loss >= {SPIKE_RATIO:g}x the median of the {SPIKE_HISTORY} points before it and "
-    f">= {SPIKE_NOISE:g} noise sigmas above that median (noise: robust spread of the step-to-step differences "
-    f"over the {SPIKE_NOISE_HISTORY} points before it), "
-    "once that running median is below the median of the first points (the loss had decreased). Reports "
-    "the step, the learning rate there and how long the loss stayed up; up to "
-    f"{SPIKE_MAX_FINDINGS} spikes per run.",
+    detects=f"A logged train loss judged against the loss's own step-to-step spread: >= {SPIKE_RATIO:g}x the "
+    f"median of the {SPIKE_HISTORY} points before it, >= {SPIKE_NOISE:g} noise sigmas above that median (noise: "
+    f"robust spread of the step-to-step differences over the {SPIKE_NOISE_HISTORY} points before it), and "
+    f"{SPIKE_OVER_PAST:g}x higher above it than any of those {SPIKE_NOISE_HISTORY} points rose (a batch as hard "
+    f"as others the run has seen is noise, whatever its ratio); and either >= {SPIKE_BIG:g}x that median or held "
+    "(the next point is still up), since a one-step bump that falls straight back is one harder batch. Only once "
+    "that running median is below the median of the first points (the loss had decreased). Reports the step, "
+    "the learning rate there, how long the loss stayed up, and whether gradient clipping is off or warmup "
+    f"absent; up to {SPIKE_MAX_FINDINGS} spikes per run.",
     fix="Lower the LR or lengthen warmup, keep gradient clipping on, inspect the batch that preceded the spike.",
 )
 
@@ -143,8 +156,9 @@ UNDERFITTING = define(
     severity="warning",
     stage="curves",
     symptom="Both train and eval loss stay high.",
-    detects=f"At the end of training ({UNDERFIT_MIN_POINTS}+ logged points, neither flat nor oscillating): "
-    "the lowest running "
+    detects=f"At the end of a run planned for {UNDERFIT_MIN_STEPS}+ optimizer steps (the trainer state's max_steps; "
+    f"shorter runs are smoke runs and runs stopped before {UNDERFIT_REACHED:.0%} of their plan are not judged), "
+    f"with {UNDERFIT_MIN_POINTS}+ logged points, neither flat nor oscillating: the lowest running "
     f"median of the train loss never got {UNDERFIT_DROP:.0%} below its start, nor did the eval loss below "
     "its first evaluation (when logged); or, with the vocabulary size V known, both stayed above "
     f"{UNDERFIT_CHANCE:.0%} of ln(V) (near chance). A run that went down and then diverged is not "
@@ -193,12 +207,19 @@ MEMORIZING = define(
 
 
 # -- shapes -------------------------------------------------------------------------------------
-def _is_flat(loss: np.ndarray) -> bool:
-    return flat(loss)
+def _is_flat(steps: np.ndarray, loss: np.ndarray) -> bool:
+    """Flat: the levels of the curve's thirds agree (see loss-flat) and its fitted trend is known to fall by
+    less than FLAT_RATE of the level per step (a slow, steady start is not flat)."""
+    if not flat(loss):
+        return False
+    slope, spread = slope_fit(steps, loss)
+    return not falling(slope, slope_error(loss, spread), median(loss))
 
 
 # -- detectors -------------------------------------------------------------------------------------
-def _spike_finding(steps, loss, lr, i: int, end: int, base: float, noise: float) -> Finding:
+def _spike_finding(
+    steps, loss, lr, i: int, end: int, base: float, noise: float, guards: dict[str, Any]
+) -> Finding:
     recovered = end + 1 < len(loss)
     lr_here = lr_at(lr, i)
     sigmas = (loss[i] - base) / noise if noise > 0 else math.inf
@@ -217,8 +238,10 @@ def _spike_finding(steps, loss, lr, i: int, end: int, base: float, noise: float)
             "previous_step": int(steps[i - 1]),
             "elevated_until_step": int(steps[end]),
             "recovered": recovered,
+            **guards,
         },
         step=int(steps[i]),
+        fix=guarded_fix(LOSS_SPIKE.fix, guards),
     )
 
 
@@ -233,12 +256,18 @@ def loss_spike(curves: Curves) -> list[Finding]:
     base = trailing(loss, SPIKE_HISTORY, median_rows, SPIKE_MIN_HISTORY)
     noise = trailing(loss, SPIKE_NOISE_HISTORY, noise_rows, SPIKE_MIN_HISTORY)
     with np.errstate(invalid="ignore"):
+        rise = np.where(np.isfinite(base), loss - base, -np.inf)
+        highest = np.maximum(trailing(rise, SPIKE_NOISE_HISTORY, max_rows, SPIKE_MIN_HISTORY), 0.0)
+        held = np.append(loss[1:] >= SPIKE_RATIO * base[:-1], False)
         candidate = (
             (base > 0)
             & (base < start)
             & (loss >= SPIKE_RATIO * base)
-            & ((noise == 0) | (loss - base >= SPIKE_NOISE * noise))
+            & ((noise == 0) | (rise >= SPIKE_NOISE * noise))
+            & (rise >= SPIKE_OVER_PAST * highest)
+            & ((loss >= SPIKE_BIG * base) | held)
         )
+    guards = safeguards(curves.max_grad_norm, curves.warmup_steps)
     events: list[Finding] = []
     total = 0
     after = -1  # the last index of the previous event
@@ -253,17 +282,17 @@ def loss_spike(curves: Curves) -> list[Finding]:
         after = end
         total += 1
         if len(events) < SPIKE_MAX_FINDINGS:
-            events.append(_spike_finding(steps, loss, lr, i, end, float(base[i]), float(noise[i])))
+            events.append(_spike_finding(steps, loss, lr, i, end, float(base[i]), float(noise[i]), guards))
     if total > len(events):
         for finding in events:
             finding.evidence["spikes_in_run"] = total
     return events
 
 
-def _oscillation(loss: np.ndarray) -> dict[str, float] | None:
+def _oscillation(steps: np.ndarray, loss: np.ndarray) -> dict[str, float] | None:
     """The oscillation statistics of a train curve when it zig-zags without trending down, else None."""
     n = len(loss)
-    if n < OSC_MIN_POINTS or _is_flat(loss):
+    if n < OSC_MIN_POINTS or _is_flat(steps, loss):
         return None
     diffs = np.diff(loss)
     amplitude = float(np.median(np.abs(diffs)))
@@ -286,8 +315,8 @@ def _oscillation(loss: np.ndarray) -> dict[str, float] | None:
 @LOSS_OSCILLATION.detector("curve", online=True, final=True)
 def loss_oscillation(curves: Curves) -> list[Finding]:
     """Large step-to-step swings with no downward trend under them."""
-    _, loss, lr = train_points(curves)
-    stats = _oscillation(loss)
+    steps, loss, lr = train_points(curves)
+    stats = _oscillation(steps, loss)
     if stats is None:
         return []
     amplitude, level = stats["amplitude"], stats["level"]
@@ -346,12 +375,22 @@ def overfitting(curves: Curves) -> list[Finding]:
     ]
 
 
+def _smoke_or_cut_short(curves: Curves, steps: np.ndarray) -> bool:
+    """The run is a smoke run (planned for under UNDERFIT_MIN_STEPS steps; without a plan, its last logged
+    step is its length), or it stopped well before its plan: its learning is not judged."""
+    last = int(steps[-1]) if len(steps) else 0
+    planned = curves.planned_steps or last
+    return planned < UNDERFIT_MIN_STEPS or last < UNDERFIT_REACHED * planned
+
+
 @UNDERFITTING.detector("curve", online=True, final=True)
 def underfitting(curves: Curves) -> list[Finding]:
     """Both losses stay close to where they started (or near chance) until the end."""
     tsteps, tloss, _ = train_points(curves)
     n = len(tloss)
-    if n < UNDERFIT_MIN_POINTS or _is_flat(tloss) or _oscillation(tloss) is not None:
+    if n < UNDERFIT_MIN_POINTS or _smoke_or_cut_short(curves, tsteps):
+        return []
+    if _is_flat(tsteps, tloss) or _oscillation(tsteps, tloss) is not None:
         return []
     window = head_points(n)
     start = median(tloss[:window])
@@ -651,7 +690,7 @@ def lr_zero(curves: Curves) -> list[Finding]:
 def loss_flat(curves: Curves) -> list[Finding]:
     """The train loss does not move from the start (compared with chance, ln(V), where V is known)."""
     steps, loss, _ = train_points(curves)
-    if not _is_flat(loss):
+    if not _is_flat(steps, loss):
         return []
     level = median(loss)
     chance = ln_vocab(curves)

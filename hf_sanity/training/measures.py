@@ -216,6 +216,8 @@ class StepSampler:
         )
         self.accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
         self.max_steps = int(getattr(state, "max_steps", 0) or 0)
+        # Trainer clips at args.max_grad_norm; 0 or None turns clipping off.
+        self.max_grad_norm = float(args.max_grad_norm or 0.0) if hasattr(args, "max_grad_norm") else None
         self.vocab_size = vocab_size(model)
         skipped = self.sharding.skipped
         self.stale_sample = (
@@ -262,7 +264,7 @@ class StepSampler:
 
         return TrainingSetup(
             self.warmup_steps, world_size, self.vocab_size, self.accumulation, max_steps=self.max_steps,
-            half_precision=self.half, objective=objective or SFT_OBJECTIVE,
+            half_precision=self.half, objective=objective or SFT_OBJECTIVE, max_grad_norm=self.max_grad_norm,
         )  # fmt: skip
 
     def setup_values(self) -> dict[str, Any]:

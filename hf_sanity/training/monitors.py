@@ -89,6 +89,9 @@ class MonitorSet:
 
             per_step = self.sink.world_size == 1 and self.first_step == 1
             curves = history.curves(state.log_history, vocab_size=vocab_size, per_step=per_step)
+            curves.planned_steps = getattr(state, "max_steps", None) or None
+            if self.setup.max_grad_norm is not None:  # the trainer's arguments were read
+                curves.max_grad_norm, curves.warmup_steps = self.setup.max_grad_norm, self.setup.warmup_steps
             found = analyze(curves, final=final, online=True, ran=self.ran)
             for finding in found:
                 finding.step = state.global_step if finding.step is None else finding.step

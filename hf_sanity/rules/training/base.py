@@ -27,6 +27,7 @@ class TrainingSetup:
     max_steps: int = 0  # the run's planned optimizer steps (0: unknown)
     half_precision: bool = False  # bf16/fp16 weights or autocast
     objective: Objective = SFT_OBJECTIVE  # what the run trains for (`measure.objective`)
+    max_grad_norm: float | None = None  # gradient clipping (0: off; None: not known)
 
 
 SAVED_HEAD, SAVED_TAIL = 16, 128  # a saved series keeps its first points (baselines) and its last (windows)
@@ -122,6 +123,8 @@ def _plain(value: Any, name: str) -> Any:
         return [_plain(v, name) for v in _ends(sorted(value, key=repr))]
     if isinstance(value, (list, tuple, deque)):
         return [_plain(v, name) for v in _ends(list(value))]
+    if hasattr(value, "to_state"):  # running sums and the like: their own plain state
+        return _plain(value.to_state(), name)
     raise TypeError(f"monitor attribute {name!r} holds a {type(value).__name__}, not plain data")
 
 
@@ -135,6 +138,9 @@ def _tuples(value: Any) -> Any:
 
 
 def _typed(value: Any, like: Any) -> Any:
+    if hasattr(like, "load_state"):
+        like.load_state(value)
+        return like
     if isinstance(like, Mapping) and isinstance(value, list):  # [key, value] pairs
         return type(like)((tuple(k) if isinstance(k, list) else k, _tuples(v)) for k, v in value)
     if isinstance(like, deque):

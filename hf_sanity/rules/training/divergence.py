@@ -31,6 +31,8 @@ WARMUP_WINDOW = 10  # a blow-up within 10 steps after warmup ends follows the en
 BAD_BATCH_FACTOR = (
     3.0  # one batch carries it: its loss is 3x the median of the steps before, which were healthy
 )
+DEAD_STEPS = 3  # a blow-up that kills the network: on the 3 steps after it the gradient norm is exactly 0 ...
+DEAD_REL = 1e-6  # ... or, where no gradient norm is measured, the loss repeats to 1e-6 (float32 rounding)
 
 CAUSES = ("warmup-ended", "lr-too-high", "bad-batch", "unknown")
 FIX_BY_CAUSE = {
@@ -45,6 +47,29 @@ FIX_BY_CAUSE = {
     "on, and inspect the batch at that step.",
 }
 
+
+def safeguards(max_grad_norm: float | None, warmup_steps: int | None) -> dict[str, Any]:
+    """What the run had against a blow-up, for the evidence: gradient clipping (off at max_grad_norm 0 or
+    None) and warmup (none at 0 steps). Empty where the trainer's arguments were not seen (nothing is claimed)."""
+    out: dict[str, Any] = {}
+    if max_grad_norm is not None:
+        out.update(max_grad_norm=max_grad_norm, clipping_off=not max_grad_norm > 0)
+    if max_grad_norm is not None and warmup_steps is not None:
+        out.update(warmup_steps=warmup_steps, no_warmup=warmup_steps == 0)
+    return out
+
+
+def guarded_fix(fix: str, evidence: Mapping[str, Any]) -> str:
+    """``fix``, led by what the run turned off: clipping first (one bad step then moves the weights without
+    bound), then warmup where the learning rate is the cause."""
+    first = []
+    if evidence.get("clipping_off"):
+        first.append("turn gradient clipping back on (max_grad_norm=1.0): it is off")
+    if evidence.get("no_warmup") and evidence.get("cause") in ("lr-too-high", "unknown", None):
+        first.append("add a warmup (warmup_steps=0.05: the first 5% of the steps): there is none")
+    return f"First {' and '.join(first)}. Then: {fix}" if first else fix
+
+
 LOSS_DIVERGED = define(
     "loss-diverged",
     severity="error",
@@ -53,12 +78,17 @@ LOSS_DIVERGED = define(
     symptom="The loss climbs far above where it started and stays there: training diverged (without a NaN).",
     detects=f"The step loss stays above {DIVERGE_FACTOR:g}x its starting level (the lowest of the first "
     f"{START_POINTS} steps), {DIVERGE_MARGIN:g} nat above it and above chance ln(V) for {DIVERGE_STEPS} "
-    "consecutive steps. `evidence.cause`: warmup-ended (within "
+    f"consecutive steps; or it blows up above that and the network dies there (a gradient norm of exactly 0, "
+    f"or without one the same loss to {DEAD_REL:g}, on the {DEAD_STEPS} steps after). `evidence.cause`: "
+    "warmup-ended (within "
     f"{WARMUP_WINDOW} steps after warmup ends), lr-too-high (an update/weight ratio above {HEALTHY_RATIO:g} per "
     "step, or the LR still rising), bad-batch (the first diverged step's loss stands far above the healthy steps "
-    "before it; the batch is saved), or unknown. In doctor, the same on a logged curve.",
-    fix="Follow evidence.cause: lower the peak learning rate or lengthen warmup (warmup-ended, lr-too-high), "
-    "drop the broken rows of the saved batch (bad-batch); keep gradient clipping on.",
+    "before it; the batch is saved), or unknown. The evidence says whether gradient clipping is off "
+    "(max_grad_norm 0) and whether there is no warmup, and the fix starts there. In doctor, the same on a "
+    "logged curve.",
+    fix="Turn gradient clipping back on (max_grad_norm=1.0) if it is off; then follow evidence.cause: lower the "
+    "peak learning rate or lengthen warmup (warmup-ended, lr-too-high), drop the broken rows of the saved batch "
+    "(bad-batch).",
 )
 
 
@@ -106,19 +136,26 @@ class DivergenceMonitor(Monitor):
     rules = (LOSS_DIVERGED,)
     reads = ("loss", "update_ratio", "lr", "grad_norm")
 
-    def __init__(self, *, warmup_steps: int = 0, vocab_size: int | None = None) -> None:
+    def __init__(
+        self, *, warmup_steps: int = 0, vocab_size: int | None = None, max_grad_norm: float | None = None
+    ) -> None:
         super().__init__()
         self.warmup_steps = warmup_steps
         self.vocab_size = vocab_size
+        self.safeguards = safeguards(max_grad_norm, warmup_steps)
         self.losses: list[tuple[int, float]] = []
         self.ratios: list[tuple[int, float]] = []
         self.lrs: list[tuple[int, float]] = []
         self.norms: dict[int, float] = {}
-        self._above: list[int] = []
+        self._above: list[int] = []  # consecutive steps above the threshold
+        self._blowup: int | None = None  # the last step above it, while the steps after it look dead
+        self._dead: list[tuple[int, float]] = []  # (step, loss) of the dead-looking steps after that blow-up
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup) -> DivergenceMonitor:
-        return cls(warmup_steps=setup.warmup_steps, vocab_size=setup.vocab_size)
+        return cls(
+            warmup_steps=setup.warmup_steps, vocab_size=setup.vocab_size, max_grad_norm=setup.max_grad_norm
+        )
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         if values.get("update_ratio") is not None and math.isfinite(values["update_ratio"]):
@@ -137,37 +174,74 @@ class DivergenceMonitor(Monitor):
         threshold = diverge_threshold(start, self.vocab_size)
         if len(self.losses) == START_POINTS + 1:  # a blow-up inside the starting steps counts from its step
             for s, v in self.losses[:START_POINTS]:
-                self._above = [*self._above, s] if v > threshold else []
-        if loss <= threshold:
-            self._above = []
+                self._track(s, v, threshold)
+        return self._track(step, float(loss), threshold, start=start)
+
+    def _track(
+        self, step: int, loss: float, threshold: float, *, start: float | None = None
+    ) -> list[Finding]:
+        """Follow one step: a run of steps above the threshold, or a blow-up followed by a dead network."""
+        if loss > threshold:
+            self._above.append(step)
+            self._blowup, self._dead = step, []
+            if len(self._above) >= DIVERGE_STEPS and start is not None:
+                return self._fire(self._above[0], start, threshold)
             return []
-        self._above.append(step)
-        if len(self._above) < DIVERGE_STEPS:
+        self._above = []
+        if self._blowup is None:
             return []
-        first = self._above[0]
+        grad = self.norms.get(step)
+        if grad is not None:
+            dead = grad == 0
+        else:
+            dead = not self._dead or abs(loss - self._dead[0][1]) <= DEAD_REL * abs(loss)
+        self._dead = [*self._dead, (step, loss)] if dead else []
+        if not dead:
+            self._blowup = None  # it came back to life: a spike, not a divergence
+            return []
+        if len(self._dead) < DEAD_STEPS or start is None:
+            return []
+        return self._fire(self._blowup, start, threshold, dead_from=self._dead[0][0])
+
+    def _fire(
+        self, first: int, start: float, threshold: float, *, dead_from: int | None = None
+    ) -> list[Finding]:
         cause, why = blowup_cause(
             first, warmup_steps=self.warmup_steps, ratios=self.ratios, lrs=self.lrs, losses=self.losses
         )
+        here = next(v for s, v in self.losses if s == first)
         peak = max(v for s, v in self.losses if s >= first)
         lr = next((v for s, v in reversed(self.lrs) if s <= first), None)
+        evidence = {
+            "cause": cause,
+            "why": why,
+            "start_loss": start,
+            "loss": here,
+            "peak_loss": peak,
+            "threshold": threshold,
+            "lr": lr,
+            "update_ratio": max((r for s, r in self.ratios if s <= first), default=None),
+            "grad_norm": self.norms.get(first),
+            "chance_ln_vocab": math.log(self.vocab_size) if self.vocab_size else None,
+            **({"dead_from_step": dead_from} if dead_from is not None else {}),
+            **self.safeguards,
+        }
+        if dead_from is None:
+            what = f"the loss diverged at step {first}: {fmt(here)} and up to {fmt(peak)}"
+        else:
+            then = (
+                "the gradient norm is 0" if self.norms.get(dead_from) == 0 else "the loss no longer changes"
+            )
+            what = (
+                f"the loss blew up at step {first} to {fmt(here)} and the network died there ({then} from step "
+                f"{dead_from} on)"
+            )
         return self.fire(
             LOSS_DIVERGED,
-            f"the loss diverged at step {first}: {fmt(next(v for s, v in self.losses if s == first))} and up to "
-            f"{fmt(peak)}, from {fmt(start)} at the start (cause: {cause}: {why})",
+            f"{what}, from {fmt(start)} at the start (cause: {cause}: {why})",
             step=first,
-            evidence={
-                "cause": cause,
-                "why": why,
-                "start_loss": start,
-                "loss": next(v for s, v in self.losses if s == first),
-                "peak_loss": peak,
-                "threshold": threshold,
-                "lr": lr,
-                "update_ratio": max((r for s, r in self.ratios if s <= first), default=None),
-                "grad_norm": self.norms.get(first),
-                "chance_ln_vocab": math.log(self.vocab_size) if self.vocab_size else None,
-            },
-            fix=FIX_BY_CAUSE[cause],
+            evidence=evidence,
+            fix=guarded_fix(FIX_BY_CAUSE[cause], evidence),
         )
 
 

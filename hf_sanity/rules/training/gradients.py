@@ -18,7 +18,7 @@ from hf_sanity.findings import Finding
 from hf_sanity.measure.objective import ANY
 from hf_sanity.numbers import fmt, median
 from hf_sanity.rules.training.base import Monitor, TrainingSetup
-from hf_sanity.rules.training.divergence import FIX_BY_CAUSE, blowup_cause
+from hf_sanity.rules.training.divergence import FIX_BY_CAUSE, blowup_cause, guarded_fix, safeguards
 
 NONFINITE_GRAD = define(
     "nonfinite-grad",
@@ -39,9 +39,10 @@ GRAD_EXPLOSION = define(
     detects="The gradient norm is far above its running median (x10 by default); names the batch that preceded it. "
     "`evidence.cause` (as for loss-diverged): warmup-ended, lr-too-high (an update/weight ratio far above "
     "healthy, or the LR still rising), bad-batch (that step's loss stands far above the steps before; the batch "
-    "is saved) or unknown.",
-    fix="Follow evidence.cause: lower the learning rate or lengthen warmup (warmup-ended, lr-too-high), inspect "
-    "and filter the saved batch (bad-batch); keep max_grad_norm clipping on.",
+    "is saved) or unknown. The evidence says whether gradient clipping is off (max_grad_norm 0) and whether "
+    "there is no warmup, and the fix starts there.",
+    fix="Turn gradient clipping back on (max_grad_norm=1.0) if it is off; then follow evidence.cause: lower the "
+    "learning rate or lengthen warmup (warmup-ended, lr-too-high), inspect and filter the saved batch (bad-batch).",
 )
 
 STALE_GRADIENTS = define(
@@ -68,10 +69,17 @@ class GradientMonitor(Monitor):
     rules = (NONFINITE_GRAD, GRAD_EXPLOSION, STALE_GRADIENTS)
     reads = ("grad_norm", "stale_norm", "loss_finite", "scaler", "update_ratio", "lr", "loss")
 
-    def __init__(self, *, explosion_factor: float = EXPLOSION_FACTOR, warmup_steps: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        explosion_factor: float = EXPLOSION_FACTOR,
+        warmup_steps: int = 0,
+        max_grad_norm: float | None = None,
+    ) -> None:
         super().__init__()
         self.explosion_factor = explosion_factor
         self.warmup_steps = warmup_steps
+        self.safeguards = safeguards(max_grad_norm, warmup_steps)
         self.history: dict[str, list[tuple[int, float]]] = {"update_ratio": [], "lr": [], "loss": []}
         self.norms: list[float] = []  # finite norms
         self._nonfinite_run = 0
@@ -82,7 +90,7 @@ class GradientMonitor(Monitor):
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup) -> GradientMonitor:
-        return cls(warmup_steps=setup.warmup_steps)
+        return cls(warmup_steps=setup.warmup_steps, max_grad_norm=setup.max_grad_norm)
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         out: list[Finding] = []
@@ -138,20 +146,22 @@ class GradientMonitor(Monitor):
             lrs=self.history["lr"],
             losses=self.history["loss"],
         )
+        evidence = {
+            "cause": cause,
+            "why": why,
+            "grad_norm": norm,
+            "running_median": base,
+            "ratio": norm / base,
+            "history": len(history),
+            **self.safeguards,
+        }
         return self.fire(
             GRAD_EXPLOSION,
             f"the gradient norm is {fmt(norm)} at step {step}, {norm / base:.0f}x its running median {fmt(base)} "
             f"(cause: {cause}: {why})",
             step=step,
-            fix=FIX_BY_CAUSE[cause],
-            evidence={
-                "cause": cause,
-                "why": why,
-                "grad_norm": norm,
-                "running_median": base,
-                "ratio": norm / base,
-                "history": len(history),
-            },
+            fix=guarded_fix(FIX_BY_CAUSE[cause], evidence),
+            evidence=evidence,
         )
 
     def _stale_check(self, step: int, norm: float) -> list[Finding]:

@@ -18,10 +18,25 @@ from typing import Any
 
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
+from hf_sanity.measure.curves import Trend
 from hf_sanity.measure.objective import ANY
-from hf_sanity.numbers import fmt, median
+from hf_sanity.numbers import fmt, median, noise
 from hf_sanity.rules.model import NO_TRAINABLE_PARAMS
 from hf_sanity.rules.training.base import Monitor, TrainingSetup
+
+# Flat, with the gradient path intact: 30+ step losses after warmup, the last of them at the start level ...
+ONLINE_FLAT_STEPS = 30
+STARTING_LEVEL = 0.05  # ... (their median within 5% of the first steps' median) ...
+FLAT_SE = 3.0  # ... and a trend since warmup that, even 3 standard errors towards falling ...
+FLAT_RATE = 5e-5  # ... falls by less than 0.5% of the level per 100 steps (a slow start falls faster) ...
+FLAT_RATE_STILL = 1e-4  # ... (1% per 100 steps where the updates are below 1e-4 of the weights)
+FLAT_LOW_RATIO = 1e-4  # updates below 1e-4 of the weights per step (under the healthy band): LR too low
+HEALTHY_RATIO = 1e-3  # updates of 1e-3 and more per step (well inside it): the loss is not learnable ...
+NOT_LEARNABLE_LEVEL = 0.5  # ... when it sits at half of chance ln(V) or above (low: data already known)
+# The curve form (doctor): the medians of the first points and of each third lie within 2% of each other ...
+FLAT_REL = 0.02
+FLAT_SWING = 0.10  # ... and the typical step-to-step swing is under 10% of the level
+FLAT_MIN_POINTS = 10
 
 LOSS_FLAT = define(
     "loss-flat",
@@ -30,17 +45,24 @@ LOSS_FLAT = define(
     symptom="The loss does not move from step 0: nothing is being learned.",
     detects="During training, whatever the cause, with `evidence.cause` measured: a broken gradient path on 5 "
     "consecutive steps (no-grad: parameters that require grad receive none; not-in-optimizer; lr-zero; "
-    "frozen; no-update: the optimizer step changes nothing); or, with the path intact, a step loss flat at its "
-    "starting level over 20 steps after warmup (medians of the first points and of each third within 2%), "
-    "named lr-too-low (updates below 1e-4 of the weights per step; healthy AdamW moves them 1e-4..1e-2), "
-    "loss-not-learnable (updates of 1e-3 and more, yet the loss sits at half of chance ln(V) or above: the loss "
-    "or the targets cannot be learned as computed), lr-too-low-or-not-learnable (between the two) or diverged "
-    "(the loss blew up first and the network died there). "
-    "In `doctor`, a logged loss curve that stays flat (compared with ln(V) where the vocabulary is known).",
+    "frozen; no-update: the optimizer step changes nothing); or, with the path intact, a step loss that does not "
+    f"fall: after {ONLINE_FLAT_STEPS}+ steps past warmup its recent median is within {STARTING_LEVEL:.0%} of the "
+    "first steps' and the least-squares trend of every loss since warmup, moved "
+    f"{FLAT_SE:g} standard errors towards falling (from the loss's own step-to-step noise), still falls by less "
+    f"than {100 * FLAT_RATE:.1%} of its level per 100 steps ({100 * FLAT_RATE_STILL:.0%} where the updates are "
+    "below 1e-4 of the weights): a slow, steady start is not flat, and a loss too noisy to tell waits for more "
+    "steps. Named lr-too-low (most updates since warmup below 1e-4 of the weights per step; healthy AdamW moves "
+    "them 1e-4..1e-2), loss-not-learnable (most updates of 1e-3 and more, yet the loss sits at "
+    f"{NOT_LEARNABLE_LEVEL:g} of chance ln(V) or above: the loss or the targets cannot be "
+    "learned as computed), lr-too-low-or-not-learnable (in between) or diverged (the loss blew up first and "
+    "the network died there; when loss-diverged reports that, this is not reported). "
+    "In `doctor`, a logged loss curve that stays flat by the same trend test and its thirds' medians within "
+    f"{FLAT_REL:.0%} (compared with ln(V) where the vocabulary is known).",
     fix="Follow evidence.cause: fix the gradient path it names (keep the loss attached to the graph, build the "
     "optimizer over the trainable parameters, set a non-zero LR, unfreeze/attach the adapter, call "
     "optimizer.step()); raise the LR (lr-too-low); check the loss function and the targets, then run "
     "`hf-sanity overfit` (loss-not-learnable); lower the LR (diverged).",
+    explained_by=("loss-diverged",),
 )
 
 LR_ZERO = define(
@@ -102,18 +124,6 @@ def flat_causes(values: Mapping[str, Any]) -> dict[str, bool]:
 
 
 CAUSES = ("frozen", "no-grad", "not-in-optimizer", "lr-zero", "no-update")  # most specific first
-ONLINE_FLAT_STEPS = 20  # a flat stretch of 20 step losses after warmup, at the starting level ...
-STARTING_LEVEL = 0.05  # ... (within 5% of the first steps' median) ...
-FLAT_LOW_RATIO = (
-    1e-4  # ... with updates below 1e-4 of the weights per step (under the healthy band): LR too low
-)
-HEALTHY_RATIO = 1e-3  # ... with updates of 1e-3 and more per step (well inside it): the loss is not learnable
-NOT_LEARNABLE_LEVEL = (
-    0.5  # ... when it sits at half of chance ln(V) or above (low and flat: data already known)
-)
-FLAT_REL = 0.02  # flat: the medians of the first points and of each third lie within 2% of each other ...
-FLAT_SWING = 0.10  # ... and the typical step-to-step swing is under 10% of the level
-FLAT_MIN_POINTS = 10
 
 CAUSE_TEXT = {
     "frozen": "no parameter requires grad",
@@ -134,8 +144,8 @@ FIX_BY_CAUSE = {
     "loss-not-learnable": "The weights move but the loss cannot follow: check the loss function (e.g. "
     "cross_entropy applied to probabilities instead of logits: a double softmax) and that the targets follow "
     "from the inputs; `hf-sanity overfit` tells whether a handful of examples can be learned at all.",
-    "diverged": "The divergence killed the network (saturated activations, zero gradients): lower the learning "
-    "rate or lengthen warmup and keep gradient clipping on; see loss-diverged / grad-explosion for the step.",
+    "diverged": "The divergence killed the network (saturated activations, zero gradients) at the step in "
+    "evidence.diverged_at_step: lower the learning rate or lengthen warmup and keep gradient clipping on.",
     "lr-too-low-or-not-learnable": "Run `hf-sanity overfit` on a few examples: if they can be memorised at a "
     "higher LR, raise the learning rate; if not, check the loss function (a double softmax) and the targets.",
 }
@@ -146,6 +156,20 @@ def flat(losses: Sequence[float]) -> bool:
     from hf_sanity.measure.curves import is_flat
 
     return is_flat([float(v) for v in losses], rel=FLAT_REL, swing=FLAT_SWING, min_points=FLAT_MIN_POINTS)
+
+
+def falling(slope: float, error: float, level: float, rate: float = FLAT_RATE) -> bool:
+    """The loss may still be falling by ``rate`` of its ``level`` per step: its fitted ``slope`` (per step),
+    moved ``FLAT_SE`` standard errors (``error``, from the loss's own step-to-step noise) towards falling, is
+    below ``-rate x |level|``. Only a loss whose trend is known to be near zero (or rising) is flat; a slow,
+    steady start is not, and neither is a loss too noisy to tell yet."""
+    return not math.isfinite(slope) or slope - FLAT_SE * error <= -rate * abs(level)
+
+
+def slope_error(values: Sequence[float], spread: float) -> float:
+    """The standard error of a fitted slope: the robust step-to-step noise of ``values`` (see
+    :func:`hf_sanity.numbers.noise`) over the root of the steps' spread."""
+    return noise(values) / math.sqrt(spread) if spread > 0 else math.inf
 
 
 @monitor
@@ -187,6 +211,9 @@ class UpdateMonitor(Monitor):
         self._lr_rose_at: int | None = (
             None  # ... and the last step it rose: warmup, when its length is unknown
         )
+        self._trend = Trend()  # the finite losses after warmup, fitted as they arrive
+        # Update ratios after warmup: how many were measured, below FLAT_LOW_RATIO, below HEALTHY_RATIO.
+        self._ratio_counts = [0, 0, 0]
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup) -> UpdateMonitor:
@@ -205,8 +232,10 @@ class UpdateMonitor(Monitor):
         """LR 0 at a step. At the first step this process trains (step 1, or the first after a resume) it is
         judged with the next step: a warmup starts at 0, and a schedule that ended at 0 leaves its 0 in the
         optimizer for the first step of a run resumed with more steps; both move on."""
-        if self._lr is not None and lr > self._lr:
-            self._lr_rose_at, self._low = step, []  # still warming up: low updates so far say nothing
+        if self._lr is not None and lr > self._lr:  # still warming up: what was fitted so far says nothing
+            self._lr_rose_at, self._low = step, []
+            if self.warmup_steps is None:
+                self._trend, self._ratio_counts = Trend(), [0, 0, 0]
         self._lr = lr
         if lr != 0:
             self._lr_zero_from = None
@@ -243,9 +272,16 @@ class UpdateMonitor(Monitor):
         if loss is not None and math.isfinite(loss):
             self._losses.append((step, float(loss)))
             self._watch_blowup(step, float(loss))
+            if self._after_warmup(step):
+                self._trend.add(step, float(loss))
         ratio = values.get("update_ratio")
         if ratio is not None and math.isfinite(ratio):
             self._ratios.append((step, float(ratio)))
+            if self._after_warmup(step):
+                counts = self._ratio_counts
+                counts[0] += 1
+                counts[1] += ratio < FLAT_LOW_RATIO
+                counts[2] += ratio < HEALTHY_RATIO
         if values.get("loss_finite") is False:
             self._nonfinite_steps.add(step)
         if step in self._nonfinite_steps:
@@ -281,33 +317,36 @@ class UpdateMonitor(Monitor):
 
     def _flat_curve(self, step: int) -> list[Finding]:
         """The gradient path is intact but the loss stays where it started (or where a divergence left it)."""
-        # The last steps after warmup (the losses come in step order: the tail, when its first is past warmup).
         if not self.start_known:
             return []  # resumed without a saved state: where the loss started is not known
-        window = self._losses[-ONLINE_FLAT_STEPS:]
-        if len(window) < ONLINE_FLAT_STEPS or not self._after_warmup(window[0][0]):
+        trend = self._trend  # every finite loss after warmup, as running sums
+        window = self._losses[-ONLINE_FLAT_STEPS:]  # the last of them (the losses come in step order)
+        if trend.n < ONLINE_FLAT_STEPS or trend.origin is None:
             return []
-        first = window[0][0]
-        diverged = self._diverged_before(first) is not None
+        values = [v for _, v in window]
+        if self._diverged_before(window[0][0]) is not None:
+            return self._fire_flat(window[0][0], step, "diverged") if flat(values) else []
         start = median([v for _, v in self._losses[:3]])
-        level = median([v for _, v in window])
-        if not diverged and abs(level - start) > STARTING_LEVEL * abs(start):
+        level = median(values)
+        if abs(level - start) > STARTING_LEVEL * abs(start):
             return []  # it learned, or levelled off after learning: not a loss that never moved
-        if not flat([v for _, v in window]):
+        measured, low, below_healthy = self._ratio_counts
+        if not measured:
             return []
-        if diverged:
-            return self._fire_flat(first, step, "diverged")
-        ratios = [r for _, r in self._since(self._ratios, first)]
-        if not ratios:
-            return []
-        if median(ratios) < FLAT_LOW_RATIO:
-            return self._fire_flat(first, step, "lr-too-low", update_ratio=median(ratios))
+        still = 2 * low > measured  # most updates since warmup were below FLAT_LOW_RATIO (their median is)
+        slope, error = trend.slope, slope_error(values, trend.spread)
+        if falling(slope, error, level, FLAT_RATE_STILL if still else FLAT_RATE):
+            return []  # a slow, steady start (or too noisy to tell yet): not a flat loss
+        first = trend.origin
+        ratio = median([r for _, r in self._since(self._ratios, first)])
+        fitted = {"change_per_100_steps": 100 * slope / abs(level) if level else None, "slope_error": error}
+        if still:
+            return self._fire_flat(first, step, "lr-too-low", update_ratio=ratio, **fitted)
         chance = math.log(self.vocab_size) if self.vocab_size and self.vocab_size > 1 else None
-        if chance is not None and level >= NOT_LEARNABLE_LEVEL * chance:
-            return self._fire_flat(
-                first, step, "loss-not-learnable", update_ratio=median(ratios), chance=chance
-            )
-        return []  # flat, low and moving weights: data the model already knows
+        if chance is None or level < NOT_LEARNABLE_LEVEL * chance:
+            return []  # flat, low and moving weights: data the model already knows
+        cause = "lr-too-low-or-not-learnable" if 2 * below_healthy > measured else "loss-not-learnable"
+        return self._fire_flat(first, step, cause, update_ratio=ratio, chance=chance, **fitted)
 
     def _watch_blowup(self, step: int, loss: float) -> None:
         """Keep the first step whose loss stood above the divergence threshold (set from the starting steps'
@@ -345,9 +384,11 @@ class UpdateMonitor(Monitor):
                 f" ({CAUSE_TEXT[then]})" if then else ""
             )
             measured["diverged_at_step"] = at
+        change = measured.get("change_per_100_steps")
+        trend = f"; fitted trend {change:+.2%} of the loss per 100 steps" if change is not None else ""
         return self.fire(
             LOSS_FLAT,
-            f"nothing is being learned from step {first}: {text} (steps {first}-{step})",
+            f"nothing is being learned from step {first}: {text} (steps {first}-{step}{trend})",
             step=first,
             evidence={
                 "cause": cause,
