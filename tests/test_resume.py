@@ -323,7 +323,10 @@ def above_info(callback) -> list[str]:
     return [f"{f.rule}@{f.step}: {f.message}" for f in callback.report.findings if f.severity != "info"]
 
 
-STEP_DETECTORS = {d.name for d in catalog.detectors("step")}
+# The step detectors an SFT run builds (the preference and RL monitors are for their own objectives).
+STEP_DETECTORS = {
+    d.name for r in catalog.load().values() if r.applies_to("sft") for d in r.detectors if d.kind == "step"
+}
 
 
 @pytest.mark.clean("lr-zero", "init-loss-off-chance", "loss-flat", "predictions-frozen", "internal-error")

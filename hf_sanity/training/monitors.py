@@ -89,7 +89,7 @@ class MonitorSet:
 
             per_step = self.sink.world_size == 1 and self.first_step == 1
             curves = history.curves(state.log_history, vocab_size=vocab_size, per_step=per_step)
-            found = analyze(curves, final=final, online=True, ran=self.ran)
+            found = analyze(curves, final=final, online=True, ran=self.ran, selection=self.sink.selection)
             for finding in found:
                 finding.step = state.global_step if finding.step is None else finding.step
             self.sink.emit(found)

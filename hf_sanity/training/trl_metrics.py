@@ -5,7 +5,10 @@ TRL's trainers log their own vocabulary (`rewards/chosen`, `rewards/margins`, `l
 per micro-batch they wait in ``trainer._metrics["train"]`` until the logging step averages and clears them, so
 at the end of the first optimizer step the first micro-batch's values are the exact step-0 numbers, computed
 before any update. This module reads both, and at train begin measures what the rules compare them with (the
-pairs as the trainer prepared them, the reference model's facts); nothing here runs on an SFT run.
+pairs as the trainer prepared them, the reference model's facts; an RL run's reward functions called on a few
+completions and, with beta = 0, the start of its own KL probe). During an RL run it also reads the trainer's
+latest rollouts in group order (``trainer._logs``: each completion's reward per function and its text). Nothing
+here runs on an SFT run.
 """
 
 from __future__ import annotations
@@ -18,15 +21,20 @@ SUMMARY_ROWS = 1024
 
 
 class ObjectiveFeed:
-    """Values for the step detectors of a preference or RL run (``active`` is False on any other run)."""
+    """Values for the step detectors of a preference or RL run (``active`` is False on any other run). ``sink``: the
+    callback's (the run's objective, the rules it wants, the guard each measurement runs in); ``every``: steps
+    between the RL KL probes (beta = 0); ``reward_dry_run``: call an RL run's reward functions at train begin."""
 
-    def __init__(self, trainer=None, objective=None) -> None:
-        self.trainer, self.objective = trainer, objective
+    def __init__(self, trainer=None, sink=None, every: int = 50, reward_dry_run: bool = True) -> None:
+        self.trainer, self.sink = trainer, sink
+        self.objective = objective = getattr(sink, "objective", None)
+        self.every, self.reward_dry_run = every, reward_dry_run
         kinds = ("preference", "preference-unpaired", "reward", "rl")
         self.active = trainer is not None and objective is not None and objective.kind in kinds
+        self.drift: PolicyDrift | None = None
 
     def begin(self) -> dict[str, Any]:
-        """At train begin: the pairs as prepared (preference, reward) and the reference's facts."""
+        """At train begin: the pairs as prepared (preference, reward), the reference's facts, an RL run's setup."""
         if not self.active:
             return {}
         from hf_sanity.measure.reference import reference_facts
@@ -36,6 +44,24 @@ class ObjectiveFeed:
             values["reference"] = reference_facts(self.trainer)
         if self.objective.kind in ("preference", "reward"):
             values["preference_data"] = pair_summary(self.trainer, reward=self.objective.kind == "reward")
+        if self.objective.kind == "rl":
+            values.update(self.rl_begin())
+        return values
+
+    def rl_begin(self) -> dict[str, Any]:
+        """An RL run at train begin: the stop ids against the template's end of turn; the reward functions called on
+        the dry run's completions (unless ``reward_dry_run=False``); with beta = 0, the KL probe's start."""
+        from hf_sanity.measure import rl
+
+        values: dict[str, Any] = {"rl_setup": {"stop_mismatch": rl.stop_mismatch(self.trainer)}}
+        wants = self.sink.wants
+        if self.reward_dry_run and wants("reward-function-broken", "reward-zero-advantage"):
+            with self.sink.guard("reward-dry-run"):
+                run = rl.dry_run(self.trainer, [rl.synthetic(self.trainer)])
+                values["reward_dry_run"] = run.describe()
+        if not self.objective.beta and wants("kl-spike", "reward-hacking") and self.sink.world_size == 1:
+            with self.sink.guard("kl-spike"):
+                self.drift = PolicyDrift(self.trainer)
         return values
 
     def first_step(self) -> dict[str, Any]:
@@ -48,16 +74,25 @@ class ObjectiveFeed:
         return {"step0_metrics": {k: float(v) for k, v in first.items() if isinstance(v, (int, float))}}
 
     def step_end(self, step: int, monitors, sink) -> None:
-        """The callback's end of step: the first step's metrics to the monitors."""
+        """The callback's end of step: the first step's metrics to the monitors; every ``every`` steps, an RL run's
+        KL to its initial policy (beta = 0)."""
         if self.active and step == 1:
             with sink.guard("callback-trl-metrics"):
                 monitors.feed(1, self.first_step())
+        if self.drift is not None and step % self.every == 0:
+            with sink.guard("kl-spike"):
+                monitors.feed(step, {"policy_kl": self.drift.measure()})
 
     def log(self, step: int, logs: dict[str, Any] | None, monitors, sink) -> None:
-        """The callback's log: the logged numbers to the monitors."""
+        """The callback's log: the logged numbers to the monitors (and an RL run's latest rollouts)."""
         if self.active:
             with sink.guard("callback-trl-metrics"):
-                monitors.feed(step, self.logged(logs))
+                values = self.logged(logs)
+                if values and self.objective.kind == "rl":
+                    from hf_sanity.measure.rl import rollout_summary
+
+                    values["rollouts"] = rollout_summary(self.trainer)
+                monitors.feed(step, values)
 
     def logged(self, logs: dict[str, Any] | None) -> dict[str, Any]:
         """A training log's numbers (not an evaluation's)."""
@@ -67,6 +102,68 @@ class ObjectiveFeed:
             k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
         return {"logs": numbers} if "loss" in numbers or len(numbers) > 2 else {}
+
+
+class PolicyDrift:
+    """The KL from an RL run's initial policy to its current one, where TRL measures none (beta = 0: no reference
+    model): at train begin the initial policy samples one completion for each of the first
+    :data:`DRIFT_PROMPTS` prompts (temperature 1, the trainer's ``max_completion_length`` and stop ids) and their
+    mean log-probability per token is kept; :meth:`measure` re-scores them with the current policy. The mean
+    difference estimates KL(initial || current) per token (the sequences are samples of the initial policy).
+    Cost: one generation at train begin, one forward of 4 sequences per measurement."""
+
+    def __init__(self, trainer) -> None:
+        from hf_sanity.measure import rl
+
+        self.trainer = trainer
+        config = rl.generation_config(trainer)
+        config.temperature, config.top_p, config.top_k, config.min_p = 1.0, 1.0, None, None
+        sampled = rl.sample(trainer, prompts=DRIFT_PROMPTS, group_size=1, seed=1, config=config)
+        self.batch = scored_batch(trainer, sampled) if sampled is not None else None
+        self.initial = self._logp()
+
+    def _logp(self) -> float | None:
+        from hf_sanity.training.probe import chosen_logp
+
+        if self.batch is None:
+            return None
+        value = chosen_logp(self.trainer.model, self.batch)
+        return None if value is None else float(value)
+
+    def measure(self) -> float | None:
+        now = self._logp()
+        return None if now is None or self.initial is None else self.initial - now
+
+
+DRIFT_PROMPTS = 4
+
+
+def scored_batch(trainer, sampled) -> dict[str, Any] | None:
+    """Prompt + completion of each sampled sequence, right-padded (positions as at generation), the completion
+    tokens as labels."""
+    import torch
+
+    from hf_sanity.measure import rl
+    from hf_sanity.measure.tensors import model_device, pad_id
+
+    tokenizer = rl.trainer_tokenizer(trainer)
+    rows = []
+    for row, ids in zip(sampled.completions.rows, sampled.completions.ids):
+        prompt = rl.prompt_ids(tokenizer, row["prompt"], getattr(trainer, "chat_template_kwargs", None))
+        if ids:
+            rows.append((prompt + list(ids), len(prompt)))
+    if not rows:
+        return None
+    width = max(len(ids) for ids, _ in rows)
+    device = model_device(trainer.model)
+    input_ids = torch.full((len(rows), width), pad_id(tokenizer), dtype=torch.long, device=device)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+    for i, (ids, start) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long, device=device)
+        labels[i, start : len(ids)] = torch.tensor(ids[start:], dtype=torch.long, device=device)
+        mask[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
 
 
 def pair_summary(trainer, *, reward: bool) -> dict[str, Any]:
