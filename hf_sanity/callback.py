@@ -50,8 +50,7 @@ class SanityCallback(TrainerCallback, ExportableState):
     ``generate_every``: from that step on, at evaluations (at most once every ``generate_every`` steps),
     generate for ``generate_prompts`` held-out prompts of the eval dataset (or the rows given) and run the
     `outputs` rules (never-stops, repeats-prompt, ...); off by default, cost in `hf_sanity.training.generation`.
-    ``reward_dry_run=False``: an RL run's reward functions are not called at train begin (a paid service).
-    Checkpoints keep its state: a run resumed from one continues its checks (`hf_sanity.training.resume`).
+    ``reward_dry_run=False``: no reward function is called at train begin. Resumable (`hf_sanity.training.resume`).
     """
 
     def __init__(
@@ -151,6 +150,7 @@ class SanityCallback(TrainerCallback, ExportableState):
             if self.sampler is not None:
                 optimizer = optimizer or getattr(self.trainer, "optimizer", None)
                 self.sampler.before_optimizer(self.recorder, step, optimizer)
+        self.trl.before_update(self.sink)  # an RL run's KL probe: its baseline, before the first update
         with self.sink.guard("callback-early-read"):
             if self.early.nonfinite() is not None:
                 self._read(now=step, weights_step=step, control=control)

@@ -244,9 +244,8 @@ class Sampled:
     max_new_tokens: int
     stop_ids: list[int]
     end_of_turn_id: int | None  # the token that closes an assistant turn in the chat template
-    end_of_turn_inside: (
-        int  # clipped completions that wrote the end of turn (the trainer does not stop on it)
-    )
+    # Clipped completions that wrote the end of turn (the trainer does not stop on it).
+    end_of_turn_inside: int
     looping: int  # clipped completions that repeat one unit to their end
     seconds: float
 

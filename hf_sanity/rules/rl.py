@@ -280,7 +280,10 @@ class RewardFunctionMonitor(Monitor):
                     f"reward function {name!r}, called before the first step as TRL will call it: {check.get('why')} "
                     f"(cause: {cause})",
                     step=step,
-                    evidence={"cause": cause, "function": name, **check},
+                    evidence={
+                        "function": name,
+                        **{k: v for k, v in check.items() if v not in ([], {}, None, "")},
+                    },
                     fix=FIX_BY_CAUSE.get(cause),
                 )
         return []

@@ -32,6 +32,8 @@ class ObjectiveFeed:
         kinds = ("preference", "preference-unpaired", "reward", "rl")
         self.active = trainer is not None and objective is not None and objective.kind in kinds
         self.drift: PolicyDrift | None = None
+        # What an RL run's reward dry run found at train begin (or why it did not run).
+        self.dry_run: dict[str, Any] | str | None = None
 
     def begin(self) -> dict[str, Any]:
         """At train begin: the pairs as prepared (preference, reward), the reference's facts, an RL run's setup."""
@@ -50,19 +52,29 @@ class ObjectiveFeed:
 
     def rl_begin(self) -> dict[str, Any]:
         """An RL run at train begin: the stop ids against the template's end of turn; the reward functions called on
-        the dry run's completions (unless ``reward_dry_run=False``); with beta = 0, the KL probe's start."""
+        the dry run's completions (unless ``reward_dry_run=False``); with beta = 0, the KL probe."""
         from hf_sanity.measure import rl
 
         values: dict[str, Any] = {"rl_setup": {"stop_mismatch": rl.stop_mismatch(self.trainer)}}
         wants = self.sink.wants
-        if self.reward_dry_run and wants("reward-function-broken", "reward-zero-advantage"):
+        if not self.reward_dry_run:
+            self.dry_run = "skipped: reward_dry_run=False (no reward function was called)"
+        elif wants("reward-function-broken", "reward-zero-advantage"):
             with self.sink.guard("reward-dry-run"):
                 run = rl.dry_run(self.trainer, [rl.synthetic(self.trainer)])
-                values["reward_dry_run"] = run.describe()
+                values["reward_dry_run"] = self.dry_run = run.describe()
         if not self.objective.beta and wants("kl-spike", "reward-hacking") and self.sink.world_size == 1:
-            with self.sink.guard("kl-spike"):
-                self.drift = PolicyDrift(self.trainer)
+            self.drift = PolicyDrift(self.trainer)  # its baseline: at the first update (before_update)
         return values
+
+    def stats(self) -> dict[str, Any]:
+        """For the report: an RL run's reward dry run at train begin, and whether the KL probe ran (beta = 0)."""
+        if not self.active or self.objective.kind != "rl":
+            return {}
+        out: dict[str, Any] = {"kl_probe": self.drift is not None}
+        if self.dry_run is not None:
+            out["reward_dry_run"] = self.dry_run
+        return out
 
     def first_step(self) -> dict[str, Any]:
         """At the end of the first optimizer step: the first micro-batch's metrics, before any update."""
@@ -72,6 +84,12 @@ class ObjectiveFeed:
             return {}
         first = {key: values[0] for key, values in current.items() if isinstance(values, list) and values}
         return {"step0_metrics": {k: float(v) for k, v in first.items() if isinstance(v, (int, float))}}
+
+    def before_update(self, sink) -> None:
+        """The callback's pre-optimizer hook: the KL probe's baseline, at the first update this process makes."""
+        if self.drift is not None and self.drift.batch is None:
+            with sink.guard("kl-spike"):
+                self.drift.start()
 
     def step_end(self, step: int, monitors, sink) -> None:
         """The callback's end of step: the first step's metrics to the monitors; every ``every`` steps, an RL run's
@@ -106,64 +124,80 @@ class ObjectiveFeed:
 
 class PolicyDrift:
     """The KL from an RL run's initial policy to its current one, where TRL measures none (beta = 0: no reference
-    model): at train begin the initial policy samples one completion for each of the first
-    :data:`DRIFT_PROMPTS` prompts (temperature 1, the trainer's ``max_completion_length`` and stop ids) and their
-    mean log-probability per token is kept; :meth:`measure` re-scores them with the current policy. The mean
-    difference estimates KL(initial || current) per token (the sequences are samples of the initial policy).
-    Cost: one generation at train begin, one forward of 4 sequences per measurement."""
+    model). The completions of the first micro-batch TRL trains on are samples of the initial policy: at the first
+    optimizer step, before the update (the callback's pre-optimizer hook), their mean log-probability per token is
+    kept (at the trainer's temperature, as TRL scores them); :meth:`measure` re-scores them with the current
+    policy, and the difference estimates KL(initial || current) per token. Cost: one forward of at most
+    :data:`DRIFT_ROWS` rollouts per measurement; no generation. A resumed run measures from the policy it
+    resumed."""
 
     def __init__(self, trainer) -> None:
-        from hf_sanity.measure import rl
-
         self.trainer = trainer
-        config = rl.generation_config(trainer)
-        config.temperature, config.top_p, config.top_k, config.min_p = 1.0, 1.0, None, None
-        sampled = rl.sample(trainer, prompts=DRIFT_PROMPTS, group_size=1, seed=1, config=config)
-        self.batch = scored_batch(trainer, sampled) if sampled is not None else None
+        self.temperature = float(getattr(trainer.args, "temperature", 1.0) or 1.0)
+        self.batch: dict[str, Any] | None = None
+        self.initial: float | None = None
+
+    def start(self) -> None:
+        """Before the first update: the first rollouts, scored by the policy that sampled them."""
+        buffered = getattr(self.trainer, "_buffered_inputs", None)
+        first = buffered[0] if isinstance(buffered, (list, tuple)) and buffered else None
+        if not isinstance(first, dict) or not {"prompt_ids", "completion_ids", "completion_mask"} <= set(
+            first
+        ):
+            return
+        self.batch = rollout_batch(first, DRIFT_ROWS)
         self.initial = self._logp()
 
     def _logp(self) -> float | None:
-        from hf_sanity.training.probe import chosen_logp
-
         if self.batch is None:
             return None
-        value = chosen_logp(self.trainer.model, self.batch)
-        return None if value is None else float(value)
+        return completion_logp(self.trainer.model, self.batch, self.temperature)
 
     def measure(self) -> float | None:
         now = self._logp()
         return None if now is None or self.initial is None else self.initial - now
 
 
-DRIFT_PROMPTS = 4
+DRIFT_ROWS = 8
 
 
-def scored_batch(trainer, sampled) -> dict[str, Any] | None:
-    """Prompt + completion of each sampled sequence, right-padded (positions as at generation), the completion
-    tokens as labels."""
+def rollout_batch(inputs: dict[str, Any], rows: int) -> dict[str, Any]:
+    """The first ``rows`` prompt + completion sequences of a TRL rollout batch (prompts left-padded, completions
+    right-padded, as TRL feeds them), with their completion tokens as labels."""
     import torch
 
-    from hf_sanity.measure import rl
-    from hf_sanity.measure.tensors import model_device, pad_id
+    prompt_ids, completion_ids = inputs["prompt_ids"][:rows], inputs["completion_ids"][:rows]
+    prompt_mask = inputs.get("prompt_mask", torch.ones_like(prompt_ids))[:rows]
+    completion_mask = inputs["completion_mask"][:rows]
+    labels = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, -100))
+    return {
+        "input_ids": torch.cat([prompt_ids, completion_ids], dim=1).detach().clone(),
+        "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1).detach().clone(),
+        "labels": torch.cat([torch.full_like(prompt_ids, -100), labels], dim=1).detach().clone(),
+    }
 
-    tokenizer = rl.trainer_tokenizer(trainer)
-    rows = []
-    for row, ids in zip(sampled.completions.rows, sampled.completions.ids):
-        prompt = rl.prompt_ids(tokenizer, row["prompt"], getattr(trainer, "chat_template_kwargs", None))
-        if ids:
-            rows.append((prompt + list(ids), len(prompt)))
-    if not rows:
-        return None
-    width = max(len(ids) for ids, _ in rows)
-    device = model_device(trainer.model)
-    input_ids = torch.full((len(rows), width), pad_id(tokenizer), dtype=torch.long, device=device)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long, device=device)
-    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-    for i, (ids, start) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long, device=device)
-        labels[i, start : len(ids)] = torch.tensor(ids[start:], dtype=torch.long, device=device)
-        mask[i, : len(ids)] = 1
-    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
+
+def completion_logp(model, batch: dict[str, Any], temperature: float = 1.0) -> float | None:
+    """The mean log-probability per labelled token of ``batch`` (logits divided by ``temperature``, as TRL scores
+    its completions), without grad in eval mode, everything restored."""
+    import torch
+
+    from hf_sanity.measure.tensors import forward_kwargs, logits_of
+    from hf_sanity.training.shards import kept_sharded
+    from hf_sanity.untouched import untouched
+
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with untouched(model), kept_sharded(model):
+        logits = logits_of(model(**forward_kwargs(model, inputs, use_cache=False)))
+        if logits is None or logits.dim() != 3 or logits.shape[:2] != labels.shape:
+            return None
+        targets = labels[:, 1:].to(logits.device)
+        mask = targets != -100
+        if not bool(mask.any()):
+            return None
+        logp = torch.log_softmax(logits[:, :-1][mask].float() / temperature, dim=-1)
+        return float(logp.gather(-1, targets[mask].unsqueeze(-1)).mean())
 
 
 def pair_summary(trainer, *, reward: bool) -> dict[str, Any]:

@@ -55,9 +55,10 @@ KL_SPIKE = define(
     detects="The KL to the reference per token above 10x its early median (the logged values up to 10% of the "
     "planned steps, at least 3) and above 0.1, or above 1 nat/token (error). With beta > 0 it is TRL's logged "
     "`kl`; with beta = 0 (TRL's default: no reference, no `kl` logged) it is hf-sanity's own estimate of "
-    "KL(initial || current): 4 completions the initial policy samples at train begin (temperature 1), re-scored "
-    "every `probe_every` steps; cost: one generation at train begin and one forward of 4 sequences per probe "
-    "(single process only; a resumed run measures from the policy it resumed).",
+    "KL(initial || current) per token: the first 8 rollouts TRL trains on (samples of the initial policy) scored "
+    "before the first update and re-scored every `probe_every` steps, at the trainer's temperature (they were "
+    "trained on: the estimate leans high); cost: one forward of 8 sequences per probe, no generation (single "
+    "process; a resumed run measures from the policy it resumed).",
     fix="Inspect the completions (`log_completions=True`), tighten the reward that jumped, add or raise beta "
     "(0.01-0.04), lower the learning rate.",
 )
