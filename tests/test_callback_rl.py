@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import trl_setups as setups
-from test_rules_rl import base_model_stops, constant, contains_answer, one_thread  # noqa: F401 - autouse
+from test_rules_rl import base_model_stops, changed_after_loading, constant, contains_answer, one_thread  # noqa: F401 - autouse
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from hf_sanity import SanityCallback, catalog
@@ -142,6 +142,18 @@ def test_one_function_constant_while_another_varies(tmp_path):
     (broken,) = found(cb, "reward-function-broken")
     assert broken.evidence["function"] == "constant" and broken.evidence["cause"] == "constant"
     assert broken.step == 5 and broken.evidence["logged_steps"] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.planted("reward-zero-advantage")
+def test_rloo_with_a_constant_reward_and_its_kl_penalty(tmp_path):
+    """RLOO folds beta x KL into the reward; with a constant reward the policy never moves, the KL stays 0 and the
+    groups have no spread either: the same finding, with RLOO's defaults (beta 0.05) but groups of 4."""
+    cb = watch("reward-zero-advantage")
+    trainer = setups.rloo(tmp_path, rows(), [constant], callbacks=[cb], num_generations=4)
+    trainer.train()
+    (zero,) = found(cb, "reward-zero-advantage")
+    assert zero.evidence["cause"] == "reward-constant" and zero.step == 3
+    assert set(logged(trainer, "kl")) == {0.0}
 
 
 @pytest.mark.planted("reward-zero-advantage")
@@ -397,11 +409,7 @@ def test_the_same_rewards_scaled_over_the_batch_are_not_noise(tmp_path):
 # -- reference-mismatch (beta > 0) ---------------------------------------------------------------------------------------
 @pytest.mark.planted("reference-mismatch")
 def test_grpo_with_beta_whose_policy_changed_after_loading(tmp_path):
-    model = AutoModelForCausalLM.from_pretrained(setups.trained_folder())
-    with torch.no_grad():
-        torch.manual_seed(0)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    model = changed_after_loading()
     cb = watch("reference-mismatch", abort_on="error")
     trainer = setups.grpo(tmp_path, rows(), [setups.length_reward], callbacks=[cb], model=model, beta=0.04)
     trainer.train()

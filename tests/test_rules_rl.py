@@ -258,13 +258,19 @@ def test_groups_of_eight_for_a_binary_reward_are_enough(tmp_path):
 
 
 # -- reference-mismatch (beta > 0) and length-runaway (loss_type) ------------------------------------------------------
-@pytest.mark.planted("reference-mismatch")
-def test_grpo_with_beta_reloads_its_reference_from_the_path(tmp_path):
+def changed_after_loading():
+    """The fine-tuned model as loaded, then changed in memory (TRL reloads the reference from its path)."""
     model = AutoModelForCausalLM.from_pretrained(setups.trained_folder())
     with torch.no_grad():
         torch.manual_seed(0)
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.planted("reference-mismatch")
+def test_grpo_with_beta_reloads_its_reference_from_the_path(tmp_path):
+    model = changed_after_loading()
     report = check(setups.grpo(tmp_path, rows(), [setups.length_reward], model=model, beta=0.04))
     (finding,) = found(report, "reference-mismatch")
     assert finding.evidence["cause"] == "reloaded-from-path" and finding.severity == "warning"

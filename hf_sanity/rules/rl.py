@@ -38,8 +38,9 @@ REWARD_FUNCTION_BROKEN = define(
     "`evidence.cause`: `completion-type` (constant on messages, varies on the same completions as strings), "
     "`special-tokens-stripped` (its source looks for a token the decode strips), `missing-column` (it reads a "
     "column TRL does not pass: absent, or removed by `remove_unused_columns=True`), `constant`, `raises`, "
-    "`wrong-length`, `none-values`; `timeout` (a warning: it did not return within 20 s, not judged). In training: one function's `rewards/<f>/std` at 0 for 5 logged steps while "
-    "another's varies. `reward_dry_run=False` skips the calls (a function that calls a paid service); the report "
+    "`wrong-length`, `none-values`; `timeout` (a warning: it did not return within 20 s, not judged). In "
+    "training: one function's `rewards/<f>/std` at 0 for 5 logged steps while another's varies. "
+    "`reward_dry_run=False` skips the calls (a function that calls a paid service); the report "
     "says so.",
     fix='Follow evidence.cause: read a conversational completion\'s text as `completion[0]["content"]` '
     "(completion-type); look for what the decode leaves (the text, not the special token) or end on EOS "
@@ -248,7 +249,7 @@ class RewardFunctionMonitor(Monitor):
             for key, value in logs.items()
             if key.startswith("rewards/") and key.endswith("/std")
         }
-        if len(stds) < 2:
+        if len(stds) < 2:  # one function alone, constant: reward-zero-advantage names it
             return []
         varying = [name for name, std in stds.items() if std > 0]
         for name, std in stds.items():
@@ -257,6 +258,7 @@ class RewardFunctionMonitor(Monitor):
         if not stuck:
             return []
         name = stuck[0]
+        others = ", ".join(n for n in varying if n != name)
         known = self.dry.get(name, {})
         cause = known.get("cause") or "constant"
         why = known.get("why") or "its rewards/<f>/std is 0 at every logged step"
@@ -264,7 +266,7 @@ class RewardFunctionMonitor(Monitor):
             REWARD_FUNCTION_BROKEN,
             f"reward function {name!r} gives every completion of a batch the same reward "
             f"({fmt(logs.get(f'rewards/{name}/mean', 0.0))}) for {len(self.flat[name])} logged steps while "
-            f"{', '.join(n for n in varying if n != name)} varies (cause: {cause})",
+            f"{others} varies (cause: {cause})",
             step=step,
             evidence={"cause": cause, "function": name, "why": why, "logged_steps": self.flat[name]},
             fix=FIX_BY_CAUSE.get(cause),
