@@ -1,6 +1,6 @@
 """`make bench`: every benchmark of hf-sanity, printed as tables (figures go to docs/benchmarks.md).
 
-python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference]
+python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference|rl]
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat (a smoke run)")
     parser.add_argument(
-        "--only", choices=["preflight", "model", "callback", "overfit", "outputs", "preference"], default=None
+        "--only",
+        choices=["preflight", "model", "callback", "overfit", "outputs", "preference", "rl"],
+        default=None,
     )
     args = parser.parse_args()
     print(f"machine: {machine()}\n")
@@ -83,6 +85,14 @@ def main() -> None:
         row = callback_overhead.feed_growth(steps=2_000 if args.quick else 20_000)
         print("SanityCallback's per-step work at the reads, early and late in a long run (no Trainer)")
         print(table([row]), "\n")
+    if args.only in (None, "rl"):
+        from benchmarks import rl_overhead
+
+        compared, preflight = rl_overhead.run(quick=args.quick)
+        print("SanityCallback on a GRPO run: whole train() wall time with and without it")
+        print(table([compared]), "\n")
+        print("preflight(trainer=GRPOTrainer): the model's own completions and the reward dry run")
+        print(table([preflight]), "\n")
     if args.only in (None, "overfit"):
         from benchmarks import protocol_speed
 

@@ -9,8 +9,8 @@ Trainer (removed at train end), a sampler measures each step into a recorder rea
 ``check_every`` steps, the step history turns that into values for every registered step detector
 (`hf_sanity.rules.training`), curve detectors run at evaluations and at train end, and the sink keeps, prints
 and writes the findings. Every check runs in a guard (an exception becomes an ``internal-error`` finding);
-extra forwards leave grads, RNG and modes as they were: with ``abort_on="never"`` the run is bit-for-bit
-the run without the callback.
+extra forwards leave grads, RNG and modes as they were: with ``abort_on="never"`` the run is bit-for-bit the
+run without the callback.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class SanityCallback(TrainerCallback, ExportableState):
     ``generate_every``: from that step on, at evaluations (at most once every ``generate_every`` steps),
     generate for ``generate_prompts`` held-out prompts of the eval dataset (or the rows given) and run the
     `outputs` rules (never-stops, repeats-prompt, ...); off by default, cost in `hf_sanity.training.generation`.
-    Checkpoints keep its state: a run resumed from one continues its checks (`hf_sanity.training.resume`).
+    ``reward_dry_run=False``: no reward function is called at train begin. Resumable (`hf_sanity.training.resume`).
     """
 
     def __init__(
@@ -66,6 +66,7 @@ class SanityCallback(TrainerCallback, ExportableState):
         print_findings: bool = True,
         generate_every: int | None = None,
         generate_prompts: int | Any = 8,
+        reward_dry_run: bool = True,
     ) -> None:
         self.settings = resume.settings(locals())  # what Trainer rebuilds it with from a checkpoint
         if abort_on not in ABORT_CHOICES:
@@ -76,7 +77,7 @@ class SanityCallback(TrainerCallback, ExportableState):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         GenerationCheck.validate(generate_every, generate_prompts)
         self.generation = GenerationCheck(generate_every, generate_prompts) if generate_every else None
-        self.abort_on, self.print_findings = abort_on, print_findings
+        self.abort_on, self.print_findings, self.reward_dry_run = abort_on, print_findings, reward_dry_run
         self.selection = resolve(select, ignore, use_config=use_config)
         self.check_every, self.probe_every = check_every, probe_every
         self.sync_every = sync_every or check_every
@@ -86,8 +87,7 @@ class SanityCallback(TrainerCallback, ExportableState):
     def _reset(self) -> None:
         self.sink = FindingSink(self.selection, abort_on=self.abort_on, print_findings=self.print_findings)
         self.trainer = self.model = self.sampler = self.exchange = None
-        self.trl = ObjectiveFeed()
-        self.monitors = MonitorSet(self.sink)
+        self.trl, self.monitors = ObjectiveFeed(), MonitorSet(self.sink)
         self.recorder, self.early, self.history = Recorder(), EarlyFlags(), StepHistory()
         self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch()
         self._step = self._micro = self._reads = 0
@@ -121,16 +121,15 @@ class SanityCallback(TrainerCallback, ExportableState):
             self.model = getattr(self.trainer, "model", None) or model
             sink.output_dir = Path(args.output_dir or ".") / "hf-sanity"
             sink.annotate = lambda finding: self.held.attach(finding, sink.save_batch)
-            optimizer = optimizer or getattr(self.trainer, "optimizer", None)
             self.sampler = StepSampler(
-                self.trainer, self.model, optimizer, args, state, sink.wants,
-                check_every=self.check_every, world_size=sink.world_size,
+                self.trainer, self.model, optimizer or getattr(self.trainer, "optimizer", None), args, state,
+                sink.wants, check_every=self.check_every, world_size=sink.world_size,
             )  # fmt: skip
             self.exchange = RankExchange(
                 sink.rank, sink.world_size, compared=self.sampler.sharding.replicated
             )
             self.monitors = MonitorSet(sink, self.sampler.training_setup(sink.world_size, sink.objective))
-            self.trl = ObjectiveFeed(self.trainer, sink.objective)
+            self.trl = ObjectiveFeed(self.trainer, sink, self.probe_every, self.reward_dry_run)
             self.resumed = resume.begin(self, state)  # a resumed run continues from the checkpoint's state
             self.monitors.feed(0, {**self.sampler.setup_values(), **self.trl.begin()})
             self.instruments.install(self.trainer, self.model, self)
@@ -151,6 +150,7 @@ class SanityCallback(TrainerCallback, ExportableState):
             if self.sampler is not None:
                 optimizer = optimizer or getattr(self.trainer, "optimizer", None)
                 self.sampler.before_optimizer(self.recorder, step, optimizer)
+        self.trl.before_update(self.sink)  # an RL run's KL probe: its baseline, before the first update
         with self.sink.guard("callback-early-read"):
             if self.early.nonfinite() is not None:
                 self._read(now=step, weights_step=step, control=control)

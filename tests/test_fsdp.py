@@ -49,6 +49,7 @@ def close(a: dict[int, float], b: dict[int, float]) -> bool:
 @pytest.mark.clean("training", "curves", "tokens", "internal-error")
 def test_a_clean_fully_sharded_run_is_silent_and_states_what_it_skips(fsdp_runs):
     from hf_sanity import catalog
+    from hf_sanity.selection import Selection
 
     run = fsdp_runs / "fsdp-clean"
     assert reported(run) == []
@@ -58,7 +59,13 @@ def test_a_clean_fully_sharded_run_is_silent_and_states_what_it_skips(fsdp_runs)
     sharding = main["stats"]["sharding"]
     assert sharding["kind"] == "fsdp2" and sharding["parameters"] == {"dtensor": 21}
     assert set(sharding["skipped"]) == {"ranks-diverged", "nonfinite-loss replay"}
-    online = {d.name for d in catalog.detectors("step") + catalog.detectors("curve", online=True)}
+    sft = (
+        Selection().for_objective("sft").enabled
+    )  # the preference and RL monitors are for their own objectives
+    online = {
+        d.name
+        for d in catalog.detectors("step", enabled=sft) + catalog.detectors("curve", online=True, enabled=sft)
+    }
     # Every online detector was fed what it reads (the step-0 and predictions probes ran on every rank), but
     # for ranks-diverged: no parameter is held in full by every rank.
     assert sorted(online - set(main["ran"])) == ["hf_sanity.rules.training.ranks.RankMonitor"]

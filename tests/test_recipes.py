@@ -117,3 +117,23 @@ def test_the_dpo_recipe_runs_with_no_arguments_and_passes(tmp_path):
     assert report["stats"]["objective"] == "preference" and report["findings"] == []
     said = json.loads((tmp_path / "out" / "hf-sanity" / "outputs.json").read_text())
     assert said["stats"]["objective"] == "preference" and said["stats"]["stopped"] == said["stats"]["prompts"]
+
+
+def test_the_grpo_recipe_runs_clean_and_scores_its_held_out_prompts(tmp_path):
+    """GRPO after SFT on the embedded tiny model: the preflight, the run and the output check are silent, and the
+    reward functions are scored on the held-out answers against the last training steps' reward."""
+    result = subprocess.run(
+        [sys.executable, str(RECIPES / "grpo.py"), "--max-steps", "4", "--output-dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert (
+        "hf-sanity preflight: no findings" in result.stdout
+        and "hf-sanity outputs: no findings" in result.stdout
+    )
+    said = json.loads((tmp_path / "out" / "hf-sanity" / "outputs.json").read_text())
+    rewards = said["stats"]["rewards"]
+    assert rewards["held_out"] is not None and rewards["train"] is not None and rewards["errors"] == {}
+    assert said["stats"]["objective"] == "rl"
+    report = json.loads((tmp_path / "out" / "hf-sanity" / "report.json").read_text())
+    assert report["stats"]["objective"] == "rl" and report["findings"] == []

@@ -84,3 +84,82 @@ def orpo(tmp_path, rows, **kwargs):
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
     return build(ORPOTrainer, ORPOConfig, tmp_path, rows, **kwargs)
+
+
+# -- RL: GRPO and RLOO on the tiny model fine-tuned to answer the demo chats and end its turn -------------------
+def trained_folder() -> Path:
+    from hf_sanity.testing import trained_model_dir
+
+    return trained_model_dir("clean")
+
+
+def rendered(rows, tok=None) -> list[dict]:
+    """Text prompts as a user who renders the chat template before the trainer sees it (TRL's standard format)."""
+    tok = tok or AutoTokenizer.from_pretrained(trained_folder())
+    return [
+        {**row, "prompt": tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)}
+        for row in rows
+    ]
+
+
+def text_of(completion) -> str:
+    return completion[0]["content"] if isinstance(completion, list) else completion
+
+
+def length_reward(completions, **kwargs):
+    """A graded reward that varies within a group: completions near 30 characters score best."""
+    return [-abs(len(text_of(c)) - 30) / 30 for c in completions]
+
+
+def answer_reward(completions, answer, **kwargs):
+    """1 when the completion holds the reference answer's last word (read right for both formats)."""
+    return [float(a.split()[-1].rstrip(".") in text_of(c)) for c, a in zip(completions, answer)]
+
+
+def rl_config(tmp_path, **overrides) -> dict:
+    """What every RL setup here shares: 4 prompts' worth of completions per step (batch 4, G=4), short, fp32."""
+    return {
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 6,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 24,
+        "temperature": 1.2,  # the trained model is sure of its answers: at 1.0 a group's completions often agree
+        "logging_steps": 1,
+        "report_to": [],
+        "save_strategy": "no",
+        "bf16": False,
+        "gradient_checkpointing": False,
+        "learning_rate": 1e-4,
+        "seed": 0,
+        **overrides,
+    }
+
+
+def rl(
+    trainer_cls, config_cls, tmp_path, rows, reward_funcs, *, callbacks=(), model=None, tok=None, **config
+):
+    """``trainer_cls`` on the trained tiny model loaded from its folder, with ``rl_config`` settings."""
+    model = model if model is not None else AutoModelForCausalLM.from_pretrained(trained_folder())
+    return trainer_cls(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=config_cls(**rl_config(tmp_path, **config)),
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tok or AutoTokenizer.from_pretrained(trained_folder()),
+        callbacks=list(callbacks),
+    )
+
+
+def grpo(tmp_path, rows, reward_funcs, **kwargs):
+    from trl import GRPOConfig, GRPOTrainer
+
+    return rl(GRPOTrainer, GRPOConfig, tmp_path, rows, reward_funcs, **kwargs)
+
+
+def rloo(tmp_path, rows, reward_funcs, **config):
+    """RLOO with its own defaults where they differ from GRPO's (num_generations=2, beta=0.05) unless given."""
+    from trl import RLOOConfig, RLOOTrainer
+
+    config = {"num_generations": 2, "beta": 0.05, **config}
+    return rl(RLOOTrainer, RLOOConfig, tmp_path, rows, reward_funcs, **config)

@@ -69,6 +69,8 @@ def outputs(
     format: str | None = None,
     alpaca_template: str | None = None,
     objective: str | None = None,
+    reward_funcs=None,
+    train_reward=None,
     seed: int = 0,
     select: str | Iterable[str] | None = None,
     ignore: str | Iterable[str] | None = None,
@@ -87,7 +89,11 @@ def outputs(
     rows, preference pairs (their chosen answer the reference); the prompt side of each row is what is sent, its
     last answer the reference. ``objective``: what the model was trained for (`measure.objective.KINDS`; default:
     read from the dataset's columns); after preference or RL training, ``policy-drift`` compares it with
-    ``base``. Nothing of the model, its generation config or the tokenizer is changed.
+    ``base``. ``reward_funcs``: after RL, the reward functions (called as TRL calls them, on copies, with a time
+    limit) scored on the held-out generations; ``train_reward``: the reward of the run's last steps to compare with
+    (a number, ``trainer.state.log_history``, or a ``trainer_state.json`` or its folder: the mean logged ``reward``
+    of the last 10% of the steps); ``policy-drift`` says when the held-out reward is below it by more than 0.1.
+    Nothing of the model, its generation config or the tokenizer is changed.
     """
     from hf_sanity.measure.generate import generate, held_out_prompts, renderable, with_base
 
@@ -145,9 +151,18 @@ def outputs(
             gens = with_base(gens, base_gens)
         elif base is not None:
             gens = with_base(gens, generate(base, served, prompts, **options))
+    if reward_funcs:
+        import dataclasses
+
+        from hf_sanity.measure.rl import held_out_reward, training_reward
+
+        rewards = held_out_reward(gens.samples, dataset, list(reward_funcs))
+        gens = dataclasses.replace(gens, rewards={**rewards, "train": training_reward(train_reward)})
     report = Report(title="hf-sanity outputs")
     report.extend(catalog.run_all("outputs", gens, selection))
     report.stats.update(gens.stats(), objective=objective)
+    if gens.rewards is not None:
+        report.stats["rewards"] = dict(gens.rewards)
     if problems:  # rows the chat template rejected: left out, and said
         report.stats["prompts_not_rendered"] = {"count": len(problems), "rows": sorted(problems)[:10],
                                                 "first_problem": next(iter(problems.values()))}  # fmt: skip

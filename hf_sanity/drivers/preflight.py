@@ -48,6 +48,7 @@ def preflight(
     num_proc: int | None = None,
     model_config=None,
     generation_config=None,
+    reward_dry_run: bool = True,
     select: str | Iterable[str] | None = None,
     ignore: str | Iterable[str] | None = None,
     use_config: bool = True,
@@ -62,7 +63,9 @@ def preflight(
     ``format``: the dataset format (default: detected from the columns; ShareGPT and Alpaca rows are read as
     the tools that use them build them); ``alpaca_template``: ``chat`` or ``text`` for Alpaca rows (default:
     chat when the tokenizer has a chat template); ``task``: ``extractive`` when the answers quote the prompt
-    (extractive QA, RAG with citations).
+    (extractive QA, RAG with citations). ``reward_dry_run``: with an RL trainer (GRPO, RLOO), call its reward
+    functions on a few completions before training (on copies, with a time limit); False when they call a paid
+    or remote service (the report says they were not called).
     """
     selection = resolve(select, ignore, use_config=use_config)
     started = time.perf_counter()
@@ -76,7 +79,7 @@ def preflight(
         rows_given = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
         ctx = trainer_context(
             trainer, tokenizer=tokenizer, max_len=max_len, sample=sample, rows_given=rows_given,
-            objective=objective,
+            objective=objective, reward_dry_run=reward_dry_run,
         )  # fmt: skip
     else:
         if tokenizer is None or dataset is None:
@@ -162,6 +165,8 @@ def preflight(
     # The format as given, what it was read as, and how (ShareGPT roles, JSON columns, the Alpaca template).
     if ctx.pairs is not None or ctx.unpaired is not None:
         report.stats.update(_preference_stats(ctx))
+    elif ctx.rl is not None:
+        report.stats.update(_rl_stats(ctx.rl))
     elif trainer is None:
         report.stats.update(ctx.encoder.layout.describe(ctx.dataset))
         if task != "generative":
@@ -192,6 +197,24 @@ def reads_model(selection: Selection) -> bool:
     """Whether a selected rule is of the model stage, the one that reads the model's weights (the others read
     the tokenizer, the data and the config)."""
     return any(catalog.detectors("context", stages=("model",), enabled=selection.enabled))
+
+
+def _rl_stats(rollouts) -> dict:
+    """What the RL checks measured: the model's own completions (how many, clipped, seconds) and the reward dry run
+    (each function's verdict), or why it did not run. Only what a rule asked for was measured."""
+    measured = vars(rollouts)  # cached properties land in the instance's dict once measured
+    out: dict = {"format": "prompt (rl)", "num_generations": rollouts.group_size}
+    sampled = measured.get("sampled")
+    if sampled is not None:
+        out["sampled_completions"] = {
+            "completions": len(sampled.clipped), "clipped_share": round(sampled.clipped_share, 3),
+            "max_completion_length": sampled.max_new_tokens, "seconds": round(sampled.seconds, 2),
+        }  # fmt: skip
+    if not rollouts.dry_run_enabled:
+        out["reward_dry_run"] = "skipped: reward_dry_run=False (no reward function was called)"
+    elif "dry_run" in measured and measured["dry_run"] is not None:
+        out["reward_dry_run"] = measured["dry_run"].describe()
+    return out
 
 
 def _timed(load, seconds: list[float]):

@@ -132,6 +132,7 @@ def trainer_context(
     sample: int = 256,
     rows_given: int | None = None,
     objective=None,
+    reward_dry_run: bool = True,
 ) -> Context:
     """The context of ``preflight(trainer=...)``: for SFT, the first batches of ``trainer.get_train_dataloader()``;
     for preference and RL trainers, what their own dataset preparation wrote (see :func:`objective_context`).
@@ -141,8 +142,9 @@ def trainer_context(
     tokenizer = trainer_tokenizer(trainer, tokenizer)
     if objective is not None and not objective.is_sft:
         return objective_context(
-            trainer, objective, tokenizer=tokenizer, sample=sample, rows_given=rows_given
-        )
+            trainer, objective, tokenizer=tokenizer, sample=sample, rows_given=rows_given,
+            reward_dry_run=reward_dry_run,
+        )  # fmt: skip
     with preserved_rng():
         loader = iter(trainer.get_train_dataloader())
         first = next(loader, None)
@@ -171,18 +173,25 @@ def trainer_context(
 
 
 def objective_context(
-    trainer, objective, *, tokenizer, sample: int = 256, rows_given: int | None = None
+    trainer,
+    objective,
+    *,
+    tokenizer,
+    sample: int = 256,
+    rows_given: int | None = None,
+    reward_dry_run: bool = True,
 ) -> Context:
     """The context of a preference, reward or RL trainer: the pairs (or KTO's rows) its dataset preparation
     wrote, cut as its collator cuts them, with each pair's chosen side as the context's rows; for RL (and a
-    trainer of unknown objective), its prompts rendered as it renders them."""
+    trainer of unknown objective), its prompts rendered as it renders them, and for RL its rollouts
+    (`measure.rl.Rollouts`: ``reward_dry_run=False`` calls no reward function)."""
     import datasets
 
     from hf_sanity.measure import preference
     from hf_sanity.measure.markers import derive_markers
 
     markers = derive_markers(tokenizer)
-    pairs = unpaired = None
+    pairs = unpaired = rollouts = None
     max_len = getattr(trainer.args, "max_length", None)
     if objective.kind in ("preference", "reward"):
         pairs, rows = preference.pairs_from_trainer(
@@ -192,11 +201,15 @@ def objective_context(
         unpaired, rows = preference.unpaired_from_trainer(trainer)
     else:
         rows, max_len = prompt_rows(trainer, tokenizer, sample), None
+        if objective.kind == "rl":
+            from hf_sanity.measure.rl import Rollouts
+
+            rollouts = Rollouts(trainer, reward_dry_run=reward_dry_run)
     data = datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({"input_ids": []})
     return Context(
         tokenizer=tokenizer, dataset=data, fmt="tokens", options=EncodeOptions(fmt="tokens", max_len=max_len),
         model=trainer.model, trainer=trainer, sample=sample, rows_given=rows_given, objective=objective,
-        pairs=pairs, unpaired=unpaired,
+        pairs=pairs, unpaired=unpaired, rl=rollouts,
     )  # fmt: skip
 
 

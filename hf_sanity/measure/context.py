@@ -125,6 +125,7 @@ class Context:
         objective=None,
         pairs=None,
         unpaired=None,
+        rl=None,
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
@@ -157,6 +158,9 @@ class Context:
         store("objective", objective or SFT_OBJECTIVE)
         store("pairs", pairs)
         store("unpaired", unpaired)
+        store(
+            "rl", rl
+        )  # an RL trainer's rollouts and reward functions, measured lazily (`measure.rl.Rollouts`)
         store("_generation_config", generation_config)
         store("reencode_rows", False)
         store("_scratch_dir", None)
@@ -388,7 +392,12 @@ class Context:
     @cached_property
     def generation_stop_ids(self) -> frozenset[int] | None:
         """The token ids that end generation at serving time: the generation config's ``eos_token_id`` (given,
-        or the model object's) and the tokenizer's EOS; None when no generation config is known."""
+        or the model object's) and the tokenizer's EOS; None when no generation config is known. With an RL
+        trainer, the ids its rollouts stop on (``trainer.eos_token_ids``)."""
+        if self.objective.kind == "rl" and self.trainer is not None:  # what the trainer's rollouts stop on
+            from hf_sanity.measure.rl import stop_ids
+
+            return frozenset(stop_ids(self.trainer))
         config = self._generation_config
         if config is None and self._model is not None:
             config = getattr(self._model, "generation_config", None)

@@ -252,6 +252,9 @@ class Generations:
     seconds: float = 0.0
     base_seconds: float = 0.0
     device: str = "cpu"
+    # With reward functions (RL): their mean reward on these generations against the training reward
+    # (`measure.rl.held_out_reward`: "held_out", "train", "functions", "errors").
+    rewards: Mapping[str, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.samples)

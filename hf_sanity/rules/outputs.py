@@ -21,6 +21,7 @@ from collections import Counter
 
 from hf_sanity.catalog import define
 from hf_sanity.measure.objective import ANY
+from hf_sanity.numbers import fmt
 from hf_sanity.outputview import side_by_side
 
 # A rule fires when at least this share of the judged generations shows its symptom.
@@ -444,7 +445,10 @@ POLICY_DRIFT = define(
     detects="With a base model to compare (--base), on a preference or RL run (the dataset's columns, or "
     "`--objective`): the tuned model's answers against the base's for the same prompts: mean length ratio above "
     "1.5 or below 0.5 (`evidence.cause` `length`), the share that ends its turn down by more than 20 points "
-    "(`stops-less`), the share that loops up by more than 10 points (`repetition`).",
+    "(`stops-less`), the share that loops up by more than 10 points (`repetition`). After RL with reward "
+    "functions given (`outputs(..., reward_funcs=..., train_reward=...)`): their reward on the held-out "
+    "generations below the reward of the run's last 10% of steps by more than 0.1 (`reward-drop`: the policy "
+    "learned the training prompts, or a reward it could game).",
     fix="Anchor the policy to where it started: a lower LR, fewer steps, a larger beta (KL to the reference), an "
     'NLL term on the chosen answers (`loss_type=["sigmoid", "sft"]`), `loss_type="dapo"`/`"dr_grpo"` '
     "against GRPO's length bias; check the data for a length confound (preference-trivially-separable).",
@@ -452,6 +456,7 @@ POLICY_DRIFT = define(
 DRIFT_LENGTH = (0.5, 1.5)
 DRIFT_STOPS = 0.20
 DRIFT_LOOPS = 0.10
+DRIFT_REWARD = 0.10
 
 
 def _base_loops(sample, stop_ids) -> bool:
@@ -464,17 +469,24 @@ def _base_loops(sample, stop_ids) -> bool:
     return tokens > 0 and tokens >= LOOP_COVER * max(len(body), 1)
 
 
-@POLICY_DRIFT.detector("outputs", applies=lambda gens: gens.has_base)
+def _reward_drop(gens) -> float | None:
+    rewards = gens.rewards or {}
+    held_out, train = rewards.get("held_out"), rewards.get("train")
+    return None if held_out is None or train is None else train - held_out
+
+
+@POLICY_DRIFT.detector("outputs", applies=lambda gens: gens.has_base or bool(gens.rewards))
 def policy_drift(gens):
     compared = [s for s in gens.samples if s.base_ids is not None]
-    if not compared:
+    drop = _reward_drop(gens)
+    if not compared and drop is None:
         return
-    n = len(compared)
+    n = max(1, len(compared))
     tuned_len = sum(len(s.body) for s in compared) / n
     base_len = (
         sum(len(s.base_ids) - (s.base_ids[-1] in gens.stop_ids if s.base_ids else 0) for s in compared) / n
     )
-    ratio = tuned_len / base_len if base_len else float("inf")
+    ratio = tuned_len / base_len if base_len else 1.0 if not compared else float("inf")
     stops = sum(s.stopped for s in compared) / n
     base_stops = sum(bool(s.base_ids) and s.base_ids[-1] in gens.stop_ids for s in compared) / n
     looping = sum(loops(s) for s in compared) / n
@@ -486,15 +498,24 @@ def policy_drift(gens):
         causes.append("stops-less")
     if looping - base_looping > DRIFT_LOOPS:
         causes.append("repetition")
+    if drop is not None and drop > DRIFT_REWARD:
+        causes.append("reward-drop")
     if not causes:
         return
     said = {
         "length": f"answers {ratio:.2f}x as long as the base's ({tuned_len:.0f} vs {base_len:.0f} tokens)",
         "stops-less": f"{stops:.0%} end their turn (base: {base_stops:.0%})",
         "repetition": f"{looping:.0%} loop (base: {base_looping:.0%})",
+        "reward-drop": f"the reward on held-out prompts is {fmt((gens.rewards or {}).get('held_out'))}, "
+        f"{fmt(drop)} below the last training steps' {fmt((gens.rewards or {}).get('train'))}",
     }
+    what = (
+        f"drifted from its base on {n} prompts"
+        if compared
+        else f"drifted on {len(gens.samples)} held-out prompts"
+    )
     yield POLICY_DRIFT.finding(
-        f"the tuned model drifted from its base on {n} prompts: " + "; ".join(said[c] for c in causes),
+        f"the tuned model {what}: " + "; ".join(said[c] for c in causes),
         evidence={
             "cause": causes[0],
             "causes": causes,
@@ -505,7 +526,8 @@ def policy_drift(gens):
             "base_stopped": base_stops,
             "looping": looping,
             "base_looping": base_looping,
-            "compared": n,
+            "compared": len(compared),
+            **({"rewards": dict(gens.rewards)} if gens.rewards else {}),
         },
-        example=side_by_side(gens, "drifted from the base model", compared, base=True),
+        example=side_by_side(gens, "drifted from the base model", compared, base=True) if compared else None,
     )

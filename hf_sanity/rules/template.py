@@ -273,7 +273,8 @@ STOP_TOKEN_MISMATCH = define(
     "not among the ids that stop generation: `generation_config.eos_token_id` (from the model, or its folder's "
     "generation_config.json) and the tokenizer's EOS. Not judged when no generation config is known. `outputs` "
     "runs the same check on the generation config it generates with, and counts the generations that ended on "
-    "the end-of-turn token (served, they would not have stopped).",
+    "the end-of-turn token (served, they would not have stopped). With an RL trainer (GRPO, RLOO): the ids its "
+    "rollouts stop on (`trainer.eos_token_ids`: the model's generation config's EOS and the tokenizer's).",
     fix="Add the end-of-turn token to `generation_config.eos_token_id` (and save it with the model), or serve with "
     "`eos_token_id=[...]` including it.",
 )
@@ -289,7 +290,10 @@ def check_stop_token(ctx):
     if closing in stops:
         return
     names = dict(zip(sorted(stops), tok.convert_ids_to_tokens(sorted(stops))))
-    yield _stop_token_mismatch(tok.decode(list(ctx.markers.end_of_turn)), closing, stops, names)
+    rollouts = type(ctx.trainer).__name__ if ctx.objective.kind == "rl" and ctx.trainer is not None else None
+    yield _stop_token_mismatch(
+        tok.decode(list(ctx.markers.end_of_turn)), closing, stops, names, rollouts=rollouts
+    )
 
 
 @STOP_TOKEN_MISMATCH.detector(
@@ -317,13 +321,20 @@ def outputs_stop_token(gens):
     yield finding
 
 
-def _stop_token_mismatch(turn_end: str, closing: int, stops, names: dict, ended=None):
+def _stop_token_mismatch(
+    turn_end: str, closing: int, stops, names: dict, ended=None, rollouts: str | None = None
+):
     """The finding: ``turn_end`` (id ``closing``) closes the trained turns but is not among ``stops``;
-    ``ended``: (generations that ended on it, generations) where the model was run."""
+    ``ended``: (generations that ended on it, generations) where the model was run; ``rollouts``: the RL trainer
+    whose generation stops on ``stops``."""
     stop_names = [names[i] for i in sorted(stops)]
     message = (
         f"assistant turns end with {turn_end!r} in training, but generation stops only on "
         f"{', '.join(map(repr, stop_names))}: the model will write its end of turn and go on"
+        if rollouts is None
+        else f"the chat template ends a turn with {turn_end!r}, but {rollouts} stops its completions only on "
+        f"{', '.join(map(repr, stop_names))} (the generation config's EOS and the tokenizer's): each completion "
+        "runs past its end of turn to max_completion_length and is scored as truncated"
     )
     evidence = {
         "end_of_turn": turn_end,

@@ -207,3 +207,15 @@ def demo_unpaired(n: int = 64, seed: int = 0, *, conversational: bool = True) ->
             {"prompt": pair["prompt"], "completion": pair["chosen" if good else "rejected"], "label": good}
         )
     return rows
+
+
+def demo_rl_prompts(n: int = 32, seed: int = 0, *, conversational: bool = True) -> list[dict[str, Any]]:
+    """``n`` rows for an RL trainer (GRPO, RLOO) built from :func:`demo_conversations`: ``prompt`` (the conversation
+    up to its last user turn: TRL's messages, or its user turns as plain text) and ``answer``, the reference
+    answer a reward function can compare a completion with (TRL passes it as the ``answer`` keyword)."""
+    rows = []
+    for row in demo_conversations(n, seed, multi_turn_every=0):
+        messages = row["messages"]
+        prompt = messages[:-1] if conversational else "\n".join(m["content"] for m in messages[:-1]) + "\n"
+        rows.append({"prompt": prompt, "answer": messages[-1]["content"]})
+    return rows

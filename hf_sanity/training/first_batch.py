@@ -106,7 +106,8 @@ class FirstBatch:
         tokenizer = getattr(trainer, "processing_class", None)
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
         token_rules = [r.slug for r in catalog.all_rules() if r.stage == "tokens"]
-        if sink.wants(*token_rules) or step0 is not None:
+        # An RL trainer's first forward is its generation's (prompts only, no labels): not a training sequence.
+        if sink.objective.kind != "rl" and (sink.wants(*token_rules) or step0 is not None):
             from hf_sanity.measure.batches import trainer_max_len
 
             sink.emit(

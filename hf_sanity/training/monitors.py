@@ -92,7 +92,7 @@ class MonitorSet:
             curves.planned_steps = getattr(state, "max_steps", None) or None
             if self.setup.max_grad_norm is not None:  # the trainer's arguments were read
                 curves.max_grad_norm, curves.warmup_steps = self.setup.max_grad_norm, self.setup.warmup_steps
-            found = analyze(curves, final=final, online=True, ran=self.ran)
+            found = analyze(curves, final=final, online=True, ran=self.ran, selection=self.sink.selection)
             for finding in found:
                 finding.step = state.global_step if finding.step is None else finding.step
             self.sink.emit(found)

@@ -99,6 +99,7 @@ def stats(callback, *, steps: int) -> dict[str, Any]:
     out.update(memory_walks=budget.runs, memory_walks_skipped=budget.skipped)
     out.update(probes=callback.first.budget.runs, probes_skipped=callback.first.budget.skipped)
     out.update(callback.resumed)  # resumed_from_step, resumed_state
+    out.update(callback.trl.stats())  # an RL run: its reward dry run (or why it did not run), its KL probe
     if sampler is not None:
         out["warmup_steps"] = sampler.warmup_steps
         if sampler.warmup_unknown:

@@ -5,7 +5,10 @@ TRL's trainers log their own vocabulary (`rewards/chosen`, `rewards/margins`, `l
 per micro-batch they wait in ``trainer._metrics["train"]`` until the logging step averages and clears them, so
 at the end of the first optimizer step the first micro-batch's values are the exact step-0 numbers, computed
 before any update. This module reads both, and at train begin measures what the rules compare them with (the
-pairs as the trainer prepared them, the reference model's facts); nothing here runs on an SFT run.
+pairs as the trainer prepared them, the reference model's facts; an RL run's reward functions called on a few
+completions and, with beta = 0, the start of its own KL probe). During an RL run it also reads the trainer's
+latest rollouts in group order (``trainer._logs``: each completion's reward per function and its text). Nothing
+here runs on an SFT run.
 """
 
 from __future__ import annotations
@@ -18,15 +21,22 @@ SUMMARY_ROWS = 1024
 
 
 class ObjectiveFeed:
-    """Values for the step detectors of a preference or RL run (``active`` is False on any other run)."""
+    """Values for the step detectors of a preference or RL run (``active`` is False on any other run). ``sink``: the
+    callback's (the run's objective, the rules it wants, the guard each measurement runs in); ``every``: steps
+    between the RL KL probes (beta = 0); ``reward_dry_run``: call an RL run's reward functions at train begin."""
 
-    def __init__(self, trainer=None, objective=None) -> None:
-        self.trainer, self.objective = trainer, objective
+    def __init__(self, trainer=None, sink=None, every: int = 50, reward_dry_run: bool = True) -> None:
+        self.trainer, self.sink = trainer, sink
+        self.objective = objective = getattr(sink, "objective", None)
+        self.every, self.reward_dry_run = every, reward_dry_run
         kinds = ("preference", "preference-unpaired", "reward", "rl")
         self.active = trainer is not None and objective is not None and objective.kind in kinds
+        self.drift: PolicyDrift | None = None
+        # What an RL run's reward dry run found at train begin (or why it did not run).
+        self.dry_run: dict[str, Any] | str | None = None
 
     def begin(self) -> dict[str, Any]:
-        """At train begin: the pairs as prepared (preference, reward) and the reference's facts."""
+        """At train begin: the pairs as prepared (preference, reward), the reference's facts, an RL run's setup."""
         if not self.active:
             return {}
         from hf_sanity.measure.reference import reference_facts
@@ -36,7 +46,35 @@ class ObjectiveFeed:
             values["reference"] = reference_facts(self.trainer)
         if self.objective.kind in ("preference", "reward"):
             values["preference_data"] = pair_summary(self.trainer, reward=self.objective.kind == "reward")
+        if self.objective.kind == "rl":
+            values.update(self.rl_begin())
         return values
+
+    def rl_begin(self) -> dict[str, Any]:
+        """An RL run at train begin: the stop ids against the template's end of turn; the reward functions called on
+        the dry run's completions (unless ``reward_dry_run=False``); with beta = 0, the KL probe."""
+        from hf_sanity.measure import rl
+
+        values: dict[str, Any] = {"rl_setup": {"stop_mismatch": rl.stop_mismatch(self.trainer)}}
+        wants = self.sink.wants
+        if not self.reward_dry_run:
+            self.dry_run = "skipped: reward_dry_run=False (no reward function was called)"
+        elif wants("reward-function-broken", "reward-zero-advantage"):
+            with self.sink.guard("reward-dry-run"):
+                run = rl.dry_run(self.trainer, [rl.synthetic(self.trainer)])
+                values["reward_dry_run"] = self.dry_run = run.describe()
+        if not self.objective.beta and wants("kl-spike", "reward-hacking") and self.sink.world_size == 1:
+            self.drift = PolicyDrift(self.trainer)  # its baseline: at the first update (before_update)
+        return values
+
+    def stats(self) -> dict[str, Any]:
+        """For the report: an RL run's reward dry run at train begin, and whether the KL probe ran (beta = 0)."""
+        if not self.active or self.objective.kind != "rl":
+            return {}
+        out: dict[str, Any] = {"kl_probe": self.drift is not None}
+        if self.dry_run is not None:
+            out["reward_dry_run"] = self.dry_run
+        return out
 
     def first_step(self) -> dict[str, Any]:
         """At the end of the first optimizer step: the first micro-batch's metrics, before any update."""
@@ -47,17 +85,32 @@ class ObjectiveFeed:
         first = {key: values[0] for key, values in current.items() if isinstance(values, list) and values}
         return {"step0_metrics": {k: float(v) for k, v in first.items() if isinstance(v, (int, float))}}
 
+    def before_update(self, sink) -> None:
+        """The callback's pre-optimizer hook: the KL probe's baseline, at the first update this process makes."""
+        if self.drift is not None and self.drift.batch is None:
+            with sink.guard("kl-spike"):
+                self.drift.start()
+
     def step_end(self, step: int, monitors, sink) -> None:
-        """The callback's end of step: the first step's metrics to the monitors."""
+        """The callback's end of step: the first step's metrics to the monitors; every ``every`` steps, an RL run's
+        KL to its initial policy (beta = 0)."""
         if self.active and step == 1:
             with sink.guard("callback-trl-metrics"):
                 monitors.feed(1, self.first_step())
+        if self.drift is not None and step % self.every == 0:
+            with sink.guard("kl-spike"):
+                monitors.feed(step, {"policy_kl": self.drift.measure()})
 
     def log(self, step: int, logs: dict[str, Any] | None, monitors, sink) -> None:
-        """The callback's log: the logged numbers to the monitors."""
+        """The callback's log: the logged numbers to the monitors (and an RL run's latest rollouts)."""
         if self.active:
             with sink.guard("callback-trl-metrics"):
-                monitors.feed(step, self.logged(logs))
+                values = self.logged(logs)
+                if values and self.objective.kind == "rl":
+                    from hf_sanity.measure.rl import rollout_summary
+
+                    values["rollouts"] = rollout_summary(self.trainer)
+                monitors.feed(step, values)
 
     def logged(self, logs: dict[str, Any] | None) -> dict[str, Any]:
         """A training log's numbers (not an evaluation's)."""
@@ -67,6 +120,84 @@ class ObjectiveFeed:
             k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
         return {"logs": numbers} if "loss" in numbers or len(numbers) > 2 else {}
+
+
+class PolicyDrift:
+    """The KL from an RL run's initial policy to its current one, where TRL measures none (beta = 0: no reference
+    model). The completions of the first micro-batch TRL trains on are samples of the initial policy: at the first
+    optimizer step, before the update (the callback's pre-optimizer hook), their mean log-probability per token is
+    kept (at the trainer's temperature, as TRL scores them); :meth:`measure` re-scores them with the current
+    policy, and the difference estimates KL(initial || current) per token. Cost: one forward of at most
+    :data:`DRIFT_ROWS` rollouts per measurement; no generation. A resumed run measures from the policy it
+    resumed."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.temperature = float(getattr(trainer.args, "temperature", 1.0) or 1.0)
+        self.batch: dict[str, Any] | None = None
+        self.initial: float | None = None
+
+    def start(self) -> None:
+        """Before the first update: the first rollouts, scored by the policy that sampled them."""
+        buffered = getattr(self.trainer, "_buffered_inputs", None)
+        first = buffered[0] if isinstance(buffered, (list, tuple)) and buffered else None
+        if not isinstance(first, dict) or not {"prompt_ids", "completion_ids", "completion_mask"} <= set(
+            first
+        ):
+            return
+        self.batch = rollout_batch(first, DRIFT_ROWS)
+        self.initial = self._logp()
+
+    def _logp(self) -> float | None:
+        if self.batch is None:
+            return None
+        return completion_logp(self.trainer.model, self.batch, self.temperature)
+
+    def measure(self) -> float | None:
+        now = self._logp()
+        return None if now is None or self.initial is None else self.initial - now
+
+
+DRIFT_ROWS = 8
+
+
+def rollout_batch(inputs: dict[str, Any], rows: int) -> dict[str, Any]:
+    """The first ``rows`` prompt + completion sequences of a TRL rollout batch (prompts left-padded, completions
+    right-padded, as TRL feeds them), with their completion tokens as labels."""
+    import torch
+
+    prompt_ids, completion_ids = inputs["prompt_ids"][:rows], inputs["completion_ids"][:rows]
+    prompt_mask = inputs.get("prompt_mask", torch.ones_like(prompt_ids))[:rows]
+    completion_mask = inputs["completion_mask"][:rows]
+    labels = torch.where(completion_mask.bool(), completion_ids, torch.full_like(completion_ids, -100))
+    return {
+        "input_ids": torch.cat([prompt_ids, completion_ids], dim=1).detach().clone(),
+        "attention_mask": torch.cat([prompt_mask, completion_mask], dim=1).detach().clone(),
+        "labels": torch.cat([torch.full_like(prompt_ids, -100), labels], dim=1).detach().clone(),
+    }
+
+
+def completion_logp(model, batch: dict[str, Any], temperature: float = 1.0) -> float | None:
+    """The mean log-probability per labelled token of ``batch`` (logits divided by ``temperature``, as TRL scores
+    its completions), without grad in eval mode, everything restored."""
+    import torch
+
+    from hf_sanity.measure.tensors import forward_kwargs, logits_of
+    from hf_sanity.training.shards import kept_sharded
+    from hf_sanity.untouched import untouched
+
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with untouched(model), kept_sharded(model):
+        logits = logits_of(model(**forward_kwargs(model, inputs, use_cache=False)))
+        if logits is None or logits.dim() != 3 or logits.shape[:2] != labels.shape:
+            return None
+        targets = labels[:, 1:].to(logits.device)
+        mask = targets != -100
+        if not bool(mask.any()):
+            return None
+        logp = torch.log_softmax(logits[:, :-1][mask].float() / temperature, dim=-1)
+        return float(logp.gather(-1, targets[mask].unsqueeze(-1)).mean())
 
 
 def pair_summary(trainer, *, reward: bool) -> dict[str, Any]:

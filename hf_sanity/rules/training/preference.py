@@ -15,7 +15,7 @@ from typing import Any
 
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
-from hf_sanity.measure.objective import PREFERENCE
+from hf_sanity.measure.objective import PREFERENCE, RL
 from hf_sanity.measure.reference import config_dropout, dropout_modules, mismatch_cause, reference_facts
 from hf_sanity.numbers import fmt
 from hf_sanity.rules.training.base import Monitor, TrainingSetup
@@ -43,11 +43,12 @@ REFERENCE_MISMATCH = define(
     "reference-mismatch",
     severity="error",
     stage="trainer",
-    objectives=PREFERENCE,
+    objectives=PREFERENCE | RL,
     symptom="Unstable or odd training from the first step: the policy is measured against a reference that is "
     "not the model it started from.",
     detects="During training: the implicit rewards of the first micro-batch (`rewards/chosen`, "
-    "`rewards/rejected`), computed before any update, are not 0 (above 1e-3 in fp32, 0.05 in bf16/fp16). "
+    "`rewards/rejected`), computed before any update, are not 0 (above 1e-3 in fp32, 0.05 in bf16/fp16); for "
+    "GRPO/RLOO with beta > 0, the first micro-batch's `kl` (above 1e-4 in fp32, 0.01 in bf16/fp16). "
     "Before training (`preflight(trainer=...)`, a warning): a reference model whose weights differ from the "
     "policy's, or dropout active in the policy. `evidence.cause`: `reloaded-from-path` (TRL reloads the "
     "reference of a full fine-tune from `model.config._name_or_path`, and the policy was changed in memory "
@@ -103,6 +104,7 @@ STUCK_LOSS = 0.002
 STUCK_MARGIN = 1e-3
 STUCK_GRAD = 1e-5
 TOLERANCE_FP32, TOLERANCE_HALF = 1e-3, 0.05
+KL_TOLERANCE_FP32, KL_TOLERANCE_HALF = 1e-4, 0.01  # k3 of bf16 log-prob noise of ~0.1 nat: ~5e-3
 DISPLACEMENT_WARN, DISPLACEMENT_ERROR = 0.5, 1.5
 
 
@@ -204,6 +206,7 @@ class ReferenceMonitor(Monitor):
     def __init__(self, half_precision: bool = False) -> None:
         super().__init__()
         self.tolerance = TOLERANCE_HALF if half_precision else TOLERANCE_FP32
+        self.kl_tolerance = KL_TOLERANCE_HALF if half_precision else KL_TOLERANCE_FP32
         self.facts: dict[str, Any] = {}
 
     @classmethod
@@ -216,15 +219,20 @@ class ReferenceMonitor(Monitor):
         metrics = values.get("step0_metrics")
         if not metrics:
             return []
-        rewards = {k: metrics[k] for k in ("rewards/chosen", "rewards/rejected") if k in metrics}
+        # Preference: the implicit rewards; RL with beta > 0: the KL to the reference (RLOO's first-order one
+        # can be negative).
+        keys = ("kl",) if "kl" in metrics else ("rewards/chosen", "rewards/rejected")
+        rewards = {k: metrics[k] for k in keys if k in metrics}
+        tolerance = self.kl_tolerance if "kl" in rewards else self.tolerance
         worst = max((abs(v) for v in rewards.values() if math.isfinite(v)), default=0.0)
-        if worst <= self.tolerance:
+        if worst <= tolerance:
             return []
         cause, why = mismatch_cause(self.facts)
+        what = "the KL to the reference" if "kl" in rewards else "the implicit rewards"
         return self.fire(
             REFERENCE_MISMATCH,
-            f"the implicit rewards of the first micro-batch, before any update, are not 0 "
-            f"({', '.join(f'{k}={fmt(v)}' for k, v in rewards.items())}; tolerance {fmt(self.tolerance)}): the "
+            f"{what} of the first micro-batch, before any update, {'is' if 'kl' in rewards else 'are'} not 0 "
+            f"({', '.join(f'{k}={fmt(v)}' for k, v in rewards.items())}; tolerance {fmt(tolerance)}): the "
             f"reference is not the initial policy (cause: {cause})",
             step=step,
             fix=REFERENCE_FIX.get(cause),
@@ -232,13 +240,20 @@ class ReferenceMonitor(Monitor):
                 "cause": cause,
                 "why": why,
                 **rewards,
-                "tolerance": self.tolerance,
+                "tolerance": tolerance,
                 **{k: v for k, v in self.facts.items() if v not in (None, [], {}, False)},
             },
         )
 
 
-@REFERENCE_MISMATCH.check(applies=lambda ctx: ctx.trainer is not None and ctx.objective.kind in PREFERENCE)
+def _has_reference(ctx) -> bool:
+    """A preference trainer, or an RL trainer with beta > 0 (with beta = 0 TRL loads no reference)."""
+    if ctx.trainer is None:
+        return False
+    return ctx.objective.kind in PREFERENCE or (ctx.objective.kind == "rl" and bool(ctx.objective.beta))
+
+
+@REFERENCE_MISMATCH.check(applies=_has_reference)
 def check_reference(ctx):
     """Before training: a reference whose weights differ, or dropout on (a warning: the step-0 rewards decide)."""
     facts = reference_facts(ctx.trainer)

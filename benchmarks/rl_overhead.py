@@ -1,0 +1,134 @@
+"""SanityCallback's cost on a GRPO run, and the cost of preflight's RL measurements (the model's own completions
+and the reward dry run).
+
+The same ``GRPOTrainer`` run (the tiny model fine-tuned on the demo chats, 64 demo prompts, batch 8, G=4,
+``max_completion_length`` 32, a graded reward) with and without ``SanityCallback()`` (all rules: the reward dry
+run and the KL probe of beta = 0 included), after one warm-up run, in ABBA order; the wall clock covers the
+whole ``trainer.train()`` call. Generation dominates a GRPO step, so the callback's per-step work weighs little;
+its one-off work at train begin (the reward dry run) is in its own clock. One CPU thread on both sides.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+
+
+def length_reward(completions, **kwargs):
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [-abs(len(t) - 30) / 30 for t in texts]
+
+
+def trainer(out: str, steps: int, callbacks=()):
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_sanity.testing import demo_rl_prompts, trained_model_dir
+
+    folder = trained_model_dir("clean")
+    return GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(folder),
+        reward_funcs=[length_reward],
+        args=GRPOConfig(
+            output_dir=out,
+            max_steps=steps,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            max_completion_length=32,
+            temperature=1.2,
+            learning_rate=1e-4,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            bf16=False,
+            gradient_checkpointing=False,
+            seed=0,
+            disable_tqdm=True,
+        ),
+        train_dataset=datasets.Dataset.from_list(demo_rl_prompts(64, seed=3)),
+        processing_class=AutoTokenizer.from_pretrained(folder),
+        callbacks=list(callbacks),
+    )
+
+
+def one_run(steps: int, with_callback: bool) -> dict:
+    from hf_sanity import SanityCallback
+
+    callbacks = [SanityCallback(use_config=False, print_findings=False)] if with_callback else []
+    with tempfile.TemporaryDirectory() as out:
+        run = trainer(out, steps, callbacks)
+        started = time.perf_counter()
+        run.train()
+        wall = time.perf_counter() - started
+    stats = callbacks[0].report.stats if callbacks else {}
+    findings = [f.rule for f in callbacks[0].report.findings] if callbacks else []
+    return {
+        "wall": wall,
+        "callback_s": stats.get("callback_seconds", 0.0),
+        "by_check": stats.get("callback_seconds_by_check", {}),
+        "findings": findings,
+    }
+
+
+def compare(steps: int = 20, repeats: int = 2) -> dict:
+    one_run(min(steps, 4), True)  # warm-up: caches, the first generate's set-up
+    pairs, runs = [], []
+    for i in range(repeats):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        got = {flag: one_run(steps, flag) for flag in order}
+        pairs.append(got[True]["wall"] / got[False]["wall"])
+        runs.append(got)
+    without = statistics.median(r[False]["wall"] for r in runs)
+    with_cb = statistics.median(r[True]["wall"] for r in runs)
+    last = runs[-1][True]
+    return {
+        "model": "GRPO: tiny 0.2M, batch 8, G=4, 32 tokens",
+        "steps": steps,
+        "repeats": repeats,
+        "wall_s_without": without,
+        "wall_s_with": with_cb,
+        "wall_ratio": statistics.median(pairs),
+        "wall_ratio_range": f"{min(pairs):.3f}-{max(pairs):.3f}",
+        "callback_s": last["callback_s"],
+        "callback_share": last["callback_s"] / last["wall"],  # its own clock against the run's wall time
+        "top_checks_s": ", ".join(f"{k} {v:.3f}" for k, v in list(last["by_check"].items())[:4]),
+        "findings": ", ".join(last["findings"]) or "none",
+    }
+
+
+def preflight_cost() -> dict:
+    """preflight(trainer=...) on the same GRPO setup: the model's own completions (a group for each of 4 prompts)
+    and the reward dry run (every function on those and on 16 completions from the dataset's answers)."""
+    import hf_sanity
+
+    with tempfile.TemporaryDirectory() as out:
+        run = trainer(out, 1)
+        hf_sanity.preflight(trainer=run, use_config=False)  # warm-up: the first generate's set-up
+        started = time.perf_counter()
+        report = hf_sanity.preflight(trainer=run, use_config=False)
+        total = time.perf_counter() - started
+    stats = report.stats
+    return {
+        "setup": "GRPO preflight(trainer=...)",
+        "preflight_s": total,
+        "sampled_completions": stats["sampled_completions"]["completions"],
+        "sampling_s": stats["sampled_completions"]["seconds"],
+        "dry_run_s": stats["reward_dry_run"]["seconds"],
+        "dry_run_completions": sum(stats["reward_dry_run"]["completions"].values()),
+        "findings": ", ".join(f.rule for f in report.findings) or "none",
+    }
+
+
+def run(*, quick: bool = False) -> tuple[dict, dict]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(
+        1
+    )  # the tiny model is overhead-bound: a second thread only contends (both sides alike)
+    try:
+        return compare(steps=6 if quick else 20, repeats=1 if quick else 4), preflight_cost()
+    finally:
+        torch.set_num_threads(threads)

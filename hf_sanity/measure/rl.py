@@ -1,0 +1,769 @@
+"""Online RL from reward functions (TRL 1.16's ``GRPOTrainer`` and ``RLOOTrainer``): the completions the trainer
+will make and how its reward functions score them, measured before training; and its rollouts as it makes
+them, read from the trainer during training.
+
+What TRL 1.16 does (``grpo_trainer.py``; ``rloo_trainer.py`` alike), and what is measured here the same way:
+
+* prompts: conversational ones rendered with the chat template and the generation prompt, text ones tokenized
+  with special tokens; never truncated;
+* generation: ``trainer.generation_config`` (temperature, top_p, top_k, min_p, ``max_new_tokens`` =
+  ``max_completion_length``), stopping on ``trainer.eos_token_ids`` (the generation config's EOS and the
+  tokenizer's); a completion is *clipped* when its last id is none of those nor the pad id;
+* reward functions: ``f(prompts=, completions=, completion_ids=, **columns, trainer_state=, log_extra=,
+  log_metric=)``, the completions decoded with ``skip_special_tokens=True`` (special tokens stripped), as strings
+  for text prompts and as ``[{"role": "assistant", "content": text}]`` for conversational ones, every column of
+  the row repeated per completion (only ``prompt``/``image``/``images`` under ``remove_unused_columns=True``);
+  ``None`` becomes NaN;
+* groups: ``num_generations`` consecutive completions share a prompt; under ``scale_rewards="group"`` each
+  advantage is (r - mean of its group) / (std of its group + 1e-4); a group whose std is 0 carries no gradient.
+
+The dry run is safe: each reward function is called on deep copies of its inputs, in a daemon thread with a
+time limit (a function that outlives it is left running there and its result ignored: Python cannot stop a
+thread); the model generates under :func:`hf_sanity.untouched.untouched` (modes, grads and RNG restored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import math
+import numbers
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from hf_sanity.measure.formats import is_conversational
+
+SAMPLE_PROMPTS = 4  # prompts the preflight estimate generates a group for
+SYNTHETIC_PROMPTS = 4  # rows the dry run builds completions for (4 completions each)
+REWARD_TIMEOUT = 20.0  # seconds a reward function may take on one dry-run batch
+NONE_SHARE = 0.10  # more None rewards than this is an error
+# What TRL passes every reward function beside the dataset's columns.
+TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                 "environments", "kwargs")  # fmt: skip
+# Columns that hold the reference answer, most specific first (else the first other text column).
+REFERENCE_COLUMNS = ("answer", "solution", "ground_truth", "reference", "target", "gold", "expected",
+                     "response", "output", "completion", "label")  # fmt: skip
+SIGNATURE_COLUMNS = ("prompt", "image", "images")  # what TRL keeps under remove_unused_columns=True
+REASONING = "<think>\nLet me think step by step.\n</think>\n<answer>\n{}\n</answer>"
+
+
+# -- the trainer's settings ----------------------------------------------------------------------------------
+def trainer_tokenizer(trainer):
+    tokenizer = getattr(trainer, "processing_class", None)
+    return getattr(tokenizer, "tokenizer", tokenizer)
+
+
+def stop_ids(trainer) -> list[int]:
+    """The ids the trainer's generation stops on: ``trainer.eos_token_ids`` (TRL 1.16), else what it builds it
+    from (the model's generation config's EOS, then the tokenizer's)."""
+    ids = getattr(trainer, "eos_token_ids", None)
+    if ids is not None:
+        return [int(i) for i in ids]
+    configured = getattr(getattr(trainer.model, "generation_config", None), "eos_token_id", None)
+    out = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    eos = getattr(trainer_tokenizer(trainer), "eos_token_id", None)
+    return [int(i) for i in ([eos] if eos is not None and eos not in out else []) + out]
+
+
+def generation_config(trainer):
+    """A copy of the trainer's sampling settings (``trainer.generation_config``; rebuilt from its attributes when it
+    has none: vLLM)."""
+    from transformers import GenerationConfig
+
+    from hf_sanity.measure.tensors import pad_id
+
+    given = getattr(trainer, "generation_config", None)
+    if given is not None:
+        return copy.deepcopy(given)
+    args = trainer.args
+    return GenerationConfig(
+        max_new_tokens=getattr(args, "max_completion_length", 256),
+        do_sample=True,
+        temperature=getattr(args, "temperature", 1.0),
+        top_p=getattr(args, "top_p", 1.0),
+        top_k=getattr(args, "top_k", 0) or None,
+        min_p=getattr(args, "min_p", None),
+        repetition_penalty=getattr(args, "repetition_penalty", 1.0),
+        eos_token_id=stop_ids(trainer),
+        pad_token_id=pad_id(trainer_tokenizer(trainer)),
+    )
+
+
+def stop_mismatch(trainer) -> dict[str, Any]:
+    """The template's end of turn when the trainer does not stop on it (empty when it does, or has no template)."""
+    from hf_sanity.measure.markers import derive_markers
+
+    tokenizer = trainer_tokenizer(trainer)
+    eot = derive_markers(tokenizer).end_of_turn if tokenizer is not None else ()
+    stops = stop_ids(trainer)
+    if not eot or eot[-1] in stops:
+        return {}
+    return {
+        "end_of_turn": tokenizer.decode(list(eot)),
+        "end_of_turn_id": int(eot[-1]),
+        "stop_ids": stops,
+        "stop_tokens": tokenizer.convert_ids_to_tokens(stops),
+    }
+
+
+def prompt_ids(tokenizer, prompt, template_kwargs: dict | None = None) -> list[int]:
+    """A prompt's ids as TRL renders it for generation."""
+    if is_conversational(prompt):
+        out = tokenizer.apply_chat_template(
+            prompt, add_generation_prompt=True, tokenize=True, return_dict=True, **(template_kwargs or {})
+        )
+        return list(out["input_ids"])
+    return list(tokenizer(text=prompt)["input_ids"])
+
+
+def dataset_rows(trainer, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` rows of the trainer's dataset with a prompt, with the columns TRL hands the reward functions."""
+    data = getattr(trainer, "train_dataset", None)
+    if (
+        data is None
+        or not hasattr(data, "select")
+        or "prompt" not in (getattr(data, "column_names", None) or ())
+    ):
+        return []  # an IterableDataset (no random access): nothing is drawn from it
+    rows = data.select(range(min(n, len(data)))).to_list()
+    if getattr(trainer.args, "remove_unused_columns", False):
+        rows = [{k: v for k, v in row.items() if k in SIGNATURE_COLUMNS} for row in rows]
+    return rows
+
+
+def reward_funcs(trainer) -> list[tuple[str, Any]]:
+    """(name, function) of each reward function, named as TRL logs it (``rewards/<name>/mean``)."""
+    funcs = list(getattr(trainer, "reward_funcs", None) or ())
+    names = list(getattr(trainer, "reward_func_names", None) or ())
+    if len(names) != len(funcs):
+        names = [getattr(f, "__name__", type(f).__name__) for f in funcs]
+    return list(zip(names, funcs))
+
+
+# -- completions, in the shape TRL passes them ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Completions:
+    """Completions in group order (``group_size`` consecutive ones share a row), with what TRL passes beside them."""
+
+    rows: list[dict[str, Any]]  # the dataset row of each completion
+    texts: list[str]  # decoded as TRL decodes them (special tokens stripped)
+    ids: list[list[int]]
+    conversational: bool
+    group_size: int
+    source: str  # "synthetic" (built from the dataset's answers) or "sampled" (generated by the model)
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def completions(self, *, as_text: bool = False) -> list[Any]:
+        if self.conversational and not as_text:
+            return [[{"role": "assistant", "content": text}] for text in self.texts]
+        return list(self.texts)
+
+    def kwargs(self, trainer_state, *, as_text: bool = False) -> dict[str, Any]:
+        """The keyword arguments TRL calls a reward function with."""
+        columns = [
+            k
+            for k in (self.rows[0] if self.rows else {})
+            if k not in ("prompt", "completion", "completion_ids")
+        ]
+        return {
+            "prompts": [row.get("prompt") for row in self.rows],
+            "completions": self.completions(as_text=as_text),
+            "completion_ids": [list(ids) for ids in self.ids],
+            **{key: [row.get(key) for row in self.rows] for key in columns},
+            "trainer_state": trainer_state,
+            "log_extra": lambda *args, **kw: None,
+            "log_metric": lambda *args, **kw: None,
+        }
+
+
+def reference_of(row: dict[str, Any]) -> str | None:
+    """The row's reference answer: a known answer column, else the first other text column."""
+    texts = {k: v for k, v in row.items() if k != "prompt" and isinstance(v, str) and v.strip()}
+    for key in REFERENCE_COLUMNS:
+        if key in texts:
+            return texts[key]
+    messages = [v for k, v in row.items() if k != "prompt" and is_conversational(v)]
+    if messages and isinstance(messages[0][-1].get("content"), str):
+        return messages[0][-1]["content"]
+    return next(iter(texts.values()), None)
+
+
+def _changed(text: str) -> str:
+    """Another answer of the same shape: every digit shifted by one, else the words reversed."""
+    if any(ch.isdigit() for ch in text):
+        return re.sub(r"\d", lambda m: str((int(m.group()) + 1) % 10), text)
+    words = text.split()
+    return " ".join(reversed(words)) if len(words) > 1 else f"not {text}"
+
+
+def variants(reference: str | None) -> list[str]:
+    """Four completions that differ in content: the reference answer, the same in a reasoning format over several
+    lines, a wrong answer of the same shape, an empty one."""
+    answer = reference if reference is not None else "The answer is 42."
+    return [
+        answer,
+        REASONING.format(answer),
+        _changed(answer) if reference is not None else "I do not know.",
+        "",
+    ]
+
+
+def synthetic(trainer, rows: Sequence[dict[str, Any]] | None = None) -> Completions | None:
+    """The dry run's completions: for each of the first rows, :func:`variants` of its reference answer."""
+    tokenizer = trainer_tokenizer(trainer)
+    rows = list(rows if rows is not None else dataset_rows(trainer, SYNTHETIC_PROMPTS))
+    if not rows or tokenizer is None:
+        return None
+    per_row = [variants(reference_of(row)) for row in rows]
+    texts = [text for group in per_row for text in group]
+    return Completions(
+        rows=[row for row, group in zip(rows, per_row) for _ in group],
+        texts=texts,
+        ids=[tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts],
+        conversational=is_conversational(rows[0].get("prompt")),
+        group_size=len(per_row[0]),
+        source="synthetic",
+    )
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """G completions for each of a few prompts, generated as the trainer generates them."""
+
+    completions: Completions
+    clipped: list[bool]
+    lengths: list[int]
+    max_new_tokens: int
+    stop_ids: list[int]
+    end_of_turn_id: int | None  # the token that closes an assistant turn in the chat template
+    # Clipped completions that wrote the end of turn (the trainer does not stop on it).
+    end_of_turn_inside: int
+    looping: int  # clipped completions that repeat one unit to their end
+    seconds: float
+
+    @property
+    def clipped_share(self) -> float:
+        return sum(self.clipped) / len(self.clipped) if self.clipped else 0.0
+
+    @property
+    def terminated_lengths(self) -> list[int]:
+        return [n for n, c in zip(self.lengths, self.clipped) if not c]
+
+
+def sample(trainer, *, prompts: int = SAMPLE_PROMPTS, group_size: int | None = None, seed: int = 0,
+           config=None) -> Sampled | None:  # fmt: skip
+    """``group_size`` (the trainer's ``num_generations``) completions for each of the first ``prompts`` rows, from the
+    model as it is, with the trainer's generation settings (``config``: others). None without prompts."""
+    import torch
+
+    from hf_sanity.measure.generate import repeated_run
+    from hf_sanity.measure.markers import derive_markers
+    from hf_sanity.measure.tensors import model_device, pad_id
+    from hf_sanity.untouched import untouched
+
+    tokenizer = trainer_tokenizer(trainer)
+    rows = dataset_rows(trainer, prompts)
+    model = trainer.model
+    if not rows or tokenizer is None or not hasattr(model, "generate"):
+        return None
+    group = group_size or int(getattr(trainer, "num_generations", None) or trainer.args.num_generations)
+    config = config or generation_config(trainer)
+    stops = stop_ids(trainer)
+    pad = pad_id(tokenizer)
+    template_kwargs = getattr(trainer, "chat_template_kwargs", None) or {}
+    encoded = [prompt_ids(tokenizer, row["prompt"], template_kwargs) for row in rows for _ in range(group)]
+    width = max(len(ids) for ids in encoded)
+    device = model_device(model)
+    input_ids = torch.full((len(encoded), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(encoded):  # left padding, as TRL pads prompts
+        input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long, device=device)
+        mask[i, width - len(ids) :] = 1
+    started = time.perf_counter()
+    with untouched(model):
+        torch.manual_seed(seed)
+        generated = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+    seconds = time.perf_counter() - started
+    completion_ids = []
+    for row in generated[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in stops), None)
+        completion_ids.append(row[: cut + 1] if cut is not None else row[: config.max_new_tokens])
+    ends = set(stops) | {pad}
+    clipped = [not ids or ids[-1] not in ends for ids in completion_ids]
+    eot = derive_markers(tokenizer).end_of_turn
+    eot_id = eot[-1] if eot else None
+    inside = sum(c and eot_id is not None and eot_id in ids for ids, c in zip(completion_ids, clipped))
+    looping = 0
+    for ids, c in zip(completion_ids, clipped):
+        _, tokens, _ = repeated_run(ids) if c else (0, 0, 0)
+        looping += bool(c and tokens >= 0.5 * max(len(ids), 1))
+    return Sampled(
+        completions=Completions(
+            rows=[row for row in rows for _ in range(group)],
+            texts=tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+            ids=completion_ids,
+            conversational=is_conversational(rows[0]["prompt"]),
+            group_size=group,
+            source="sampled",
+        ),
+        clipped=clipped,
+        lengths=[len(ids) for ids in completion_ids],
+        max_new_tokens=int(config.max_new_tokens),
+        stop_ids=stops,
+        end_of_turn_id=eot_id,
+        end_of_turn_inside=inside,
+        looping=looping,
+        seconds=seconds,
+    )
+
+
+# -- calling a reward function safely ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Call:
+    """One call of a reward function on one batch of completions."""
+
+    values: list[float | None] | None  # None when it raised or ran out of time
+    error: str | None = None  # "TypeError: ..."
+    timed_out: bool = False
+    seconds: float = 0.0
+
+    def finite(self) -> list[float]:
+        return [float(v) for v in self.values or () if _number(v) and math.isfinite(float(v))]
+
+
+def _number(value) -> bool:
+    return isinstance(value, numbers.Real) or hasattr(value, "__float__")  # numpy and torch scalars too
+
+
+def call_reward(func: Callable, kwargs: dict[str, Any], timeout: float = REWARD_TIMEOUT) -> Call:
+    """``func(**kwargs)`` on a deep copy of ``kwargs``, in a daemon thread, at most ``timeout`` seconds."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            copied = copy.deepcopy(kwargs)
+            out = func(**copied)
+            if inspect.isawaitable(out):
+                out = asyncio.run(_awaited(out))
+            result["values"] = [None if v is None else _as_float(v) for v in out]
+        except Exception as exc:  # the user's function: anything it raises is the finding
+            result["error"] = f"{type(exc).__name__}: {exc}"
+
+    started = time.perf_counter()
+    thread = threading.Thread(target=target, name="hf-sanity-reward-dry-run", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    seconds = time.perf_counter() - started
+    if thread.is_alive():
+        return Call(None, f"did not return within {timeout:g} s", timed_out=True, seconds=seconds)
+    return Call(result.get("values"), result.get("error"), seconds=seconds)
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _as_float(value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return value  # not a number: the finding names it
+
+
+# -- the dry run ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RewardCheck:
+    """What one reward function did on the dry run's completions."""
+
+    name: str
+    calls: dict[str, Call]  # by completions source ("synthetic", "sampled")
+    cause: str | None = None  # why it is broken: raises, wrong-length, none-values, completion-type,
+    # special-tokens-stripped, missing-column, constant; timeout (not judged); None: it works
+    why: str = ""
+    constant: bool = False  # one value on every completion it scored, though they differ
+    stripped_tokens: tuple[str, ...] = ()  # special tokens its source looks for, which TRL's decode strips
+    missing_columns: tuple[str, ...] = ()
+    values: tuple[float, ...] = ()  # its finite values, every batch
+
+    def describe(self) -> dict[str, Any]:
+        """As plain data (what the callback feeds its monitors, the report shows)."""
+        return {
+            "cause": self.cause,
+            "why": self.why,
+            "constant": self.constant,
+            "distinct": len(set(self.values)),
+            "values": sorted(set(self.values))[:8],
+            "stripped_tokens": list(self.stripped_tokens),
+            "missing_columns": list(self.missing_columns),
+            "seconds": round(sum(c.seconds for c in self.calls.values()), 3),
+            "errors": {k: c.error for k, c in self.calls.items() if c.error},
+        }
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """Every reward function called the way TRL will call it, on completions of the exact shape it passes."""
+
+    checks: list[RewardCheck] = field(default_factory=list)
+    batches: dict[str, int] = field(default_factory=dict)  # completions per source
+    skipped: list[str] = field(default_factory=list)  # reward functions not called, and why
+    seconds: float = 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "functions": {c.name: c.describe() for c in self.checks},
+            "completions": dict(self.batches),
+            "skipped": list(self.skipped),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def source_of(func) -> str:
+    import functools
+
+    while isinstance(func, functools.partial):
+        func = func.func
+    for candidate in (func, type(func).__call__):  # a function, or a callable object's method
+        try:
+            return inspect.getsource(candidate)
+        except (OSError, TypeError):
+            continue
+    return ""
+
+
+def columns_read(func) -> set[str]:
+    """The keyword arguments ``func`` needs by name (parameters without a default) or reads from ``**kwargs``
+    (``kwargs["x"]``, ``kwargs.get("x")``) that TRL does not pass itself: dataset columns."""
+    names: set[str] = set()
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        parameters = ()
+    for p in parameters:
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty:
+            names.add(p.name)
+    source = source_of(func)
+    names |= set(re.findall(r"kwargs\[\s*[\"'](\w+)[\"']\s*\]", source))
+    names |= set(re.findall(r"kwargs\.get\(\s*[\"'](\w+)[\"']", source))
+    return names - set(TRL_ARGUMENTS)
+
+
+def stripped_tokens(func, tokenizer) -> tuple[str, ...]:
+    """Special tokens named in ``func``'s source: ``skip_special_tokens=True`` strips them from every completion."""
+    source = source_of(func)
+    if not source or tokenizer is None:
+        return ()
+    special = sorted(set(getattr(tokenizer, "all_special_tokens", ()) or ()), key=len, reverse=True)
+    return tuple(t for t in special if len(t) > 2 and t in source)
+
+
+def dry_run(trainer, batches: Sequence[Completions], *, timeout: float = REWARD_TIMEOUT) -> DryRun:
+    """Call each reward function of ``trainer`` on each of ``batches`` (and, when it gives one value on
+    conversational completions, on the same completions as plain strings) and judge what it returned."""
+    started = time.perf_counter()
+    batches = [b for b in batches if b is not None and len(b)]
+    tokenizer = trainer_tokenizer(trainer)
+    state = copy.deepcopy(getattr(trainer, "state", None))
+    checks, skipped = [], []
+    dataset_columns = set(getattr(getattr(trainer, "train_dataset", None), "column_names", ()) or ())
+    for name, func in reward_funcs(trainer):
+        if _is_module(func):
+            skipped.append(f"{name}: a reward model (not dry-run: it is a model, not code)")
+            continue
+        calls = {b.source: call_reward(func, b.kwargs(state), timeout) for b in batches}
+        checks.append(judge(name, func, calls, batches, state, tokenizer, dataset_columns, timeout))
+    return DryRun(checks, {b.source: len(b) for b in batches}, skipped, time.perf_counter() - started)
+
+
+def _is_module(func) -> bool:
+    try:
+        import torch
+
+        return isinstance(func, torch.nn.Module)
+    except ImportError:  # pragma: no cover
+        return False
+
+
+def judge(
+    name, func, calls: dict[str, Call], batches, state, tokenizer, dataset_columns, timeout
+) -> RewardCheck:
+    """What went wrong with one reward function, with its cause (see :class:`RewardCheck`)."""
+    sizes = {b.source: len(b) for b in batches}
+    passed = set(batches[0].rows[0]) if batches and batches[0].rows else set()
+    missing = tuple(sorted(columns_read(func) - passed))
+    stripped = stripped_tokens(func, tokenizer)
+    values = tuple(v for c in calls.values() for v in c.finite())
+    base = dict(name=name, calls=calls, stripped_tokens=stripped, missing_columns=missing, values=values)
+    for source, call in calls.items():
+        if call.timed_out:
+            return RewardCheck(**base, cause="timeout", why=f"on the {source} completions it {call.error}: not judged "
+                               "(a function that calls a service: reward_dry_run=False)")  # fmt: skip
+        if call.error is not None:
+            if missing and ("TypeError" in call.error or "KeyError" in call.error):
+                dropped = [c for c in missing if c in dataset_columns]
+                why = f"it reads {', '.join(map(repr, missing))}, which TRL does not pass it" + (
+                    " (the dataset has it, but remove_unused_columns=True removes it)"
+                    if dropped
+                    else " (no such column in the dataset)"
+                )
+                return RewardCheck(**base, cause="missing-column", why=f"{why}: {call.error}")
+            return RewardCheck(**base, cause="raises", why=f"on the {source} completions: {call.error}")
+        if len(call.values) != sizes[source]:
+            return RewardCheck(**base, cause="wrong-length",
+                               why=f"it returned {len(call.values)} rewards for {sizes[source]} completions")  # fmt: skip
+        odd = [v for v in call.values if v is not None and not _number(v)]
+        if odd:
+            return RewardCheck(
+                **base, cause="raises", why=f"it returned a {type(odd[0]).__name__}, not a number"
+            )
+        nones = sum(v is None for v in call.values) / max(1, len(call.values))
+        if nones > NONE_SHARE:
+            return RewardCheck(**base, cause="none-values",
+                               why=f"it returned None for {nones:.0%} of the {source} completions (TRL counts "
+                               "them as NaN: those completions get no advantage)")  # fmt: skip
+    differ = len({t for b in batches for t in b.texts}) > 1
+    if not differ or len(set(values)) > 1:
+        if stripped:
+            return RewardCheck(**base, cause="special-tokens-stripped", why=_stripped_why(stripped))
+        return RewardCheck(**base)
+    # One value for every completion, though they differ.
+    constant = dict(base, constant=True)
+    conversational = [b for b in batches if b.conversational]
+    if conversational:
+        as_text = {
+            b.source: call_reward(func, b.kwargs(state, as_text=True), timeout) for b in conversational
+        }
+        varied = {v for c in as_text.values() for v in c.finite()}
+        if len(varied) > 1:
+            return RewardCheck(**constant, cause="completion-type",
+                               why=f"it gives {values[0]:g} to every completion passed as messages "
+                               '([{"role": "assistant", "content": ...}], as TRL passes them for conversational '
+                               f"prompts) and {len(varied)} different values to the same completions as strings")  # fmt: skip
+    if stripped:
+        return RewardCheck(**constant, cause="special-tokens-stripped", why=_stripped_why(stripped))
+    if missing:
+        return RewardCheck(**constant, cause="missing-column",
+                           why=f"it reads {', '.join(map(repr, missing))}, which TRL does not pass it")  # fmt: skip
+    shown = ", ".join(f"{sizes[s]} {s}" for s in sizes)
+    return RewardCheck(**constant, cause="constant", why=f"it returned {values[0]:g} for all {shown} completions, "
+                       "which differ in content")  # fmt: skip
+
+
+def _stripped_why(tokens: Sequence[str]) -> str:
+    return (f"its source looks for {', '.join(map(repr, tokens))}, which TRL's decode (skip_special_tokens=True) "
+            "strips from every completion before the reward function sees it")  # fmt: skip
+
+
+# -- the pass rate and the groups ------------------------------------------------------------------------------
+def total_rewards(per_function: Sequence[Sequence[float | None]], weights: Sequence[float]) -> list[float]:
+    """TRL's total reward per completion: the weighted sum of the functions' rewards (NaN where all are None)."""
+    out = []
+    for values in zip(*per_function):
+        given = [(w, float(v)) for w, v in zip(weights, values) if v is not None and math.isfinite(float(v))]
+        out.append(sum(w * v for w, v in given) if given else math.nan)
+    return out
+
+
+def group_stds(rewards: Sequence[float], group_size: int) -> list[float]:
+    """The standard deviation of each group's rewards, as TRL computes it (NaNs left out, Bessel's correction)."""
+    out = []
+    for lo in range(0, len(rewards) - group_size + 1, group_size):
+        values = [r for r in rewards[lo : lo + group_size] if math.isfinite(r)]
+        if len(values) < 2:
+            out.append(math.nan)
+            continue
+        mean = sum(values) / len(values)
+        out.append(math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)))
+    return out
+
+
+def uninformative_share(pass_rate: float, group_size: int) -> float:
+    """The share of groups expected to hold one reward value for a binary reward passing at ``pass_rate``:
+    p^G + (1-p)^G."""
+    return pass_rate**group_size + (1 - pass_rate) ** group_size
+
+
+def pass_rate(rewards: Sequence[float]) -> tuple[bool, float | None]:
+    """(binary, share at the higher value): a reward that takes two values, and how often the higher one."""
+    finite = [r for r in rewards if math.isfinite(r)]
+    distinct = sorted(set(finite))
+    if len(distinct) != 2:
+        return False, None
+    return True, sum(r == distinct[1] for r in finite) / len(finite)
+
+
+ZERO_STD = 1e-8  # TRL: torch.isclose(std, 0) (atol 1e-8)
+TINY_STD = 1e-3  # a group std this small, divided into its advantages, makes noise into +-1
+
+
+def rollout_summary(trainer) -> dict[str, Any]:
+    """The latest generation batch of a running trainer (``trainer._logs``: every completion's reward per function
+    and its text, in group order), summarised: the groups' reward spread, which groups carry no signal and why,
+    the pass rate of a binary reward, each function's range. Empty when the trainer keeps none."""
+    logs = getattr(trainer, "_logs", None)
+    group = int(getattr(trainer, "num_generations", 0) or 0)
+    if not isinstance(logs, dict) or group < 2:
+        return {}
+    names = [name for name, _ in reward_funcs(trainer)]
+    per = [list(logs.get("rewards", {}).get(name, ())) for name in names]
+    n = min((len(v) for v in per), default=0)
+    n -= n % group
+    if not names or n < group:
+        return {}
+    per = [v[-n:] for v in per]
+    weights = getattr(trainer, "reward_weights", None)
+    weights = [float(w) for w in weights.tolist()] if weights is not None else [1.0] * len(names)
+    total = total_rewards(per, weights)
+    stds = group_stds(total, group)
+    texts = [str(c) for c in list(logs.get("completion", ()))[-n:]]
+    groups = n // group
+    zero = [s <= ZERO_STD for s in stds]
+    identical = [len(texts) == n and len(set(texts[g * group : (g + 1) * group])) == 1 for g in range(groups)]
+    binary, rate = pass_rate(total)
+    finite = [r for r in total if math.isfinite(r)]
+    mean = sum(finite) / len(finite) if finite else math.nan
+    batch_std = (
+        math.sqrt(sum((r - mean) ** 2 for r in finite) / (len(finite) - 1)) if len(finite) > 1 else 0.0
+    )
+    return {
+        "groups": groups,
+        "group_size": group,
+        "zero_std_groups": sum(zero) / groups,
+        "tiny_std_groups": sum(ZERO_STD < s < TINY_STD for s in stds) / groups,
+        "identical_groups": sum(identical) / groups,
+        "zero_std_differing": sum(z and not i for z, i in zip(zero, identical)) / groups,
+        "batch_std": batch_std,
+        "binary": binary,
+        "pass_rate": rate,
+        "functions": {
+            name: {"min": min(f), "max": max(f), "mean": sum(f) / len(f)}
+            for name, values in zip(names, per)
+            if (f := [float(v) for v in values if v is not None and math.isfinite(float(v))])
+        },
+    }
+
+
+class Rollouts:
+    """What preflight measures of an RL trainer, each part once and only when a rule asks for it: the model's own
+    completions for a few prompts (:func:`sample`), the dry run's completions (:func:`synthetic`), and every
+    reward function called on both (:func:`dry_run`; not with ``reward_dry_run=False``)."""
+
+    def __init__(self, trainer, *, reward_dry_run: bool = True) -> None:
+        self.trainer = trainer
+        self.dry_run_enabled = reward_dry_run
+
+    @property
+    def group_size(self) -> int:
+        return int(getattr(self.trainer, "num_generations", None) or self.trainer.args.num_generations)
+
+    @cached_property
+    def sampled(self) -> Sampled | None:
+        return sample(self.trainer)
+
+    @cached_property
+    def synthetic(self) -> Completions | None:
+        return synthetic(self.trainer)
+
+    @cached_property
+    def dry_run(self) -> DryRun | None:
+        if not self.dry_run_enabled or not reward_funcs(self.trainer):
+            return None
+        sampled = self.sampled.completions if self.sampled is not None else None
+        return dry_run(self.trainer, [self.synthetic, sampled])
+
+    @cached_property
+    def sampled_rewards(self) -> list[float] | None:
+        """The total reward of each of the model's own completions (None when the dry run did not score them)."""
+        return self.rewards("sampled")
+
+    def rewards(self, source: str) -> list[float] | None:
+        """The total reward TRL would give each completion of ``source`` ("sampled", "synthetic"), from the dry
+        run's calls (None when a function did not score them all)."""
+        run = self.dry_run
+        if run is None or source not in run.batches or not run.checks:
+            return None
+        per = []
+        for check in run.checks:
+            call = check.calls.get(source)
+            if call is None or call.values is None or len(call.values) != run.batches[source]:
+                return None
+            per.append([v if v is None or _number(v) else None for v in call.values])
+        weights = getattr(self.trainer, "reward_weights", None)
+        weights = [float(w) for w in weights.tolist()] if weights is not None else [1.0] * len(per)
+        return total_rewards(per, weights[: len(per)])
+
+
+# -- after training: the reward on held-out prompts --------------------------------------------------------------
+LAST_SHARE = 0.10  # the training reward: the mean over the last 10% of the logged steps
+
+
+def held_out_reward(
+    samples, dataset, funcs: Sequence[Callable], *, timeout: float = REWARD_TIMEOUT
+) -> dict[str, Any]:
+    """Each reward function called as TRL calls it (on copies, with a time limit) on the completions generated for
+    held-out rows (``samples``: `measure.generate.Sample`, their ``row`` an index into ``dataset``): the mean total
+    reward (the functions' sum, TRL's default weights), each function's mean, what broke."""
+    rows = [dict(dataset[int(s.row)]) for s in samples]
+    batch = Completions(
+        rows=rows,
+        texts=[s.text for s in samples],
+        ids=[list(s.ids) for s in samples],
+        conversational=bool(rows) and is_conversational(rows[0].get("prompt")),
+        group_size=1,
+        source="held-out",
+    )
+    per, means, errors = [], {}, {}
+    for func in funcs:
+        name = getattr(func, "__name__", type(func).__name__)
+        call = call_reward(func, batch.kwargs(None), timeout)
+        if call.values is None or len(call.values) != len(batch):
+            errors[name] = (
+                call.error or f"returned {len(call.values or ())} rewards for {len(batch)} completions"
+            )
+            continue
+        values = [v if v is None or _number(v) else None for v in call.values]
+        per.append(values)
+        finite = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+        means[name] = sum(finite) / len(finite) if finite else None
+    total = [r for r in total_rewards(per, [1.0] * len(per)) if math.isfinite(r)] if per else []
+    return {"held_out": sum(total) / len(total) if total else None, "functions": means, "errors": errors,
+            "completions": len(batch)}  # fmt: skip
+
+
+def training_reward(source) -> float | None:
+    """The reward of a run's last steps: ``source`` is that number, a Trainer's ``log_history`` (a list of log
+    dicts), or a ``trainer_state.json`` (or the folder holding it): the mean logged ``reward`` over the last 10% of
+    the logged steps that have one (at least one)."""
+    import json
+    from pathlib import Path
+
+    from hf_sanity.errors import UserInputError
+
+    if source is None:
+        return None
+    if isinstance(source, numbers.Real):
+        return float(source)
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        path = path / "trainer_state.json" if path.is_dir() else path
+        try:
+            source = json.loads(path.read_text(encoding="utf-8")).get("log_history", [])
+        except (OSError, ValueError) as exc:
+            raise UserInputError(f"cannot read the training reward from {str(path)!r}: {exc}") from None
+    rewards = [
+        float(e["reward"])
+        for e in source
+        if isinstance(e, dict) and isinstance(e.get("reward"), numbers.Real)
+    ]
+    if not rewards:
+        return None
+    last = rewards[-max(1, math.ceil(LAST_SHARE * len(rewards))) :]
+    return sum(last) / len(last)

@@ -1,0 +1,330 @@
+"""RL fine-tuning before training: the rules of `hf_sanity/rules/rl.py` (and the RL parts of `template.py`,
+`training/preference.py`'s reference-mismatch and `training/rl.py`'s config check), each planted through a real
+`GRPOTrainer` or `RLOOTrainer` (`preflight(trainer=...)`) on the tiny model fine-tuned to answer the demo chats,
+and the clean setups silent, with no SFT rule read into their prompts."""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+
+import pytest
+import torch
+import trl_setups as setups
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_sanity
+from hf_sanity.errors import UserInputError
+from hf_sanity.measure import rl
+from hf_sanity.testing import demo_rl_prompts
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model is overhead-bound: a second CPU thread only contends (a GRPO run is 10x slower with two on a
+    shared 2-CPU machine). Restored after each test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def check(trainer, **kwargs):
+    return hf_sanity.preflight(trainer=trainer, use_config=False, **kwargs)
+
+
+def found(report, slug):
+    return [f for f in report.findings if f.rule == slug]
+
+
+def silent(report):
+    assert [f"{f.rule}: {f.message}" for f in report.findings] == []
+
+
+def rows(n=32, **kwargs):
+    return demo_rl_prompts(n, seed=3, **kwargs)
+
+
+# Reward functions as users write them (module-level: their source is what the dry run reads).
+def contains_answer(completions, answer, **kwargs):
+    """The conversational bug: `in` on a list of message dicts is always False."""
+    return [1.0 if a.split()[-1].rstrip(".") in c else 0.0 for c, a in zip(completions, answer)]
+
+
+def ends_turn(completions, **kwargs):
+    """Looks for the end-of-turn token, which TRL's decode strips."""
+    return [1.0 if "<|im_end|>" in setups.text_of(c) else 0.0 for c in completions]
+
+
+def needs_solution(completions, solution, **kwargs):
+    return [float(s in setups.text_of(c)) for c, s in zip(completions, solution)]
+
+
+def raises(completions, **kwargs):
+    raise ValueError("the grader is down")
+
+
+def one_reward(completions, **kwargs):
+    return [1.0]
+
+
+def mostly_none(completions, **kwargs):
+    return [None if i % 2 else 1.0 for i, _ in enumerate(completions)]
+
+
+def constant(completions, **kwargs):
+    return [0.5 for _ in completions]
+
+
+def even_length(completions, **kwargs):
+    """A binary reward passing about half the completions."""
+    return [float(len(setups.text_of(c)) % 2 == 0) for c in completions]
+
+
+# -- reward-function-broken ------------------------------------------------------------------------------------
+@pytest.mark.planted("reward-function-broken")
+@pytest.mark.parametrize(
+    ("func", "cause", "severity"),
+    [
+        (contains_answer, "completion-type", "error"),
+        (ends_turn, "special-tokens-stripped", "error"),
+        (needs_solution, "missing-column", "error"),
+        (raises, "raises", "error"),
+        (one_reward, "wrong-length", "error"),
+        (mostly_none, "none-values", "error"),
+        (constant, "constant", "error"),
+    ],
+)
+def test_a_broken_reward_function_is_named_with_its_cause(tmp_path, func, cause, severity):
+    report = check(setups.grpo(tmp_path, rows(), [func]))
+    (finding,) = found(report, "reward-function-broken")
+    assert (finding.evidence["cause"], finding.severity) == (cause, severity), finding.message
+    assert finding.evidence["function"] == func.__name__
+    assert report.stats["reward_dry_run"]["completions"] == {"synthetic": 16, "sampled": 16}
+
+
+@pytest.mark.planted("reward-function-broken")
+def test_a_constant_function_beside_one_that_varies_is_a_warning(tmp_path):
+    report = check(setups.grpo(tmp_path, rows(), [setups.length_reward, constant]))
+    (finding,) = found(report, "reward-function-broken")
+    assert (finding.evidence["cause"], finding.severity) == ("constant", "warning")
+    assert "length_reward still varies" in finding.message
+
+
+@pytest.mark.planted("reward-function-broken")
+def test_a_column_removed_by_remove_unused_columns_is_missing(tmp_path):
+    report = check(setups.grpo(tmp_path, rows(), [setups.answer_reward], remove_unused_columns=True))
+    (finding,) = found(report, "reward-function-broken")
+    assert finding.evidence["cause"] == "missing-column"
+    assert "remove_unused_columns=True removes it" in finding.evidence["why"]
+
+
+def test_the_dry_run_is_safe(tmp_path):
+    """Copies in, a time limit, the model and the RNG untouched; a slow function is not judged (a warning)."""
+
+    def mutates(prompts, completions, **kwargs):
+        prompts[0].clear()  # the user's rows must not change
+        completions.clear()
+        return []
+
+    def slow(completions, **kwargs):
+        time.sleep(3)
+        return [0.0 for _ in completions]
+
+    trainer = setups.grpo(tmp_path, rows(), [setups.length_reward, mutates])
+    before = copy.deepcopy(trainer.train_dataset[0])
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.model.train()
+    torch.manual_seed(7)
+    random.seed(7)
+    expected = (torch.rand(1).item(), random.random())
+    torch.manual_seed(7)
+    random.seed(7)
+    report = check(trainer)
+    assert (torch.rand(1).item(), random.random()) == expected
+    assert trainer.train_dataset[0] == before and trainer.model.training
+    assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in weights.items())
+    (finding,) = found(report, "reward-function-broken")
+    assert finding.evidence["function"] == "mutates" and finding.evidence["cause"] == "wrong-length"
+
+    slow_trainer = setups.grpo(tmp_path, rows(), [slow])
+    started = time.perf_counter()
+    run = rl.dry_run(slow_trainer, [rl.synthetic(slow_trainer)], timeout=0.5)
+    assert time.perf_counter() - started < 2.5
+    assert run.checks[0].cause == "timeout" and run.checks[0].calls["synthetic"].timed_out
+
+
+def test_reward_dry_run_false_calls_nothing_and_says_so(tmp_path):
+    calls = []
+
+    def counted(completions, **kwargs):
+        calls.append(len(completions))
+        return [0.0 for _ in completions]
+
+    report = check(setups.grpo(tmp_path, rows(), [counted]), reward_dry_run=False)
+    assert calls == [] and found(report, "reward-function-broken") == []
+    assert report.stats["reward_dry_run"].startswith("skipped: reward_dry_run=False")
+
+
+def test_the_completions_are_passed_as_trl_passes_them(tmp_path):
+    """Messages for conversational prompts, strings for text ones, special tokens stripped, columns as keywords."""
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, trainer_state, answer, **kwargs):
+        seen.setdefault("calls", []).append(
+            (prompts[0], completions[0], completion_ids[0], answer[0], kwargs)
+        )
+        seen["state"] = trainer_state
+        return [float(len(setups.text_of(c))) for c in completions]
+
+    tok = AutoTokenizer.from_pretrained(setups.trained_folder())
+    check(setups.grpo(tmp_path, rows(), [spy]))
+    prompt, completion, ids, answer, extra = seen["calls"][-1]  # the model's own completions
+    assert prompt[-1]["role"] == "user" and completion[0]["role"] == "assistant"
+    assert completion[0]["content"] == tok.decode(ids, skip_special_tokens=True) and "<|im_end|>" not in str(
+        completion
+    )
+    assert ids[-1] == tok.convert_tokens_to_ids("<|im_end|>") and answer.endswith(".")
+    assert {"log_extra", "log_metric"} <= set(extra) and seen["state"] is not None
+    seen.clear()
+    check(setups.grpo(tmp_path, setups.rendered(rows(), tok), [spy]))
+    assert isinstance(seen["calls"][-1][1], str)
+
+
+@pytest.mark.clean("reward-function-broken", "completions-truncated", "group-too-small", "stop-token-mismatch",
+                   "reference-mismatch", "length-runaway")  # fmt: skip
+@pytest.mark.parametrize(("conversational", "seed"), [(True, 0), (True, 1), (False, 0), (False, 2)])
+def test_clean_grpo_setups_are_silent(tmp_path, conversational, seed):
+    data = rows() if conversational else setups.rendered(rows())
+    report = check(setups.grpo(tmp_path, data, [setups.length_reward, setups.answer_reward], seed=seed))
+    silent(report)
+    assert report.stats["objective"] == "rl" and report.stats["sampled_completions"]["clipped_share"] == 0.0
+    assert set(report.stats["reward_dry_run"]["functions"]) == {"length_reward", "answer_reward"}
+
+
+@pytest.mark.clean(
+    "reward-function-broken", "completions-truncated", "stop-token-mismatch", "reference-mismatch"
+)
+def test_clean_rloo_with_a_graded_reward_is_silent(tmp_path):
+    silent(check(setups.rloo(tmp_path, rows(), [setups.length_reward])))
+
+
+# -- completions-truncated ---------------------------------------------------------------------------------------
+@pytest.mark.planted("completions-truncated")
+def test_completions_cut_by_a_short_budget(tmp_path):
+    report = check(setups.grpo(tmp_path, rows(), [setups.length_reward], max_completion_length=4))
+    (finding,) = found(report, "completions-truncated")
+    assert finding.evidence["cause"] == "budget" and finding.severity == "error"
+    assert finding.evidence["clipped_share"] == 1.0 and finding.evidence["max_completion_length"] == 4
+    assert found(report, "group-too-small") == []  # truncated completions say nothing of a pass rate
+
+
+def base_model_stops():
+    """A model folder as a base model ships it: EOS is <|endoftext|>, the chat template ends turns with <|im_end|>."""
+    tok = AutoTokenizer.from_pretrained(setups.trained_folder())
+    tok.eos_token = "<|endoftext|>"
+    model = AutoModelForCausalLM.from_pretrained(setups.trained_folder())
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+@pytest.mark.planted("completions-truncated", "stop-token-mismatch")
+def test_completions_run_past_an_end_of_turn_the_trainer_does_not_stop_on(tmp_path):
+    model, tok = base_model_stops()
+    report = check(setups.grpo(tmp_path, rows(), [setups.length_reward], model=model, tok=tok))
+    (truncated,) = found(report, "completions-truncated")
+    assert truncated.evidence["cause"] == "stop-token-mismatch", truncated.message
+    (stop,) = found(report, "stop-token-mismatch")
+    assert stop.evidence["end_of_turn"] == "<|im_end|>" and stop.evidence["stop_tokens"] == ["<|endoftext|>"]
+    assert "GRPOTrainer stops its completions only on" in stop.message
+
+
+# -- group-too-small ----------------------------------------------------------------------------------------------
+@pytest.mark.planted("group-too-small")
+def test_rloo_default_groups_of_two_with_a_binary_reward(tmp_path):
+    report = check(setups.rloo(tmp_path, rows(), [even_length]))
+    (finding,) = found(report, "group-too-small")
+    assert finding.evidence["group_size"] == 2 and finding.evidence["expected_uninformative"] >= 0.5
+    assert 0 < finding.evidence["pass_rate"] < 1
+
+
+@pytest.mark.clean("group-too-small")
+def test_groups_of_eight_for_a_binary_reward_are_enough(tmp_path):
+    report = check(
+        setups.grpo(tmp_path, rows(), [even_length], num_generations=8, per_device_train_batch_size=8)
+    )
+    assert found(report, "group-too-small") == [] and found(report, "reward-function-broken") == []
+
+
+# -- reference-mismatch (beta > 0) and length-runaway (loss_type) ------------------------------------------------------
+def changed_after_loading():
+    """The fine-tuned model as loaded, then changed in memory (TRL reloads the reference from its path)."""
+    model = AutoModelForCausalLM.from_pretrained(setups.trained_folder())
+    with torch.no_grad():
+        torch.manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.planted("reference-mismatch")
+def test_grpo_with_beta_reloads_its_reference_from_the_path(tmp_path):
+    model = changed_after_loading()
+    report = check(setups.grpo(tmp_path, rows(), [setups.length_reward], model=model, beta=0.04))
+    (finding,) = found(report, "reference-mismatch")
+    assert finding.evidence["cause"] == "reloaded-from-path" and finding.severity == "warning"
+
+
+@pytest.mark.planted("length-runaway")
+def test_the_length_biased_grpo_loss_is_a_config_warning(tmp_path):
+    report = check(setups.grpo(tmp_path, rows(), [setups.length_reward], loss_type="grpo"))
+    (finding,) = found(report, "length-runaway")
+    assert finding.evidence["loss_type"] == ["grpo"] and finding.severity == "warning"
+
+
+# -- after training: the held-out reward (policy-drift, cause reward-drop) ------------------------------------------
+def logged_rewards(*values):
+    """A run's log history as Trainer keeps it (``trainer.state.log_history``)."""
+    return [{"step": i + 1, "loss": 0.0, "reward": v} for i, v in enumerate(values)]
+
+
+@pytest.mark.planted("policy-drift")
+def test_a_held_out_reward_far_below_the_last_training_steps(tmp_path):
+    """A policy that games its training prompts: the log's last rewards are 0.9, the same reward function on the
+    held-out prompts' answers (a model that repeats one word) gives ~0."""
+    import datasets
+
+    from hf_sanity.testing import trained_setup
+
+    tuned, tok = trained_setup("undertrained")
+    held_out = datasets.Dataset.from_list(rows(16))
+    report = hf_sanity.outputs(model=tuned, tokenizer=tok, dataset=held_out, objective="rl", n=8, max_new_tokens=24,
+                               reward_funcs=[setups.answer_reward], train_reward=logged_rewards(0.2, 0.5, 0.9),
+                               select="policy-drift", use_config=False)  # fmt: skip
+    (drift,) = found(report, "policy-drift")
+    assert drift.evidence["causes"] == ["reward-drop"] and drift.evidence["rewards"]["train"] == 0.9
+    assert drift.evidence["rewards"]["held_out"] < 0.8 and report.stats["rewards"]["completions"] == 8
+
+
+@pytest.mark.clean("policy-drift")
+def test_a_held_out_reward_that_holds_is_silent(tmp_path):
+    import json
+
+    import datasets
+
+    from hf_sanity.testing import trained_setup
+
+    model, tok = trained_setup("clean")
+    base = AutoModelForCausalLM.from_pretrained(setups.trained_folder())
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trainer_state.json").write_text(
+        json.dumps({"log_history": logged_rewards(0.5, 0.8, 0.85)})
+    )
+    report = hf_sanity.outputs(model=model, tokenizer=tok, dataset=datasets.Dataset.from_list(rows(16)), base=base,
+                               objective="rl", n=8, max_new_tokens=24, reward_funcs=[setups.answer_reward],
+                               train_reward=tmp_path / "run", use_config=False)  # fmt: skip
+    silent(report)
+    assert report.stats["rewards"]["train"] == 0.85 and report.stats["rewards"]["held_out"] >= 0.75
+    with pytest.raises(UserInputError, match="cannot read the training reward"):
+        rl.training_reward(tmp_path / "missing.json")
