@@ -158,7 +158,7 @@ def hyperparameter_churn(runs: list[RunDescription], failures: list[frozenset[st
     for i in range(len(runs)):
         found = changes(runs[i - 1], runs[i]) if i else []
         hyper_only = bool(found) and all(c.kind == "hyperparameter" for c in found)
-        if chain and failures[i] and hyper_only and chain[-1] == i - 1:
+        if chain and failures[i] and hyper_only:  # the chain ends at i - 1: it goes on
             chain.append(i)
             steps[i] = found
             continue
