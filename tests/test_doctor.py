@@ -4,6 +4,7 @@ through a subprocess."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -207,11 +208,16 @@ def test_select_and_ignore(tmp_path):
 
 
 # -- hyperparameter-churn and seed-unfixed -------------------------------------------------------------
-def churn_runs(folder: Path, *, configs=(LLAMA, LLAMA, LLAMA)) -> list[Path]:
+CHURN_LRS = (1e-5, 1e-4, 1e-3, 1e-2)
+
+
+def churn_runs(folder: Path, *, configs=(LLAMA,) * 4) -> list[Path]:
+    """Four runs of one setup, flat at 2.1, the LR (read from the logs) raised from one to the next: three
+    failed hyperparameter changes."""
     paths = []
-    for i, (peak, config) in enumerate(zip((1e-5, 1e-4, 1e-3), configs)):
+    for i, (peak, config) in enumerate(zip(CHURN_LRS, configs)):
         curves = series(flat=2.1, noise=0.003, seed=i, peak=peak)
-        paths.append(write_run(folder / f"lr{peak:g}", curves, config=config))
+        paths.append(write_run(folder / f"{i}-lr{peak:g}", curves, config=config))
     return paths
 
 
@@ -220,28 +226,65 @@ def test_hyperparameter_churn(tmp_path):
     report = doctor(churn_runs(tmp_path), use_config=False)
     (churn,) = report.by_rule("hyperparameter-churn")
     assert churn.severity == "error" and "hf-sanity diagnose" in churn.message
+    assert "4 runs in a row fail" in churn.message and "3 hyperparameter-only changes" in churn.message
     assert churn.evidence["failures"] == ["loss-flat"]
-    assert churn.evidence["differing_hyperparameters"]["peak_learning_rate"] == [1e-5, 1e-4, 1e-3]
+    assert churn.evidence["differing_hyperparameters"]["peak_learning_rate"] == list(CHURN_LRS)
+    assert [c["changed"] for c in churn.evidence["changes"]] == [
+        {"learning rate": [a, b]} for a, b in itertools.pairwise(CHURN_LRS)
+    ]
     assert "model.model_type" in churn.evidence["setup_fields_compared"]
     assert report.by_rule("seed-unfixed") == []  # different LRs: not one configuration
+    # one change at a time after each failure: no change was made several at once
+    assert report.by_rule("several-changes-at-once") == []
+    assert [r["changed"] for r in report.stats["runs"]] == [None] + [
+        [f"learning rate {a:.3g} → {b:.3g}"] for a, b in itertools.pairwise(CHURN_LRS)
+    ]
 
 
-def test_churn_groups_runs_by_failure_class(tmp_path):
-    """Three LRs that all fail to learn: flat at two, underfitting (it moved, by 6%) at the third."""
+def test_the_iron_law_counts_failed_runs_whatever_their_failure_class(tmp_path):
+    """Three LRs that fail to learn (flat at two, underfitting at the third: it moved, by 6%), then a fourth
+    that spikes: four failures of three kinds across three LR changes. The iron law counts failed changes, not
+    one symptom (it used to group runs by failure class and fire on three)."""
     paths = churn_runs(tmp_path)
-    barely = series(start=2.4, floor=2.25, noise=0.003, seed=2, peak=1e-3)
-    write_run(paths[2], barely, config=LLAMA)
+    write_run(paths[2], series(start=2.4, floor=2.25, noise=0.003, seed=2, peak=1e-3), config=LLAMA)
+    spiky = series(seed=5, peak=1e-2)
+    spiky.train_loss[150] = 3 * spiky.train_loss[149]
+    write_run(paths[3], spiky, config=LLAMA)
     report = doctor(paths, use_config=False)
-    assert [f.rule for f in report.findings if f.evidence.get("run") == str(paths[2])] == ["underfitting"]
     (churn,) = report.by_rule("hyperparameter-churn")
-    assert churn.evidence["failure_classes"] == ["not-learning"]
-    assert churn.evidence["failures"] == ["loss-flat", "underfitting"]
     assert churn.evidence["failures_by_run"] == {
         str(paths[0]): ["loss-flat"],
         str(paths[1]): ["loss-flat"],
         str(paths[2]): ["underfitting"],
+        str(paths[3]): ["loss-spike"],
     }
-    assert "not-learning: loss-flat in 2, underfitting in 1" in churn.message
+    assert churn.evidence["failure_classes"] == ["diverging", "not-learning"]
+    assert "loss-flat in 2, loss-spike in 1, underfitting in 1" in churn.message
+
+
+@pytest.mark.clean("hyperparameter-churn")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_three_runs_two_changes_are_not_yet_the_iron_law(tmp_path, seed):
+    """Two failed changes (three runs) do not make the law; a run that works, or a change of the setup (a fix
+    of the pipeline was tried), breaks the chain of four. The runs table shows what each run changed: the
+    detector compared them."""
+    paths = churn_runs(tmp_path / "a")[:3]
+    report = doctor(paths, use_config=False)
+    assert report.by_rule("hyperparameter-churn") == [] and len(report.by_rule("loss-flat")) == 3
+    assert [r["changed"] for r in report.stats["runs"]][1:] == [
+        ["learning rate 1e-05 → 0.0001"],
+        ["learning rate 0.0001 → 0.001"],
+    ]
+    paths = churn_runs(tmp_path / "b")
+    write_run(paths[2], series(seed=seed, peak=1e-3), config=LLAMA)  # the third run learns
+    report = doctor(paths, use_config=False)
+    assert report.by_rule("hyperparameter-churn") == []
+    assert [r["outcome"] for r in report.stats["runs"]] == [
+        "loss-flat",
+        "loss-flat",
+        "no failure",
+        "loss-flat",
+    ]
 
 
 def test_failure_classes_name_rules_of_the_catalog():
@@ -251,20 +294,16 @@ def test_failure_classes_name_rules_of_the_catalog():
     assert R.failure_class("negative-loss") == "negative-loss"  # in no class: a class of its own
 
 
-def test_no_churn_across_different_setups(tmp_path):
+def test_a_setup_change_breaks_the_chain(tmp_path):
+    """Another model for the third run: a change of the setup, not a hyperparameter; the chain restarts."""
     other = {**LLAMA, "_name_or_path": "Qwen/Qwen2.5-0.5B", "model_type": "qwen2"}
-    report = doctor(churn_runs(tmp_path, configs=(LLAMA, LLAMA, other)), use_config=False)
+    report = doctor(churn_runs(tmp_path, configs=(LLAMA, LLAMA, other, other)), use_config=False)
     assert report.by_rule("hyperparameter-churn") == []
-    assert len(report.by_rule("loss-flat")) == 3
-
-
-@pytest.mark.clean("hyperparameter-churn")
-def test_no_churn_when_runs_fail_differently(tmp_path):
-    paths = churn_runs(tmp_path)
-    spiky = series(seed=5)
-    spiky.train_loss[150] = 3 * spiky.train_loss[149]
-    write_run(paths[2], spiky, config=LLAMA)
-    assert doctor(paths, use_config=False).by_rule("hyperparameter-churn") == []
+    assert len(report.by_rule("loss-flat")) == 4
+    # the model and the LR changed together after a failure: several at once
+    (several,) = report.by_rule("several-changes-at-once")
+    assert several.evidence["changed"]["model"] == ["meta-llama/Llama-3.2-1B", "Qwen/Qwen2.5-0.5B"]
+    assert set(several.evidence["changed"]) == {"model", "learning rate"}
 
 
 def test_training_args_json_separates_setups(tmp_path):
@@ -272,7 +311,7 @@ def test_training_args_json_separates_setups(tmp_path):
     for i, path in enumerate(paths):
         (path / "training_args.json").write_text(
             json.dumps(
-                {"dataset_name": "a" if i < 2 else "b", "learning_rate": 1e-4, "output_dir": str(path)}
+                {"dataset_name": "a" if i % 2 else "b", "learning_rate": 1e-4, "output_dir": str(path)}
             )
         )
     assert doctor(paths, use_config=False).by_rule("hyperparameter-churn") == []
@@ -630,6 +669,7 @@ def test_callback_findings_count_in_the_churn(tmp_path):
     (churn,) = doctor(paths, use_config=False).by_rule("hyperparameter-churn")
     assert churn.evidence["failure_classes"] == ["not-learning"]
     assert churn.evidence["failures_by_run"][str(paths[2])] == ["lr-too-low"]
+    assert len(churn.evidence["runs"]) == 4
 
 
 def test_malformed_callback_report_is_a_user_error(tmp_path):

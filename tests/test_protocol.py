@@ -406,17 +406,35 @@ def assert_searched_and_reached(stats, steps):
     assert search["steps"] <= 3 * steps and search["step_limit"] == 4 * steps
 
 
+@pytest.mark.clean("overfit-failed")
 def test_clean_full_fine_tune_overfits_with_the_default_options(model, tok):
-    """The tiny model's full fine-tune stalls at the old fixed default (lr=1e-4: 6.9 -> ~3 in 300 steps)."""
+    """The protocol's order on a correct setup: step 1 at the fixed full fine-tuning LR (1e-4) does not get the
+    random tiny model near zero (6.9 -> ~3 in 300 steps), with the gradient path intact; steps 2 and 3 run and
+    pass; only then does step 4 search the LR, and the search gets there. No finding: the overfit passes, at
+    the LR the search reports."""
     report = overfit(model=model, tokenizer=tok, dataset=demo_conversations(16))
     assert not report.has_errors, report.summary()
     stats = report.stats["overfit"]
     assert_searched_and_reached(stats, 300)
+    assert stats["step1"]["lr"] == 1e-4 and stats["step1"]["steps_run"] == 300
+    assert stats["step1"]["loss_final"] > stats["near_zero"] == 0.05
     assert stats["gradient_path"]["grads"]["nonzero"] == stats["gradient_path"]["trainable"] == 21
-    assert stats["lr"] > 1e-3  # well above the old default: the one the search found and reports
+    assert stats["lr"] > 1e-3  # well above step 1's: the one the search found and reports
     assert report.stats["setup"]["lr"] == stats["lr"] and report.stats["setup"]["lr_search"] is True
-    [item] = [i for i in report.stats["checklist"] if i["item"] == "the loss reaches near zero"]
-    assert item["status"] == "passed" and f"lr={stats['lr']:.3g}" in item["detail"]
+    # steps 2 and 3 ran (their measurements are in the report) before step 4's search, in the protocol's order
+    assert "init_loss" in report.stats and "masks" in report.stats
+    layers = [i["layer"] for i in report.stats["checklist"]]
+    assert layers == sorted(layers) and set(layers) == {1, 2, 3, 4}
+    [first] = [
+        i for i in report.stats["checklist"] if i["item"] == "the loss reaches near zero at the step-1 LR"
+    ]
+    assert first["status"] == "warning" and "lr=0.0001" in first["detail"]
+    [found] = [
+        i for i in report.stats["checklist"] if i["item"] == "the overfit reaches near zero at a searched LR"
+    ]
+    assert found["status"] == "passed" and f"lr={stats['lr']:.3g}" in found["detail"]
+    assert stats["trajectory"][0] == [0, pytest.approx(stats["loss_start"], abs=1e-4)]
+    assert stats["trajectory"][-1][0] == stats["reached_at_step"]
 
 
 def test_lora_adapter_overfits_with_the_default_options(model, tok):
@@ -466,23 +484,129 @@ def test_labels_that_cannot_be_memorised_fail_after_a_wide_lr_search(model, tok,
     assert stats["gradient_path"]["grads"]["nonzero"] == 21  # the gradient path itself is fine
 
 
-def test_diagnose_gets_past_overfit_to_the_empty_loss_mask(model, tok):
-    """A third of the rows carry no supervised token: the others still memorise at the LR the search picks,
-    and layer 3's mask rules name the rows."""
+class RandomLabelsTrainer(Trainer):
+    """Every supervised label drawn at random at every step: nothing can be memorised, whatever trains."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs["labels"].clone()
+        kept = labels != -100
+        labels[kept] = torch.randint(4, model.config.vocab_size, (int(kept.sum()),), device=labels.device)
+        return super().compute_loss(model, {**inputs, "labels": labels}, return_outputs, num_items_in_batch)
+
+
+@pytest.mark.slow
+def test_an_adapter_on_labels_nothing_can_learn_is_not_called_capacity(model, tok, tmp_path):
+    """The capacity check's twin: the same small adapter (LoRA r=1 on q_proj) on labels drawn at random each
+    step. No LR helps, and with every weight trainable it gets no nearer either: not-converged, not capacity."""
+    from peft import LoraConfig, get_peft_model
+
+    adapter = get_peft_model(model, LoraConfig(r=1, lora_alpha=2, target_modules=["q_proj"]))
+    trainer = make_trainer(adapter, tok, tmp_path, cls=RandomLabelsTrainer)
+    report = overfit(trainer=trainer, steps=40)
+    assert cause(report) == "not-converged"
+    [finding] = report.by_rule("overfit-failed")
+    assert "not a matter of capacity" in finding.message
+    capacity = report.stats["overfit"]["capacity"]  # the check ran
+    assert capacity["trainable_elements"] == 256 and not capacity["all_trainable_reached"]
+    assert capacity["all_trainable_best_loss"] > 0.5 * report.stats["overfit"]["loss_start"]
+
+
+def rows_with_empty_masks(tok):
+    """A third of the rows carry no supervised token."""
     data = token_rows(tok, 12)
-    rows = [
+    return [
         {"input_ids": ids, "labels": [-100] * len(ids) if i % 3 == 0 else labels}
         for i, (ids, labels) in enumerate(zip(data["input_ids"], data["labels"]))
     ]
-    report = diagnose(model=model, tokenizer=tok, dataset=rows, write_repro=False)
+
+
+@pytest.mark.planted("overfit-failed")
+def test_shapes_and_masks_run_before_any_lr_search(model, tok):
+    """The protocol's order: step 1 at the fixed LR does not reach near zero (gradient path intact); step 3 then
+    finds rows without a supervised token, and the LR is not searched ("run steps 1 through 3 first, every time,
+    before touching the optimizer"). It used to search the LR first, pass the overfit there, and only then name
+    the masks."""
+    report = diagnose(model=model, tokenizer=tok, dataset=rows_with_empty_masks(tok), write_repro=False)
     stats = report.stats
-    assert stats["overfit"]["passed"] and stats["overfit"]["lr_chosen_by"] == "search"
     assert stats["broken_layer"] == "3. shapes and masks" and stats["cause"] == "empty-loss-mask"
+    assert stats["overfit"]["lr_search"] is None and "lr_range" not in stats  # no LR was touched
+    assert stats["overfit"]["found_before_lr"] == ["empty-loss-mask"]
     [finding] = report.by_rule("empty-loss-mask")
     assert finding.severity == "error" and finding.evidence["count"] == 3  # rows 0, 3 and 6 of the 8
-    assert [i["status"] for i in stats["checklist"] if i["layer"] in (1, 2)] == ["passed"] * 8
+    assert report.by_rule("overfit-failed") == []  # diagnose's verdict is the broken layer
+    assert [i["status"] for i in stats["checklist"] if i["layer"] == 1][-1] == "warning"
     [masks] = [i for i in stats["checklist"] if i["layer"] == 3 and i["item"].startswith("masks")]
     assert masks["status"] == "failed" and "empty-loss-mask" in masks["detail"]
+    assert [i["status"] for i in stats["checklist"] if i["layer"] > 3] == ["skipped"] * 2
+    # overfit itself stops at the same place, and says why the LR was not searched
+    report = overfit(model=model, tokenizer=tok, dataset=rows_with_empty_masks(tok))
+    assert cause(report) == "not-converged" and report.by_rule("empty-loss-mask")
+    [finding] = report.by_rule("overfit-failed")
+    assert finding.evidence["found_before_lr"] == ["empty-loss-mask"] and "not searched" in finding.message
+    assert report.stats["overfit"]["lr_search"] is None
+
+
+@pytest.mark.clean("overfit-failed")
+@pytest.mark.parametrize("start", [0, 8, 16])
+def test_a_setup_that_overfits_at_the_step1_lr_passes_near_zero_as_written(model, tok, start):
+    """Near zero is 0.05 nat/token, as the protocol writes it. At lr 1e-3 the tiny full fine-tune gets there
+    within 300 steps on several draws of eight examples: step 1 passes, nothing else runs."""
+    report = overfit(model=model, tokenizer=tok, dataset=demo_conversations(32)[start:], lr=1e-3)
+    stats = report.stats["overfit"]
+    assert report.findings == [] and stats["passed"] and stats["lr_search"] is None, report.summary()
+    assert stats["near_zero"] == 0.05 and stats["loss_final"] <= 0.05 and stats["data_floor"] is None
+    assert "init_loss" not in report.stats  # step 1 decided
+    assert stats["trajectory"][-1] == [stats["reached_at_step"], pytest.approx(stats["loss_final"], abs=1e-4)]
+
+
+@pytest.mark.planted("overfit-failed")
+def test_near_zero_means_near_zero(model, tok):
+    """100 steps at lr 1e-3 leave the loss at ~0.18 nat/token: every answer token at ~83%. The old threshold
+    (5% of the step-0 loss, 0.35 here) passed it; the protocol's "nearly zero" (its example ends at 0.012) does
+    not."""
+    report = overfit(model=model, tokenizer=tok, dataset=demo_conversations(16), lr=1e-3, steps=100)
+    assert cause(report) == "not-converged"
+    stats = report.stats["overfit"]
+    assert 0.05 < stats["loss_final"] < 0.05 * stats["loss_start"]  # passed before, fails now
+    [finding] = report.by_rule("overfit-failed")
+    assert finding.evidence["near_zero"] == 0.05 and "not near zero (0.05)" in finding.message
+    assert "init_loss" in report.stats and "masks" in report.stats  # steps 2 and 3 ran before the verdict
+
+
+NUMBER_WORDS = ["three", "seven", "five", "nine", "two", "eight", "four", "six"]
+
+
+def same_prompt_rows(words=NUMBER_WORDS) -> list[dict]:
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": "Pick a number from one to nine."},
+                {"role": "assistant", "content": w},
+            ]
+        }
+        for w in words
+    ]
+
+
+@pytest.mark.planted("overfit-failed")
+def test_the_floor_the_data_imposes_is_computed_and_shown(model, tok):
+    """Eight identical prompts with eight different answers: no model can predict which, so 0.05 nat/token is
+    out of reach; near zero is the data's floor (the entropy of the answers after the identical prompt, per
+    supervised token) plus 0.05, and the report says so. Without it, the overfit would fail a correct setup."""
+    report = overfit(model=model, tokenizer=tok, dataset=same_prompt_rows(), lr=1e-2, steps=200)
+    stats = report.stats["overfit"]
+    floor = stats["data_floor"]
+    assert report.findings == [] and stats["passed"], report.summary()
+    assert floor["nats"] > 0.3 and floor["positions"] > 0 and floor["prefixes"] >= 1
+    assert stats["near_zero"] == pytest.approx(floor["nats"] + 0.05, abs=1e-3)
+    assert floor["nats"] - 1e-3 <= stats["loss_final"] <= stats["near_zero"]
+    assert stats["loss_final"] > 0.05  # the old "near zero" could not be reached here
+    text = io.StringIO()
+    Console(file=text, width=200).print(report)
+    assert "near zero is the data's floor" in text.getvalue()
+    # one answer repeated eight times: no conflict, no floor
+    report = overfit(model=model, tokenizer=tok, dataset=same_prompt_rows(["seven"] * 8), lr=1e-2, steps=200)
+    assert report.stats["overfit"]["data_floor"] is None and report.stats["overfit"]["near_zero"] == 0.05
 
 
 # -- layers ----------------------------------------------------------------------------------------

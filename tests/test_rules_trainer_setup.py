@@ -243,3 +243,48 @@ def test_a_compute_loss_that_scales_the_loss_is_judged_before_training(tmp_path,
     assert "compute_loss" in finding.fix
     plain = Trainer(model=model, args=args(tmp_path), train_dataset=token_rows(tok), data_collator=collator)
     assert preflight(trainer=plain, select="init-loss-off-chance", use_config=False).findings == []
+
+
+def clipping_trainer(tmp_path, model, tok, **kwargs):
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    return Trainer(
+        model=model, args=args(tmp_path, **kwargs), train_dataset=token_rows(tok), data_collator=collator
+    )
+
+
+@pytest.mark.planted("clipping-off-half-precision")
+@pytest.mark.parametrize("precision", ["bf16", "bf16-weights"])
+@pytest.mark.parametrize("clip", [0.0, None])
+def test_clipping_off_in_half_precision(tmp_path, model_tok, precision, clip):
+    """bf16 mixed precision (it runs on the CPU) or a model held in bfloat16, with max_grad_norm 0 or None:
+    Trainer does not clip. Its twin with Trainer's default clipping is silent: the detector read the same
+    trainer."""
+    model, tok = model_tok
+    kwargs = {"bf16": True} if precision == "bf16" else {}
+    if precision == "bf16-weights":
+        model = model.to(torch.bfloat16)
+    (finding,) = preflight(
+        trainer=clipping_trainer(tmp_path, model, tok, max_grad_norm=clip, **kwargs),
+        select="clipping-off-half-precision",
+        use_config=False,
+    ).findings
+    assert finding.severity == "warning" and finding.evidence["max_grad_norm"] == clip
+    expected = {"mixed_precision": "bf16"} if precision == "bf16" else {"trainable_dtype": "bfloat16"}
+    assert expected.items() <= finding.evidence.items()
+    assert "max_grad_norm=1.0" in finding.fix
+    clipped = clipping_trainer(tmp_path, model, tok, **kwargs)
+    assert clipped.args.max_grad_norm == 1.0
+    assert preflight(trainer=clipped, select="clipping-off-half-precision", use_config=False).findings == []
+
+
+@pytest.mark.clean("clipping-off-half-precision")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clipping_off_in_float32_is_not_flagged(tmp_path, model_tok, seed):
+    """Clipping off in float32 is a choice, not a half-precision hazard; a bf16 run with clipping on is the
+    default. A whole preflight of each is silent on it, at several seeds."""
+    model, tok = model_tok
+    for kwargs in ({"max_grad_norm": 0.0}, {"bf16": True}):
+        report = preflight(
+            trainer=clipping_trainer(tmp_path, model, tok, seed=seed, **kwargs), use_config=False
+        )
+        assert report.by_rule("clipping-off-half-precision") == [], kwargs

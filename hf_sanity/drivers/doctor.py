@@ -10,17 +10,32 @@ files runs (``training_args.bin`` is read inert) and nothing is written into the
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.table import Table
+from rich.text import Text
 
 from hf_sanity import catalog
 from hf_sanity.drivers.curves import analyze
 from hf_sanity.errors import UserInputError
 from hf_sanity.findings import Finding
 from hf_sanity.measure.objective import of_log_history
-from hf_sanity.measure.runs import RUN_HELP, Run, RunSet, describe, global_step, read_predictions, read_run
-from hf_sanity.report import Report
+from hf_sanity.measure.runs import (
+    RUN_HELP,
+    Run,
+    RunSet,
+    changes,
+    describe,
+    global_step,
+    read_predictions,
+    read_run,
+)
+from hf_sanity.report import Report, _short
 from hf_sanity.selection import Selection, resolve
 
 
@@ -203,7 +218,7 @@ def doctor(
     )
     kept_together = catalog.run_all("runs", run_set, selection)
 
-    report = Report(title="hf-sanity doctor")
+    report = DoctorReport(title="hf-sanity doctor")
     report.notes += [f"{run.label}: {run.missing}" for run in loaded if run.missing]
     report.notes += [f"{label}: skipped, {why}" for label, why in skipped]
     kept_per_run: list[list[Finding]] = []
@@ -224,8 +239,9 @@ def doctor(
             "side_files": run.files,
             "callback_findings": len(run.callback_findings) if run.callback_report is not None else None,
             "objective": objective,
+            **row,
         }
-        for run, objective in zip(loaded, objectives)
+        for run, objective, row in zip(loaded, objectives, run_table(run_set))
     ]
     if rows is not None:
         report.stats["predictions"] = len(rows)
@@ -241,3 +257,60 @@ def doctor(
             report.stats["plot"] = str(plot)
     report.stats["seconds"] = round(time.perf_counter() - started, 2)
     return report
+
+
+# -- the runs table --------------------------------------------------------------------------------
+def run_table(runs: RunSet) -> list[dict]:
+    """Per run, in the order given: what changed from the run before (readable in both) and its outcome."""
+    rows = []
+    for i, (description, failed) in enumerate(zip(runs.descriptions, runs.failures)):
+        found = changes(runs.descriptions[i - 1], description) if i else []
+        rows.append(
+            {
+                "changed": [c.describe() for c in found] if i else None,
+                "outcome": ", ".join(sorted(failed)) if failed else "no failure",
+            }
+        )
+    return rows
+
+
+@dataclass
+class DoctorReport(Report):
+    """doctor's report: with several runs, a table of them in the order given (what changed from the run
+    before, outcome) under the findings."""
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        runs = self.stats.get("runs") or []
+        if len(runs) < 2:
+            yield from super().__rich_console__(console, options)
+            return
+        yield from Report(self.title, self.findings, {}, self.plots, self.notes).__rich_console__(
+            console, options
+        )
+        table = Table(title="runs, in the order given", title_justify="left", title_style="bold",
+                      show_edge=False, header_style="bold")  # fmt: skip
+        for column in ("#", "run", "changed from the run before", "outcome"):
+            table.add_column(column, overflow="fold")
+        labels = short_labels([row["run"] for row in runs])
+        for i, (row, label) in enumerate(zip(runs, labels), 1):
+            changed = (
+                "; ".join(row["changed"]) if row["changed"] else "(first)" if i == 1 else "nothing readable"
+            )
+            outcome = Text(row["outcome"], style="green" if row["outcome"] == "no failure" else "red")
+            table.add_row(str(i), label, changed, outcome)
+        yield Text()
+        yield table
+        rest = {k: v for k, v in self.stats.items() if k != "runs"}
+        yield Text()
+        yield Text("stats: " + ", ".join(f"{k}={_short(v)}" for k, v in rest.items()), style="dim")
+
+
+def short_labels(labels: list[str]) -> list[str]:
+    """The runs' paths without the folder they all share (out/a, out/b -> a, b), for the table."""
+    try:
+        common = os.path.commonpath(labels)
+    except ValueError:  # absolute and relative paths mixed
+        return labels
+    if not common or common in labels:
+        return labels
+    return [os.path.relpath(label, common) for label in labels]

@@ -375,3 +375,79 @@ class RunSet:
     descriptions: list[RunDescription]
     failures: list[frozenset[str]]
     predictions: list[dict[str, Any]] | None = None
+
+
+# -- what changed from one run to the next ---------------------------------------------------------
+# One knob can be recorded under several names (a Trainer argument, the same number in trainer_state.json,
+# the peak LR read from the logs; max_steps and the epochs Trainer derives from it): each group is one
+# setting, so that changing the batch size is one change, not two. A new model is one change too.
+SETTING_OF = {
+    **dict.fromkeys(("learning_rate", "lr", "peak_learning_rate"), "learning rate"),
+    **dict.fromkeys(("per_device_train_batch_size", "train_batch_size", "batch_size"), "batch size"),
+    **dict.fromkeys(("max_steps", "num_train_epochs", "epochs"), "training length"),
+    **dict.fromkeys(("warmup_steps", "warmup_ratio"), "warmup"),
+    **dict.fromkeys(("lora_r", "r"), "LoRA rank"),
+    **dict.fromkeys(("bf16", "fp16", "tf32", "mixed_precision"), "precision"),
+    **dict.fromkeys(("seed", "data_seed", "full_determinism"), "seed"),
+}
+# How often a run logs, evaluates or saves changes nothing it learns.
+NOT_A_SETTING = frozenset(
+    {"logging_steps", "eval_steps", "save_steps", "eval_strategy", "save_strategy", "logging_strategy"}
+)
+PEAK_LR_TOLERANCE = 0.05  # the peak LR read from the logs depends on which steps were logged
+
+
+@dataclass
+class Change:
+    """One setting that differs between a run and the one before it: each field it is recorded under, as
+    [before, after]; ``kind``: hyperparameter, or setup (the model, or any other readable argument)."""
+
+    setting: str
+    kind: str
+    fields: dict[str, list[Any]]
+
+    def describe(self) -> str:
+        """``learning rate 0.0001 → 0.0003``; a model by its name where that changed."""
+        before, after = self.fields.get("model._name_or_path") or next(iter(self.fields.values()))
+        return f"{self.setting} {_short_value(before)} → {_short_value(after)}"
+
+
+def _short_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _peak_lr_differs(a: Any, b: Any) -> bool:
+    if not all(isinstance(v, (int, float)) for v in (a, b)):
+        return canonical(a) != canonical(b)
+    return abs(a - b) > PEAK_LR_TOLERANCE * max(abs(a), abs(b))
+
+
+def changes(before: RunDescription, after: RunDescription) -> list[Change]:
+    """The settings readable in both runs that differ, one :class:`Change` per setting (a field one of them
+    does not record is unknown, not a change). The peak LR of the logs stands in for the learning rate only
+    where neither run records the argument."""
+    found: dict[str, Change] = {}
+    recorded_lr = any(
+        k in before.hyperparameters and k in after.hyperparameters for k in ("learning_rate", "lr")
+    )
+    for kind, a, b in (
+        ("setup", before.setup, after.setup),
+        ("hyperparameter", before.hyperparameters, after.hyperparameters),
+    ):
+        for key in sorted(a.keys() & b.keys()):
+            if key in NOT_A_SETTING or (key == "peak_learning_rate" and recorded_lr):
+                continue
+            differs = (
+                _peak_lr_differs(a[key], b[key])
+                if key == "peak_learning_rate"
+                else canonical(a[key]) != canonical(b[key])
+            )
+            if not differs:
+                continue
+            setting = "model" if kind == "setup" and key.startswith("model.") else SETTING_OF.get(key, key)
+            change = found.setdefault(setting, Change(setting, kind, {}))
+            change.fields[key] = [a[key], b[key]]
+    return sorted(found.values(), key=lambda c: (c.kind != "hyperparameter", c.setting))

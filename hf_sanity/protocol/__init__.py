@@ -7,7 +7,6 @@
 Both work on copies: the user's trainer, model and RNG states are left exactly as they were.
 """
 
-from hf_sanity.protocol.diagnose import diagnose
-from hf_sanity.protocol.overfit import overfit
+from hf_sanity.protocol.diagnose import diagnose, overfit
 
 __all__ = ["diagnose", "overfit"]

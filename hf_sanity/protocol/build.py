@@ -26,9 +26,10 @@ from hf_sanity.protocol.optimizers import adamw, remap_optimizer, unwrapped
 from hf_sanity.protocol.options import MIN_EXAMPLES, ProtocolOptions
 from hf_sanity.protocol.pipeline import DEFAULT_MAX_GRAD_NORM, Learner, NullOptimizer, Pipeline, _cpu
 
-# Where the overfit starts when no LR is given (its first step, which measures the gradient path, runs at it;
-# then the LR is searched): a few times the usual training LR, for an adapter and for full fine-tuning. A
-# trainer's own LR is used when larger.
+# Step 1's LR when none is given, fixed per setup: a few times the usual training LR, for an adapter and for
+# full fine-tuning (a pretrained model memorises a handful of examples at these within a few hundred steps).
+# Not the trainer's own LR: step 1 asks whether the pipeline can learn, with one documented rate; the LR itself
+# is step 4's question, searched only after steps 2 and 3 pass.
 DEFAULT_LR_ADAPTER = 1e-3
 DEFAULT_LR_FULL = 1e-4
 MODEL_INPUTS = ("input_ids", "attention_mask", "labels", "position_ids", "token_type_ids")
@@ -160,7 +161,7 @@ def from_objects(
     configured = opts.lr
     if opts.lr is None and optimizer is not None:
         configured = optimizer.param_groups[0]["lr"]
-    overfit_lr = opts.lr if opts.lr is not None else max(configured or 0.0, default_lr(model))
+    overfit_lr = opts.lr if opts.lr is not None else default_lr(model)
     user_optimizer = optimizer
 
     def binder(copy_model, rate: float) -> Learner:
@@ -245,7 +246,7 @@ def from_trainer(trainer, *, options: ProtocolOptions | None = None) -> Pipeline
     # a scheduler keeps the LR it started from in "initial_lr": after train(), "lr" is where it decayed to
     first_group = user_optimizer.param_groups[0] if user_optimizer is not None else {}
     configured = first_group.get("initial_lr", first_group.get("lr", args.learning_rate))
-    overfit_lr = opts.lr if opts.lr is not None else max(configured or 0.0, default_lr(trainer.model))
+    overfit_lr = opts.lr if opts.lr is not None else default_lr(trainer.model)
     original = trainer.model
 
     def binder(model, rate: float) -> Learner:

@@ -24,6 +24,7 @@ from hf_sanity.rules.protocol import (
     LR_SEARCH_RUNG,
     LR_SEARCH_WINDOW,
     SUGGEST_BELOW,
+    LRSweep,
     LRTrial,
 )
 
@@ -111,10 +112,14 @@ def trial_run(
     return trial, error
 
 
-def search_lr(pipeline: Pipeline, steps: int, threshold: float, weights: list[float]) -> Search:
-    """Runs at LRs chosen as the module docstring says, until one reaches near zero or the budget is spent."""
+def search_lr(
+    pipeline: Pipeline, steps: int, threshold: float, weights: list[float], sweep: LRSweep | None = None
+) -> Search:
+    """Runs at LRs chosen as the module docstring says, until one reaches near zero or the budget is spent.
+    ``sweep``: an LR range test already run on these examples (diagnose's step 4), else one is run."""
     search = Search()
-    sweep, _ = run_lr_range(pipeline, lr_grid(LR_MIN, LR_MAX, sweep_density(steps)))
+    if sweep is None:
+        sweep, _ = run_lr_range(pipeline, lr_grid(LR_MIN, LR_MAX, sweep_density(steps)))
     search.sweep_steps = len(sweep.losses)
     i = sweep.divergence
     search.sweep_diverges_at = sweep.lrs[i] if i is not None else None

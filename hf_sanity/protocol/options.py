@@ -16,8 +16,8 @@ class ProtocolOptions:
     """How the protocol samples and trains the examples.
 
     ``n``: examples to overfit (2-10); ``steps``: the overfit's step budget (per LR tried when the LR is
-    searched, at most 3 budgets in all); ``lr``: the overfit learning rate, used as is (default: searched, see
-    `hf_sanity.protocol.lr_search`); ``max_len``: the training max_length (truncation keeps the start);
+    searched, at most 3 budgets in all); ``lr``: the overfit learning rate, used as is (default: the setup's fixed
+    step-1 LR, then searched by step 4 when needed, see `hf_sanity.protocol.lr_search`); ``max_len``: the training max_length (truncation keeps the start);
     ``loss_on``: ``completion`` (labels on completions only) or ``all``; ``format``: the dataset format
     (default: detected from the columns); ``alpaca_template``: ``chat`` or ``text`` for Alpaca rows (default:
     chat when the tokenizer has a chat template).

@@ -1,21 +1,25 @@
-"""Layer 1: overfit a handful of examples, measuring the gradient path on the way.
+"""Layer 1: overfit a handful of examples, measuring the gradient path on the way; and step 4's LR search for
+the overfit, with its capacity check.
 
-A working copy of the model is trained on the pipeline's examples alone. The first step is also the probe:
-its forward pass gives the loss and its grad_fn, its backward pass every parameter's ``.grad``, its optimizer
-step whether the parameters move. :func:`hf_sanity.rules.protocol.check_overfit` then judges the measurements.
-When the probe already shows a break no training can get past (no trainable params, nothing in the optimizer,
-a detached loss, ...) only a short confirmation run follows, to show the flat curve.
+A working copy of the model is trained on the pipeline's examples alone, at the setup's fixed step-1 LR (or
+the one given). The first step is also the probe: its forward pass gives the loss and its grad_fn, its
+backward pass every parameter's ``.grad``, its optimizer step whether the parameters move.
+:func:`hf_sanity.rules.protocol.check_overfit` then judges the measurements. When the probe already shows a
+break no training can get past (no trainable params, nothing in the optimizer, a detached loss, ...) only a
+short confirmation run follows, to show the flat curve. When the run does not reach near zero with the path
+intact, the protocol's steps 2 and 3 come next (`hf_sanity.protocol.diagnose`); only then does
+:func:`search_overfit` search the LR (step 4), and check the capacity of a setup that trains part of the model.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
-from hf_sanity import catalog, progress
+from hf_sanity import progress
 from hf_sanity.numbers import fmt
-from hf_sanity.protocol.build import build
 from hf_sanity.protocol.loop import (
     clip_grads,
     first_line,
@@ -26,17 +30,19 @@ from hf_sanity.protocol.loop import (
     train,
 )
 from hf_sanity.protocol.lr_search import Search, search_lr
-from hf_sanity.protocol.options import ProtocolOptions
-from hf_sanity.protocol.pipeline import Learner, Pipeline, label_positions, supervised_count
+from hf_sanity.protocol.optimizers import adamw
+from hf_sanity.protocol.pipeline import Learner, Pipeline, data_floor, label_positions, supervised_count
 from hf_sanity.rules.protocol import (
     LR_SEARCH_BUDGETS,
     GradientPath,
+    LRSweep,
+    LRTrial,
     OverfitRun,
+    Share,
     gradient_path_cause,
     near_zero_threshold,
     overfit_cause,
 )
-from hf_sanity.selection import Selection
 
 CONFIRM_STEPS = 20  # steps run to show the curve when the gradient path is already known to be broken
 MAX_NAMES = 10
@@ -136,17 +142,14 @@ def input_ignored(learner: Learner, batch: dict) -> bool | None:
 
 
 def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[str, Any]]:
-    """Train a working copy on the examples; the measurements and their stats. The user's model is untouched.
-
-    The first step is the probe, at ``pipeline.lr``. A broken gradient path is named from it and only confirmed
-    by a short run; an intact one trains on at the given LR or, with ``pipeline.lr_search``, at the LRs the
-    search tries (:mod:`hf_sanity.protocol.lr_search`), and ``pipeline.lr`` becomes the one it reports."""
+    """Step 1: train a working copy on the examples at ``pipeline.lr`` (the setup's fixed LR, or the one given);
+    the measurements and their stats. The user's model is untouched. A broken gradient path is named from the
+    probe and only confirmed by a short run."""
     import torch
 
     from hf_sanity.untouched import preserved_rng
 
     started = time.perf_counter()
-    search = None
     with preserved_rng():
         torch.manual_seed(0)
         model = pipeline.working_copy()
@@ -157,32 +160,21 @@ def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[
         initial = {n: signature(p) for n, p in trained}
         with progress.phase("overfit: the first step (gradient path)"):
             path, loss0 = probe(pipeline, learner, weights)
-        threshold = near_zero_threshold(loss0, pipeline.vocab_size)
+        floor = data_floor(pipeline.batches)
+        floor = floor if floor is not None and floor.nats > 0 else None
+        threshold = near_zero_threshold(floor)
         losses = [loss0]
         broken = gradient_path_cause(path)
-        to_train = path.loss_error is None and math.isfinite(loss0) and loss0 > threshold
-        if to_train and broken is None and pipeline.lr_search:
-            # every run of the search starts from the original weights on its own copy: free the probe's first
-            del model, learner, trained
-            search = search_lr(pipeline, steps, threshold, weights)
-            path.loss_error = search.error
-            reported = search.reported()
-            if reported is not None and reported.losses:
-                losses = reported.losses
-                pipeline.lr = reported.lr
-                if path.updated:
-                    path.never_updated = reported.never_updated
-        else:
-            budget = min(steps, CONFIRM_STEPS) if broken is not None else steps
-            if to_train:
-                try:
-                    name = f"overfit at lr {pipeline.lr:.2g}"
-                    train(pipeline, learner, weights, losses, budget, threshold, name=name)
-                except Exception as exc:  # a later step broke (the probe's passed): reported as measured
-                    path.loss_error = f"step {len(losses)}: {first_line(exc)}"
-            if path.updated:
-                path.never_updated = [n for n, p in trained if signature(p) == initial[n]]
-            del model, learner
+        budget = min(steps, CONFIRM_STEPS) if broken is not None else steps
+        if path.loss_error is None and math.isfinite(loss0) and loss0 > threshold:
+            try:
+                name = f"overfit at lr {pipeline.lr:.2g}"
+                train(pipeline, learner, weights, losses, budget, threshold, name=name)
+            except Exception as exc:  # a later step broke (the probe's passed): reported as measured
+                path.loss_error = f"step {len(losses)}: {first_line(exc)}"
+        if path.updated:
+            path.never_updated = [n for n, p in trained if signature(p) == initial[n]]
+        del model, learner
     run = OverfitRun(
         path=path,
         losses=losses,
@@ -191,11 +183,80 @@ def run_overfit(pipeline: Pipeline, steps: int = 300) -> tuple[OverfitRun, dict[
         lr=pipeline.lr,
         examples=pipeline.examples,
         vocab_size=pipeline.vocab_size,
-        lr_source="search" if search else "default" if pipeline.lr_search else "given",
-        tried=search.tried if search else [],
-        sweep_diverges_at=search.sweep_diverges_at if search else None,
+        lr_source="default" if pipeline.lr_search else "given",
+        floor=floor,
+        share=share_of(pipeline, path),
     )
-    return run, overfit_stats(run, pipeline, time.perf_counter() - started, search)
+    return run, overfit_stats(run, pipeline, time.perf_counter() - started)
+
+
+def share_of(pipeline: Pipeline, path: GradientPath) -> Share:
+    adapter = pipeline.adapter
+    described = None
+    if adapter:
+        targets = adapter.get("target_modules")
+        targets = ", ".join(targets) if isinstance(targets, list) else str(targets)
+        kind = {"LORA": "LoRA"}.get(str(adapter.get("peft_type")), str(adapter.get("peft_type", "adapter")))
+        described = f"{kind} r={adapter.get('r')} on {targets}"
+    frozen = sum(1 for p in pipeline.model.parameters() if not p.requires_grad)
+    return Share(path.trainable_elements, path.total_elements, described, frozen)
+
+
+def every_weight_trainable(pipeline: Pipeline) -> Pipeline:
+    """The pipeline with every weight of its working copies trainable (an adapter's base and frozen layers
+    too), trained by AdamW with the setup's own loss: the capacity check."""
+    binder = pipeline.binder
+
+    def bind(model, lr: float) -> Learner:
+        model.requires_grad_(True)
+        learner = binder(model, lr)
+        return Learner(model, adamw(model, lr), learner.loss)
+
+    return replace(pipeline, binder=bind)
+
+
+def search_overfit(
+    pipeline: Pipeline, run: OverfitRun, sweep: LRSweep | None = None
+) -> tuple[OverfitRun, dict[str, Any]]:
+    """Step 4 for an overfit that step 1 left inconclusive: the LR search (:mod:`hf_sanity.protocol.lr_search`,
+    on ``sweep`` when the range test already ran); when no LR reaches near zero and only part of the model
+    trains, the same search with every weight trainable (the capacity check). ``pipeline.lr`` becomes the LR
+    the report shows."""
+    from hf_sanity.untouched import preserved_rng
+
+    started = time.perf_counter()
+    weights = micro_weights(pipeline.batches)
+    path = replace(run.path)
+    first = LRTrial(lr=run.lr, losses=list(run.losses), threshold=run.threshold)
+    relaxed = None
+    with preserved_rng():
+        search = search_lr(pipeline, run.steps, run.threshold, weights, sweep=sweep)
+        path.loss_error = search.error
+        searched = replace(
+            run, path=path, lr_source="search", tried=search.tried, sweep_diverges_at=search.sweep_diverges_at,
+            first=first,
+        )  # fmt: skip
+        reported = search.reported()
+        if reported is not None and reported.losses:
+            searched.losses, searched.lr = reported.losses, reported.lr
+            pipeline.lr = reported.lr
+            if path.updated:
+                path.never_updated = reported.never_updated
+        cause = overfit_cause(searched)
+        if (
+            cause is not None
+            and cause.key == "not-converged"
+            and run.share is not None
+            and run.share.restricted
+        ):
+            try:
+                with progress.phase("capacity check: every weight trainable"):
+                    relaxed = search_lr(every_weight_trainable(pipeline), run.steps, run.threshold, weights)
+                searched.relaxed = relaxed.reported()
+                searched.relaxed_error = relaxed.error
+            except Exception as exc:  # out of memory, typically: the check is said not measured, not guessed
+                searched.relaxed_error = first_line(exc)
+    return searched, overfit_stats(searched, pipeline, time.perf_counter() - started, search, relaxed)
 
 
 def search_stats(search: Search, steps: int) -> dict[str, Any]:
@@ -225,24 +286,63 @@ def search_stats(search: Search, steps: int) -> dict[str, Any]:
     }
 
 
+TRAJECTORY_POINTS = 8  # steps of the overfit's loss shown in the report, as the protocol shows its own
+
+
+def trajectory(losses: list[float]) -> list[list[float]]:
+    """[step, loss] at a few steps from the first to the last (the protocol's "step 0: 1.2156 ... step 299:
+    0.0123")."""
+    if not losses:
+        return []
+    last = len(losses) - 1
+    steps = sorted({round(i * last / (TRAJECTORY_POINTS - 1)) for i in range(TRAJECTORY_POINTS)})
+    return [
+        [step, round(losses[step], 4) if math.isfinite(losses[step]) else str(losses[step])] for step in steps
+    ]
+
+
 def overfit_stats(
-    run: OverfitRun, pipeline: Pipeline, seconds: float, search: Search | None = None
+    run: OverfitRun,
+    pipeline: Pipeline,
+    seconds: float,
+    search: Search | None = None,
+    relaxed: Search | None = None,
 ) -> dict[str, Any]:
     cause = overfit_cause(run)
     path = run.path
+    floor = run.floor
     return {
         "passed": cause is None,
         "cause": cause.key if cause else None,
         "loss_start": run.initial,
         "loss_final": run.losses[-1] if run.losses else None,
         "near_zero": round(run.threshold, 4),
+        "data_floor": {
+            "nats": round(floor.nats, 4),
+            "positions": floor.positions,
+            "prefixes": floor.prefixes,
+            "supervised_tokens": floor.tokens,
+        }
+        if floor is not None
+        else None,
         "reached_at_step": run.reached_at,
         "steps_run": max(len(run.losses) - 1, 0),
         "step_budget": run.steps,
         "lr": run.lr,
         "lr_chosen_by": run.lr_source,
+        "step1": {
+            "lr": run.first.lr,
+            "steps_run": run.first.steps,
+            "loss_final": run.first.losses[-1],
+            "losses": [round(x, 5) if math.isfinite(x) else str(x) for x in run.first.losses],
+        }
+        if run.first is not None
+        else None,
         "lr_search": search_stats(search, run.steps) if search else None,
+        "found_before_lr": run.blocked_by or None,
+        "capacity": capacity_stats(run, relaxed) if run.relaxed is not None or run.relaxed_error else None,
         "examples": run.examples,
+        "trajectory": trajectory(run.losses),
         "losses": [round(x, 5) if math.isfinite(x) else str(x) for x in run.losses],
         "gradient_path": {
             "supervised_tokens": path.supervised_tokens,
@@ -270,6 +370,27 @@ def overfit_stats(
         },
         "seconds": round(seconds, 2),
     }
+
+
+def capacity_stats(run: OverfitRun, relaxed: Search | None) -> dict[str, Any]:
+    """The capacity check as measured: the setup's share, and where the search with every weight trainable got."""
+    share, best = run.share, run.relaxed
+    out: dict[str, Any] = {
+        "trainable_elements": share.trainable if share else None,
+        "total_elements": share.total if share else None,
+        "held_back": (share.adapter or f"{share.frozen_tensors} frozen tensors") if share else None,
+    }
+    if best is None:
+        out["not_measured"] = run.relaxed_error
+        return out
+    out.update(
+        all_trainable_reached=best.reached,
+        all_trainable_lr=float(f"{best.lr:.4g}"),
+        all_trainable_steps=best.steps,
+        all_trainable_best_loss=round(best.best, 5) if math.isfinite(best.best) else str(best.best),
+        all_trainable_search=search_stats(relaxed, run.steps) if relaxed else None,
+    )
+    return out
 
 
 def path_checklist(stats: dict[str, Any], layer: int = 1) -> list[dict[str, Any]]:
@@ -334,61 +455,71 @@ def path_checklist(stats: dict[str, Any], layer: int = 1) -> list[dict[str, Any]
                 "passed" if path["updated"] else "failed",
                 f"{path['updated']} of {path['in_optimizer']} tensors changed",
             )
-    reached = stats["reached_at_step"]
-    loss_detail = (
-        f"{fmt(stats['loss_start'], 4)} -> {fmt(stats['loss_final'], 4)} in {stats['steps_run']} steps "
-        f"at lr={stats['lr']:.3g} (near zero: {stats['near_zero']})"
-    )
-    if stats["lr_search"]:
-        loss_detail += f"; LR searched: {len(stats['lr_search']['tried'])} tried"
-    item(
-        "the loss reaches near zero",
-        "passed" if stats["passed"] and reached is not None else "failed",
-        loss_detail,
-    )
+    item(*step1_item(stats))
     return items
 
 
-def overfit(
-    trainer=None,
-    model=None,
-    tokenizer=None,
-    dataset=None,
-    *,
-    options: ProtocolOptions | None = None,
-    lora=None,
-    optimizer=None,
-    plot=None,
-    with_plot: bool = True,
-    pipeline: Pipeline | None = None,
-    **option_values,
-):
-    """Overfit ``n`` (2-10) examples of the real pipeline on a copy of the model; a report that says whether the
-    loss reaches near zero and, if not, which part of the gradient path is broken.
+def step1_item(stats: dict[str, Any]) -> tuple[str, str, str]:
+    """The checklist's step-1 verdict: near zero at the step-1 LR; inconclusive (a warning) when the path is
+    intact and steps 2-4 are still to come; failed once the overfit's own verdict is."""
+    first = stats["step1"] or {
+        "lr": stats["lr"],
+        "steps_run": stats["steps_run"],
+        "loss_final": stats["loss_final"],
+    }
+    floor = stats["data_floor"]
+    near = f"near zero: {stats['near_zero']}" + (
+        f", the data's floor {floor['nats']} + 0.05" if floor else ""
+    )
+    detail = (
+        f"{fmt(stats['loss_start'], 4)} -> {fmt(first['loss_final'], 4)} in {first['steps_run']} steps at "
+        f"lr={first['lr']:.3g} ({near})"
+    )
+    text = "the loss reaches near zero at the step-1 LR"
+    if stats["step1"] is None and stats["passed"] and stats["reached_at_step"] is not None:
+        return text, "passed", detail
+    if stats["cause"] in (None, "not-converged", "capacity") and not stats["gradient_path"]["loss_error"]:
+        # the path is intact: not conclusive at one LR; steps 2 and 3, then the LR search, decide
+        then = (
+            "the LR was given: not searched" if stats["lr_chosen_by"] == "given" else "then the LR (step 4)"
+        )
+        return text, "warning", detail + f"; not conclusive at one LR: steps 2 and 3 first, {then}"
+    return text, "failed", detail
 
-    Pass ``trainer=`` (its batches, loss and optimizer class are used) or ``model=``, ``tokenizer=`` and
-    ``dataset=`` (rows tokenized as TRL does; ``lora=`` a peft LoraConfig or dict to attach an adapter,
-    ``optimizer=`` to use yours). The options (``n``, ``steps``, ``lr``, ``max_len``, ``loss_on``, ``format``)
-    are those of :class:`~hf_sanity.protocol.options.ProtocolOptions`, given as ``options=`` or by name.
-    ``plot=`` writes the loss curve as a PNG; ``with_plot`` attaches it to ``report.plots`` (for the HTML page)
-    when matplotlib is installed. Nothing of the user's is modified: the model is deep-copied and the RNG
-    states are restored.
-    """
-    from hf_sanity.protocol.render import ProtocolReport, overfit_png, want_png
-    from hf_sanity.untouched import preserved_rng
 
-    started = time.perf_counter()
-    opts = ProtocolOptions.of(options, **option_values)
-    with preserved_rng():
-        pipeline = build(
-            pipeline, trainer=trainer, model=model, tokenizer=tokenizer, dataset=dataset, options=opts,
-            lora=lora, optimizer=optimizer,
-        )  # fmt: skip
-        run, stats = run_overfit(pipeline, opts.steps)
-    report = ProtocolReport(title="hf-sanity overfit")
-    report.extend(catalog.run_all("protocol", run, Selection()))
-    report.stats.update(setup=pipeline.describe(), overfit=stats, checklist=path_checklist(stats))
-    report.stats["seconds"] = round(time.perf_counter() - started, 2)
-    if want_png(plot, with_plot):
-        report.plots["overfit: loss on the examples"] = overfit_png(run, plot)
-    return report
+def search_items(stats: dict[str, Any], layer: int = 4) -> list[dict[str, Any]]:
+    """The checklist items of step 4's overfit search and of the capacity check."""
+    items = []
+    search = stats["lr_search"]
+    if search is None:
+        return items
+    reached = stats["passed"] and stats["reached_at_step"] is not None
+    count = len(search["tried"])
+    bests = [t["best_loss"] for t in search["tried"] if isinstance(t["best_loss"], float)]
+    detail = f"{count} LR{'s' if count != 1 else ''} tried; " + (
+        f"near zero at lr={stats['lr']:.3g}, step {stats['reached_at_step']}"
+        if reached
+        else f"best {fmt(min(bests, default=math.nan), 4)} (near zero: {stats['near_zero']})"
+    )
+    items.append(
+        {
+            "layer": layer,
+            "item": "the overfit reaches near zero at a searched LR",
+            "status": "passed" if reached else "failed",
+            "detail": detail,
+        }
+    )
+    capacity = stats["capacity"]
+    if capacity is not None:
+        if "not_measured" in capacity:
+            status, detail = "skipped", f"not measured: {capacity['not_measured']}"
+        else:
+            status = "failed" if stats["cause"] == "capacity" else "passed"
+            detail = (
+                f"{capacity['trainable_elements']:,} of {capacity['total_elements']:,} weights train "
+                f"({capacity['held_back']}); every weight trainable: best {capacity['all_trainable_best_loss']} "
+                f"at lr={capacity['all_trainable_lr']:.3g}"
+            )
+        items.append({"layer": layer, "item": "the trainable share is enough for the examples", "status": status,
+                      "detail": detail})  # fmt: skip
+    return items

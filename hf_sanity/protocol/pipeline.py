@@ -9,6 +9,8 @@ How a pipeline is built from a trainer, objects or paths is `hf_sanity.protocol.
 from __future__ import annotations
 
 import copy
+import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +40,7 @@ class Pipeline:
     tokenizer: Any
     batches: list[dict]  # the examples as collated batches (CPU tensors), usually one
     examples: int
-    lr: float  # the overfit LR: the given one, or (lr_search) where the search starts, then the one it reports
+    lr: float  # the overfit LR: the given one or the setup's fixed step-1 LR, then the one step 4's search reports
     configured_lr: float | None  # the LR the user trains with, where known
     binder: Callable[[Any, float], Learner] = field(repr=False)
     source: str = "objects"  # trainer | objects | paths
@@ -51,7 +53,7 @@ class Pipeline:
     command: list[str] | None = None  # the command line that built it
     protected: list[Path] = field(default_factory=list)  # folders nothing may be written into
     dropouts_off: int | None = None  # dropouts that were on in the model and are off in its working copies
-    lr_search: bool = False  # no overfit LR was given: overfit searches one (hf_sanity.protocol.lr_search)
+    lr_search: bool = False  # no overfit LR was given: step 4 may search one (hf_sanity.protocol.lr_search)
 
     def working_copy(self, dtype=None):
         """A deep copy of the model in train mode with regularisation off (optionally cast to ``dtype``)."""
@@ -220,3 +222,42 @@ def label_positions(batch: Mapping[str, Any]) -> int:
 
 def _cpu(batch: Mapping[str, Any]) -> dict:
     return {k: (v.detach().cpu() if hasattr(v, "detach") else v) for k, v in batch.items()}
+
+
+def data_floor(batches: list[dict]):
+    """What the examples themselves forbid (:class:`~hf_sanity.rules.protocol.DataFloor`): a causal model's
+    prediction at a position depends on the tokens up to it only, so supervised positions with one identical
+    prefix and different targets cannot all be predicted; the best any model can do there is the targets'
+    empirical distribution. Prefixes restart where ``position_ids`` do (packed examples) and skip positions the
+    attention mask leaves out (padding). None when the batches carry no labels."""
+    from hf_sanity.rules.protocol import DataFloor
+
+    prefixes: dict[tuple[int, int], int] = {}  # (parent prefix, token) -> prefix id: a trie of the inputs
+    targets: dict[int, Counter] = {}
+    for batch in batches:
+        if not hasattr(batch.get("labels"), "tolist") or not hasattr(batch.get("input_ids"), "tolist"):
+            return None
+        ids, labels = batch["input_ids"].tolist(), batch["labels"].tolist()
+        mask = (
+            batch["attention_mask"].tolist() if getattr(batch.get("attention_mask"), "ndim", 0) == 2 else None
+        )
+        positions = batch["position_ids"].tolist() if hasattr(batch.get("position_ids"), "tolist") else None
+        for row in range(len(ids)):
+            node = 0
+            for t in range(len(ids[row]) - 1):
+                if positions is not None and positions[row][t] == 0:
+                    node = 0
+                if mask is not None and not mask[row][t]:
+                    continue
+                node = prefixes.setdefault((node, ids[row][t]), len(prefixes) + 1)
+                target = labels[row][t + 1]
+                if target != IGNORE_INDEX:
+                    targets.setdefault(node, Counter())[target] += 1
+    total = sum(sum(c.values()) for c in targets.values())
+    if not total:
+        return None
+    shared = [c for c in targets.values() if len(c) > 1]
+    nats = sum(n * math.log(sum(c.values()) / n) for c in shared for n in c.values())
+    return DataFloor(
+        nats=nats / total, positions=sum(sum(c.values()) for c in shared), prefixes=len(shared), tokens=total
+    )

@@ -77,6 +77,9 @@ class ProtocolReport(Report):
         if "lr_range" in stats:
             yield Text()
             yield lr_text(stats["lr_range"])
+        if stats.get("overfit", {}).get("lr_search"):
+            yield Text()
+            yield search_text(stats["overfit"])
         if "precision" in stats:
             yield Text()
             yield precision_table(stats["precision"])
@@ -95,11 +98,52 @@ class ProtocolReport(Report):
 
 
 def overfit_text(stats: dict[str, Any]) -> Text:
+    """Step 1: the loss at the step-1 LR (the search's runs are step 4's, shown with it), its trajectory, near
+    zero and the floor the data imposes."""
+    first = stats.get("step1")
+    losses = first["losses"] if first else stats["losses"]
+    lr = first["lr"] if first else stats["lr"]
+    how = " (given)" if stats["lr_chosen_by"] == "given" else " (the setup's step-1 LR)"
     text = Text("overfit  ", style="bold")
-    searched = stats.get("lr_search")
-    count = len(searched["tried"]) if searched else 0
-    how = f" (searched: {count} LR{'s' if count != 1 else ''} tried)" if searched else ""
-    text.append(f"loss on {stats['examples']} examples, lr={stats['lr']:.3g}{how}: ")
+    text.append(f"loss on {stats['examples']} examples, lr={lr:.3g}{how}: ")
+    text.append(fmt(losses[0], 4) if losses else "-")
+    text.append(f" {sparkline(losses)} ", style="cyan")
+    text.append(fmt(losses[-1], 4) if losses else "-")
+    steps = len(losses) - 1
+    reached = stats.get("reached_at_step")
+    if first is None and reached is not None and stats.get("passed"):
+        text.append(f"  near zero (≤ {stats['near_zero']}) at step {reached}", style="green")
+    else:
+        text.append(f"  not near zero (≤ {stats['near_zero']}) after {steps} steps", style="red")
+    floor = stats.get("data_floor")
+    if floor:
+        text.append(
+            f"\n  near zero is the data's floor {floor['nats']} + 0.05: {floor['positions']} of "
+            f"{floor['supervised_tokens']} supervised positions follow an input identical to another's with a "
+            f"different target ({floor['prefixes']} such inputs); no model can predict both",
+            style="yellow",
+        )
+    if first is None:
+        text.append(trajectory_text(stats.get("trajectory") or []))
+    return text
+
+
+def trajectory_text(points: list[list[Any]]) -> Text:
+    text = Text("\n  ")
+    text.append(" · ".join(f"step {step}: {fmt(loss, 4)}" for step, loss in points), style="dim")
+    return text
+
+
+def search_text(stats: dict[str, Any]) -> Text:
+    """Step 4's overfit LR search (after steps 2 and 3 passed), and the capacity check."""
+    search = stats["lr_search"]
+    tried = search["tried"]
+    text = Text("overfit LR search (step 4)  ", style="bold")
+    lrs = [t["lr"] for t in tried]
+    span = f"{min(lrs):.1e} … {max(lrs):.1e}" if len(lrs) > 1 else f"{lrs[0]:.1e}" if lrs else "-"
+    text.append(
+        f"{len(tried)} LR{'s' if len(tried) != 1 else ''} tried ({span}), reported lr={stats['lr']:.3g}: "
+    )
     text.append(fmt(stats["loss_start"], 4))
     text.append(f" {sparkline(stats['losses'])} ", style="cyan")
     text.append(fmt(stats["loss_final"], 4))
@@ -107,7 +151,35 @@ def overfit_text(stats: dict[str, Any]) -> Text:
     if reached is not None and stats.get("passed"):
         text.append(f"  near zero (≤ {stats['near_zero']}) at step {reached}", style="green")
     else:
-        text.append(f"  not near zero (≤ {stats['near_zero']}) after {stats['steps_run']} steps", style="red")
+        text.append(f"  not near zero (≤ {stats['near_zero']}) at any LR tried", style="red")
+    text.append(trajectory_text(stats.get("trajectory") or []))
+    capacity = stats.get("capacity")
+    if capacity:
+        text.append(
+            f"\n  capacity: {capacity['trainable_elements']:,} of {capacity['total_elements']:,} weights train "
+            f"({capacity['held_back']}); ",
+        )
+        if "not_measured" in capacity:
+            text.append(
+                f"with every weight trainable: not measured ({capacity['not_measured']})", style="dim"
+            )
+        elif capacity["all_trainable_reached"]:
+            text.append(
+                f"with every weight trainable: near zero at lr={capacity['all_trainable_lr']:.3g} in "
+                f"{capacity['all_trainable_steps']} steps",
+                style="red",
+            )
+        elif stats.get("cause") == "capacity":
+            text.append(
+                f"with every weight trainable: {capacity['all_trainable_best_loss']} at "
+                f"lr={capacity['all_trainable_lr']:.3g}: the share holds it back",
+                style="red",
+            )
+        else:
+            text.append(
+                f"with every weight trainable: not near zero either (best {capacity['all_trainable_best_loss']})",
+                style="yellow",
+            )
     return text
 
 

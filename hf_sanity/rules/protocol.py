@@ -4,20 +4,28 @@ The detectors are pure functions over measurements (:class:`GradientPath`, :clas
 :class:`LRSweep`, :class:`PrecisionRun`); `hf_sanity.protocol` takes the measurements on a copy of the
 user's model and hands them here. Thresholds are the named constants below, quoted in each ``detects``:
 
-* *near zero* (overfit): the loss on the handful of examples falls to 0.1 nat/token (every supervised token
-  predicted with ~90% probability, geometric mean) or to 5% of its step-0 value, whichever is larger; the
-  step-0 value is capped at chance, ln(V), so a broken init that starts far above chance cannot lower the bar.
+* *near zero* (overfit): the loss on the handful of examples falls to 0.05 nat/token, as the protocol writes
+  it ("nearly zero": its own example ends at 0.012); every supervised token is then predicted with ~95%
+  probability (geometric mean). Where the examples themselves forbid it (identical inputs followed by
+  different targets: no model can predict both), near zero is that floor plus 0.05: the floor is the mean
+  entropy of the targets that follow one identical prefix, the lowest mean loss any causal model can reach.
 * *divergence* (LR range, and the overfit's LR search): the loss is non-finite, or above both 4x its best value
   so far (fastai's ``lr_find`` stop rule) and its best value plus a quarter of its starting value (so
   oscillations around a memorised, near-zero loss do not count).
-* *the overfit LR*, when none is given: after the LR range test on the same examples, runs from the same
-  weights at LRs half a decade apart, the first a decade below where the sweep diverges. A run's trend is
-  read over windows of a sixth of the step budget: it stops once a window's mean loss is not below the one
-  before by 5% of the way left to near zero (too slow to get there), and its loss still falls when that
-  difference is at least 2 standard errors. The next LR is higher while every run's loss still fell at its
-  end (too low an LR), lower once one diverges or stops falling (plateaus or oscillates). The search stops
-  at the first run that reaches near zero, or once 3 step budgets are spent, the sweep included; when none
-  reaches it, the best LR's run goes on to the whole step budget before the verdict.
+* *the overfit LR*: step 1 trains at a fixed LR per setup, 1e-3 for an adapter and 1e-4 for full
+  fine-tuning (or the one given). When it does not reach near zero with the gradient path intact, steps 2
+  (step-0 loss against chance) and 3 (shapes and masks) run first; only when they pass does step 4 search
+  the LR: after the LR range test on the same examples, runs from the same weights at LRs half a decade apart,
+  the first a decade below where the sweep diverges. A run's trend is read over windows of a sixth of the step
+  budget: it stops once a window's mean loss is not below the one before by 5% of the way left to near zero
+  (too slow to get there), and its loss still falls when that difference is at least 2 standard errors. The
+  next LR is higher while every run's loss still fell at its end (too low an LR), lower once one diverges or
+  stops falling (plateaus or oscillates). The search stops at the first run that reaches near zero, or once 3
+  step budgets are spent, the sweep included; when none reaches it, the best LR's run goes on to the whole
+  step budget before the verdict.
+* *capacity*: when no LR brings a setup that trains only part of the model (an adapter, frozen layers) near
+  zero, the same search runs with every weight trainable; reaching near zero then, the trainable share was too
+  small for the examples.
 * *precision tolerance*: 8 unit roundoffs of the half format relative to the float32 loss (bf16: 3.1%,
   fp16: 0.39%), plus 0.02 nat: a half-precision forward pass rounds at every op, and a few roundoffs of
   relative error on the mean loss is its normal noise; more means a module lost range or precision.
@@ -32,8 +40,7 @@ from dataclasses import dataclass, field
 from hf_sanity.catalog import define
 from hf_sanity.findings import Finding
 
-NEAR_ZERO_NATS = 0.1
-NEAR_ZERO_FRACTION = 0.05
+NEAR_ZERO_NATS = 0.05
 DIVERGE_RATIO = 4.0
 DIVERGE_FLOOR = 0.25  # of the starting loss
 SUGGEST_BELOW = 10.0  # the suggested LR is an order of magnitude below divergence
@@ -46,6 +53,9 @@ LR_SEARCH_SIGNIFICANCE = 2.0  # standard errors: the loss still falls when a win
 PRECISION_ROUNDOFFS = 8
 PRECISION_ATOL = 0.02
 UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11}
+# The capacity check: with every weight trainable, the loss must close this share of the gap between the setup's
+# best and near zero (or reach near zero) for the trainable share to be what holds the overfit back.
+CAPACITY_GAP = 0.9
 
 OVERFIT_FAILED = define(
     "overfit-failed",
@@ -54,23 +64,29 @@ OVERFIT_FAILED = define(
     symptom="The model cannot overfit a handful of examples: the pipeline is broken, not the hyperparameters.",
     detects="2-10 examples from the real pipeline (same tokenization, collator, adapter, optimizer class) are "
     "trained on alone with regularisation off (dropout 0, weight decay 0) on a copy of the model. The loss must "
-    "reach near zero: 0.1 nat/token or 5% of its step-0 value (capped at ln(V)), whichever is larger. The "
-    "gradient path is measured, not guessed: label positions that carry loss, parameters that require grad, "
-    "which of them the optimizer holds, the loss's grad_fn, every parameter's .grad after one backward and "
-    "whether one optimizer step changes them. The first broken link is named: labels all masked, no "
-    "trainable params, params not in the optimizer, loss not connected to the parameters being updated, no "
-    "gradient reaching them, an optimizer step that updates nothing; these are named from the first step, "
-    "without any LR search. With the path intact and no --lr, the LR is searched: an LR range test on the "
-    "same examples, then runs from the same weights at LRs half a decade apart, the first a decade below "
-    "where the sweep diverges. A run stops once its mean loss over a sixth of the step budget is not below "
-    "the sixth before by 5% of the way left to near zero; the next LR is higher while every run's loss still "
-    "fell (by 2 standard errors), lower once one diverges or plateaus or oscillates. The search stops at the "
-    "first run that reaches near zero, within 3 step budgets in all (the sweep included); when none does, the "
-    "LR with the best loss runs the whole step budget before the verdict. The loss stalls "
-    "(not-converged) when no LR tried reaches near zero; the evidence lists each LR tried with its best "
-    "loss. A model whose loss does not move when every input token is replaced cannot tell the examples "
-    "apart at any LR: that is named (input-ignored), not not-converged. An LR given with --lr is used as is, "
-    "with no search.",
+    f"reach near zero: {NEAR_ZERO_NATS} nat/token, or, where identical inputs in the examples are followed by "
+    "different targets, the floor that imposes (the mean entropy of the targets after one identical prefix: "
+    f"computed and shown) plus {NEAR_ZERO_NATS}. Step 1 trains at a fixed LR per setup (1e-3 with an adapter, "
+    "1e-4 for full fine-tuning; --lr to give another). The gradient path is measured, not guessed: label "
+    "positions that carry loss, parameters that require grad, which of them the optimizer holds, the loss's "
+    "grad_fn, every parameter's .grad after one backward and whether one optimizer step changes them. The first "
+    "broken link is named from the first step: labels all masked, no trainable params, params not in the "
+    "optimizer, loss not connected to the parameters being updated, no gradient reaching them, an optimizer "
+    "step that updates nothing; a model whose loss does not move when every input token is replaced cannot "
+    "tell the examples apart at any LR (input-ignored). With the path intact and the loss not near zero, the "
+    "protocol's order holds: step 2 (the step-0 loss against chance) and step 3 (shapes and masks) run before "
+    "the learning rate is touched; an error there stops it (the LR is not searched: fix that first). When they "
+    "pass (and no --lr was given), step 4 searches the LR: an LR range test on the same examples, then runs "
+    "from the same weights at LRs half a decade apart, the first a decade below where the sweep diverges; a "
+    "run stops once its mean loss over a sixth of the step budget is not below the sixth before by 5% of the "
+    "way left to near zero; the next LR is higher while every run's loss still fell (by 2 standard errors), "
+    "lower once one diverges or plateaus or oscillates; the search stops at the first run that reaches near "
+    "zero, within 3 step budgets in all (the sweep included); when none does, the LR with the best loss runs "
+    "the whole step budget before the verdict. No LR reaching near zero is not-converged (each LR tried with "
+    "its best loss), or capacity when only part of the model trains (an adapter, frozen layers) and the same "
+    f"search with every weight trainable reaches near zero or closes {CAPACITY_GAP:.0%} of the gap between the "
+    "setup's best loss and near zero: the trainable share is too small for the examples (the numbers: weights "
+    "that train, the adapter's rank and modules or the frozen tensors, where the unrestricted run got).",
     fix="Fix the broken part of the gradient path named in the evidence before tuning anything.",
 )
 
@@ -225,12 +241,23 @@ def gradient_path_cause(path: GradientPath) -> Cause | None:
     return None
 
 
-def near_zero_threshold(initial_loss: float, vocab_size: int | None) -> float:
-    """Loss (nat/token) under which the overfit examples count as memorised."""
-    start = initial_loss if math.isfinite(initial_loss) else 0.0
-    if vocab_size and vocab_size > 1:
-        start = min(start, math.log(vocab_size))
-    return max(NEAR_ZERO_NATS, NEAR_ZERO_FRACTION * max(start, 0.0))
+@dataclass
+class DataFloor:
+    """The lowest mean loss (nat/token) any causal model can reach on the examples: supervised positions whose
+    whole input up to them is identical to another's but whose target differs (no model can predict both)."""
+
+    nats: (
+        float  # the floor: the entropy of the targets after each identical prefix, averaged over every target
+    )
+    positions: int  # supervised positions that share their prefix with one that has another target
+    prefixes: int  # distinct prefixes followed by more than one target
+    tokens: int  # supervised positions in all
+
+
+def near_zero_threshold(floor: DataFloor | None = None) -> float:
+    """Loss (nat/token) under which the overfit examples count as memorised: NEAR_ZERO_NATS above the floor
+    the examples impose (0 when no identical input has two targets)."""
+    return NEAR_ZERO_NATS + (floor.nats if floor is not None else 0.0)
 
 
 def window_means(losses: Sequence[float], window: int) -> tuple[float, float, float] | None:
@@ -289,6 +316,10 @@ class LRTrial:
         return any(x <= self.threshold for x in self.losses)
 
     @property
+    def reached_at(self) -> int | None:
+        return next((step for step, x in enumerate(self.losses) if x <= self.threshold), None)
+
+    @property
     def ended_finite(self) -> bool:
         return bool(self.losses) and math.isfinite(self.losses[-1])
 
@@ -306,9 +337,30 @@ class LRTrial:
 
 
 @dataclass
+class Share:
+    """How much of the model trains: the weights that do, of all, and how the rest is held back."""
+
+    trainable: int
+    total: int
+    adapter: str | None = None  # "LoRA r=1 on q_proj", for an adapter
+    frozen_tensors: int = 0  # the model's own tensors that do not train (an adapter's base included)
+
+    @property
+    def restricted(self) -> bool:
+        return 0 < self.trainable < self.total
+
+    def describe(self) -> str:
+        how = self.adapter or f"{self.frozen_tensors} tensors frozen"
+        return (
+            f"{self.trainable:,} of {self.total:,} weights train ({self.trainable / self.total:.2%}: {how})"
+        )
+
+
+@dataclass
 class OverfitRun:
-    """The overfit measurements: the gradient path, then the loss on the examples at each step (of the LR
-    search's reported run when the LR was searched)."""
+    """The overfit measurements: the gradient path, then the loss on the examples at each step: step 1's run at
+    its fixed (or given) LR, or, once step 4 searched the LR, the search's reported run (step 1's then in
+    ``first``)."""
 
     path: GradientPath
     losses: list[float]
@@ -317,10 +369,16 @@ class OverfitRun:
     lr: float  # the LR of ``losses``
     examples: int
     vocab_size: int | None = None
-    # given | search (``tried`` holds its runs) | default (none given and none searched: the first step decided)
+    # given | search (``tried`` holds its runs) | default (the setup's fixed step-1 LR)
     lr_source: str = "given"
     tried: list[LRTrial] = field(default_factory=list)
     sweep_diverges_at: float | None = None  # where the search's range test diverged; None: not up to its end
+    floor: DataFloor | None = None  # what the examples themselves impose (None: nothing, or not measurable)
+    first: LRTrial | None = None  # step 1's run, when step 4 searched the LR after it
+    blocked_by: list[str] = field(default_factory=list)  # error rules of steps 2-3 that stopped the LR search
+    share: Share | None = None
+    relaxed: LRTrial | None = None  # the capacity check: the best run with every weight trainable
+    relaxed_error: str | None = None  # why the capacity check could not run to its end
 
     @property
     def searched(self) -> bool:
@@ -346,6 +404,37 @@ class OverfitRun:
     @property
     def passed(self) -> bool:
         return gradient_path_cause(self.path) is None and self.reached_at is not None
+
+
+def inconclusive(run: OverfitRun) -> bool:
+    """Step 1 did not reach near zero although nothing it measured explains why (the gradient path is intact,
+    the loss finite, the input reaches the model, every trainable tensor is in the optimizer): by the
+    protocol's order, steps 2 and 3 come next, then (step 4) the learning rate."""
+    path = run.path
+    return (
+        not run.searched
+        and not run.blocked_by
+        and gradient_path_cause(path) is None
+        and run.reached_at is None
+        and bool(run.losses)
+        and math.isfinite(run.losses[-1])
+        and not path.input_ignored
+        and not path.not_in_optimizer
+    )
+
+
+def capacity_gap(run: OverfitRun) -> float | None:
+    """The share of the gap between the setup's best loss and near zero that training every weight closes (1:
+    it reaches near zero); None without the capacity check."""
+    relaxed = run.relaxed
+    if relaxed is None or not run.tried:
+        return None
+    if relaxed.reached:
+        return 1.0
+    best = min(t.best for t in run.tried)
+    if not (math.isfinite(best) and math.isfinite(relaxed.best)) or best <= run.threshold:
+        return None
+    return max(0.0, (best - relaxed.best) / (best - run.threshold))
 
 
 def overfit_cause(run: OverfitRun) -> Cause | None:
@@ -390,24 +479,60 @@ def overfit_cause(run: OverfitRun) -> Cause | None:
         )
     stalled = path.never_updated or []
     extra = f"; {len(stalled)} tensors in the optimizer never changed (e.g. {stalled[0]})" if stalled else ""
-    if tried:
+    near = f"near zero ({run.threshold:.3g}{' with the data floor' if run.floor else ''})"
+    if run.blocked_by:
         return Cause(
             "not-converged",
             "loss does not reach near zero",
-            f"the gradient path is intact but no learning rate brings the loss near zero ({run.threshold:.3g}): "
+            f"the loss only went from {run.initial:.3g} to {run.best:.3g} in {len(run.losses) - 1} steps at "
+            f"lr={run.lr:g}, not {near}, and the protocol's next steps found {', '.join(run.blocked_by)}: the "
+            "learning rate was not searched",
+            f"Fix {', '.join(run.blocked_by)} first (see those findings), then rerun: the learning rate is only "
+            "the suspect once the step-0 loss, shapes and masks are right.",
+        )
+    gap = capacity_gap(run)
+    if gap is not None and gap >= CAPACITY_GAP and run.share is not None:
+        relaxed = run.relaxed
+        got = (
+            f"reach it at lr={relaxed.lr:.3g} in {relaxed.reached_at} steps"
+            if relaxed.reached
+            else f"get to {relaxed.best:.3g} at lr={relaxed.lr:.3g} in {relaxed.steps} steps ({int(gap * 100)}% of the way)"
+        )
+        return Cause(
+            "capacity",
+            "the trainable share is too small",
+            f"the trainable share is too small for these examples: {run.share.describe()}; no LR brings the "
+            f"loss {near} ({len(tried)} tried, {lr_span(tried)}, best {min(t.best for t in tried):.3g} from "
+            f"{run.initial:.3g}), while the same examples with every weight trainable {got}",
+            "Give the setup more capacity where it learns: raise the LoRA rank, target more modules (every "
+            "linear layer; the output head and embeddings when the answers use new tokens or a new format), or "
+            "unfreeze layers; then rerun overfit.",
+        )
+    if tried:
+        unrestricted = ""
+        if gap is not None:
+            unrestricted = (
+                f"; with every weight trainable it gets no nearer (best {run.relaxed.best:.3g}): not a matter "
+                "of capacity"
+                if gap < 1 - CAPACITY_GAP
+                else f"; with every weight trainable it gets to {run.relaxed.best:.3g}, not near zero either"
+            )
+        return Cause(
+            "not-converged",
+            "loss does not reach near zero",
+            f"the gradient path is intact but no learning rate brings the loss {near}: "
             f"{len(tried)} LR{'s' if len(tried) > 1 else ''} tried ({lr_span(tried)}), the best loss "
             f"{min(t.best for t in tried):.3g} "
-            f"(from {run.initial:.3g}) at lr={run.lr:.3g}{extra}",
+            f"(from {run.initial:.3g}) at lr={run.lr:.3g}{extra}{unrestricted}",
             "The examples cannot be memorised by this setup: labels that do not follow from the inputs "
-            "(shuffled, misaligned, or changing from step to step), or an adapter with too little capacity or "
-            "on the wrong modules (raise the rank, target more modules or the output head). Rerun with more "
-            "--steps to rule out the budget.",
+            "(shuffled, misaligned, or changing from step to step), or a loss that does not measure the targets. "
+            "Rerun with more --steps to rule out the budget.",
         )
     return Cause(
         "not-converged",
         "loss does not reach near zero",
         f"the gradient path is intact but the loss only went from {run.initial:.3g} to {run.best:.3g} in "
-        f"{len(run.losses) - 1} steps at lr={run.lr:g} (near zero: {run.threshold:.3g}){extra}",
+        f"{len(run.losses) - 1} steps at lr={run.lr:g}, not {near}{extra}",
         "Rerun without --lr (overfit then searches the learning rate) or with more --steps. If it still "
         "stalls, the examples cannot be memorised: labels that do not follow from the inputs (shuffled or "
         "misaligned), or an adapter with too little capacity or on the wrong modules.",
@@ -487,6 +612,35 @@ def check_overfit(run: OverfitRun) -> list[Finding]:
             for t in run.tried
         ]
         evidence["sweep_diverges_at"] = run.sweep_diverges_at
+    if run.first is not None:
+        evidence["step1"] = {
+            "lr": run.first.lr,
+            "steps": run.first.steps,
+            "best_loss": round(run.first.best, 4),
+        }
+    if run.floor is not None:
+        evidence["data_floor"] = round(run.floor.nats, 4)
+    if run.blocked_by:
+        evidence["found_before_lr"] = run.blocked_by
+    if run.share is not None and (run.relaxed is not None or cause.key == "capacity"):
+        evidence["trainable_elements"] = run.share.trainable
+        evidence["total_elements"] = run.share.total
+        evidence["trainable_share"] = round(run.share.trainable / run.share.total, 6)
+        if run.share.adapter:
+            evidence["adapter"] = run.share.adapter
+        else:
+            evidence["frozen_tensors"] = run.share.frozen_tensors
+    if run.relaxed is not None:
+        evidence["all_weights_trainable"] = {
+            "reached_near_zero": run.relaxed.reached,
+            "lr": float(f"{run.relaxed.lr:.3g}"),
+            "steps": run.relaxed.steps,
+            "best_loss": round(run.relaxed.best, 4)
+            if math.isfinite(run.relaxed.best)
+            else str(run.relaxed.best),
+        }
+    elif run.relaxed_error:
+        evidence["all_weights_trainable"] = {"not_measured": run.relaxed_error}
     for key in CAUSE_EVIDENCE.get(cause.key, CONVERGENCE_EVIDENCE):
         if measured[key] is not None and measured[key] != []:
             evidence[key] = measured[key]

@@ -13,14 +13,15 @@ from hf_sanity.catalog import define
 from hf_sanity.findings import Finding
 from hf_sanity.measure.curves import Curves
 from hf_sanity.measure.objective import ANY
-from hf_sanity.measure.runs import ARGS_BIN, ARGS_FILES, RunDescription, RunSet, canonical
+from hf_sanity.measure.runs import ARGS_BIN, ARGS_FILES, Change, RunDescription, RunSet, canonical, changes
 from hf_sanity.numbers import median, noise
 
 ARGS_NAMES = (ARGS_BIN, *ARGS_FILES)
 SEED_MIN_COMMON = 10  # common logged steps needed to compare two curves
 SEED_REL = 0.01  # curves differ when the median |difference| at common steps is >= 1% of the level ...
 SEED_NOISE = 0.5  # ... and >= half the curves' own step-to-step noise sigma
-CHURN_MIN_RUNS = 3
+CHURN_CHANGES = 3  # the iron law: three failed hyperparameter changes (four runs) mean it is a bug
+SEVERAL_CHANGES = 2  # settings changed at once after a failure: the outcome cannot be attributed
 ACCURACY_HIGH = 0.99  # accuracy at or above this is too good to be true: check leakage first
 MAJORITY_SE = 2.0  # accuracy within 2 standard errors above the majority-class rate (or below it)
 CLASSIFICATION_MAX_LABELS = 20  # the majority baseline applies when labels take at most 20 values
@@ -28,9 +29,10 @@ PREDICTIONS_MIN = 20  # rows needed to judge an accuracy
 SCORES_MIN = 10  # scores needed to judge their spread
 SCORES_CLUSTER = 0.9  # >= 90% of the scores on their two most common values (one, for a 2-value scale)
 
-# Failure classes, for hyperparameter-churn: a hyperparameter change moves a broken run from one symptom to
-# its neighbour (a flat loss at one LR, underfitting at the next), so runs are grouped by what kind of failure
-# they show, not by the exact slugs. A slug in no class is a class of its own.
+# Failure classes, shown in hyperparameter-churn's evidence: a hyperparameter change moves a broken run from
+# one symptom to its neighbour (a flat loss at one LR, underfitting at the next). The iron law counts failed
+# runs whatever their class; the classes say what the failures have in common. A slug in no class is a class
+# of its own.
 FAILURE_CLASSES: dict[str, tuple[str, ...]] = {
     "not-learning": (
         "loss-flat", "underfitting", "loss-plateau-prior", "lr-too-low", "lr-zero", "predictions-frozen",
@@ -39,7 +41,6 @@ FAILURE_CLASSES: dict[str, tuple[str, ...]] = {
     "train-eval-gap": ("overfitting", "memorizing", "val-below-train"),
 }  # fmt: skip
 _CLASS_OF = {slug: name for name, slugs in FAILURE_CLASSES.items() for slug in slugs}
-_CLASSES_TEXT = "; ".join(f"{name}: {', '.join(slugs)}" for name, slugs in FAILURE_CLASSES.items())
 
 
 def failure_class(slug: str) -> str:
@@ -68,15 +69,34 @@ HYPERPARAMETER_CHURN = define(
     severity="error",
     stage="runs",
     objectives=ANY,
-    symptom="Days spent tuning hyperparameters, every run failing the same way.",
-    detects=f"{CHURN_MIN_RUNS}+ runs that differ only in hyperparameters and fail the same way: each shows an "
-    f"error/warning of one failure class ({_CLASSES_TEXT}; a slug in no class is a class of its own), "
-    "whichever slug of it (a flat loss at one LR, underfitting at the next). Hyperparameters are the knobs of "
-    "TrainingArguments/LoRA (learning rate, schedule, warmup, batch size, epochs, seed, rank, ...) and the peak "
-    "LR of the logs; the setup is everything else readable: the model's identity in config.json and the other "
-    "fields of the training arguments beside the state (training_args.bin, read inert, and a "
-    "training_args.json or args.json). A field one run does not record does not separate it from the others.",
-    fix="Stop tuning: it is a pipeline bug. Run `hf-sanity diagnose` on the setup.",
+    symptom="Days spent tuning hyperparameters, every run failing.",
+    detects=f"The iron law: {CHURN_CHANGES} failed hyperparameter changes mean it is a bug, not a "
+    f"hyperparameter. In the order the runs are given, {CHURN_CHANGES + 1}+ consecutive runs that each fail (an "
+    "error or warning finding of any kind: the failure class may change from run to run, a flat loss at one LR "
+    "and a spike at the next), each changed from the one before in hyperparameters only. Hyperparameters are "
+    "the knobs of TrainingArguments/LoRA (learning rate, schedule, warmup, batch size, epochs, seed, rank, ...) "
+    "and the peak LR of the logs where no argument records the LR; the setup is everything else readable: the "
+    "model's identity in config.json and the other fields of the training arguments beside the state "
+    "(training_args.bin, read inert, and a training_args.json or args.json). A setup change breaks the chain "
+    "(a fix of the pipeline was tried); a field one run does not record is not a change.",
+    fix="Stop tuning: it is a pipeline bug. Run `hf-sanity diagnose` on the setup (overfit one batch, the "
+    "step-0 loss, shapes and masks) before the next run.",
+)
+
+SEVERAL_CHANGES_AT_ONCE = define(
+    "several-changes-at-once",
+    severity="warning",
+    stage="runs",
+    objectives=ANY,
+    symptom="A run after a failure changed several things: it still fails and nothing was learned, or it works "
+    "and nobody knows why.",
+    detects=f"In the order the runs are given, a run that follows a failed run (an error or warning finding) "
+    f"and differs from it in {SEVERAL_CHANGES} or more settings readable in both (one setting per knob: the "
+    "learning rate recorded as an argument and as the peak LR of the logs is one; a new model is one; how often "
+    "a run logs, evaluates or saves is none). Its outcome cannot be attributed to one change: a run that still "
+    "fails rules out none of them, and a run that works names the changes that are confounded.",
+    fix="Change one thing at a time after a failure: rerun from the failed run with one of the changes, and keep "
+    "the one that explains the outcome.",
 )
 
 METRIC_SUSPICIOUS = define(
@@ -105,25 +125,6 @@ EVAL_SCORES_CLUSTER = define(
 )
 
 
-def _compatible(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(canonical(a[k]) == canonical(b[k]) for k in a.keys() & b.keys())
-
-
-def _group(items: list[RunDescription], fields) -> list[list[int]]:
-    """Indices grouped by compatible fields (unknown fields do not separate); greedy, in order."""
-    groups: list[tuple[dict[str, Any], list[int]]] = []
-    for i, item in enumerate(items):
-        values = fields(item)
-        for known, members in groups:
-            if _compatible(known, values):
-                members.append(i)
-                known.update(values)
-                break
-        else:
-            groups.append((dict(values), [i]))
-    return [members for _, members in groups]
-
-
 def _differing(items: list[RunDescription]) -> dict[str, list[Any]]:
     keys = sorted({k for item in items for k in item.hyperparameters})
     out = {}
@@ -134,53 +135,99 @@ def _differing(items: list[RunDescription]) -> dict[str, list[Any]]:
     return out
 
 
-def _class_counts(name: str, slugs: Counter) -> str:
-    """ "not-learning: loss-flat in 2, underfitting in 1"; a slug in no class: "negative-loss in 3"."""
-    counts = ", ".join(f"{slug} in {slugs[slug]}" for slug in sorted(slugs) if failure_class(slug) == name)
-    return counts if name in slugs else f"{name}: {counts}"
+def _failed(slugs: frozenset[str]) -> str:
+    return "fails (" + ", ".join(sorted(slugs)) + ")" if slugs else "no failure"
+
+
+def _changed(found: list[Change]) -> dict[str, list[Any]]:
+    """The changes as evidence: {setting: [before, after]} (the first field each is recorded under)."""
+    return {c.setting: next(iter(c.fields.values())) for c in found}
 
 
 def hyperparameter_churn(runs: list[RunDescription], failures: list[frozenset[str]]) -> list[Finding]:
-    """Three or more runs of one setup that each fail with a slug of the same failure class."""
+    """Chains of consecutive failed runs, each a hyperparameter-only change of the one before; one finding
+    per chain of CHURN_CHANGES changes or more."""
     findings = []
-    for members in _group(runs, lambda r: r.setup):
-        by_class: dict[str, list[int]] = {}
-        for i in members:
-            for name in sorted({failure_class(slug) for slug in failures[i]}):
-                by_class.setdefault(name, []).append(i)
-        # Classes shown by the very same runs make one finding (runs both flat and spiking: one churn).
-        by_members: dict[tuple[int, ...], list[str]] = {}
-        for name, same in by_class.items():
-            if len(same) >= CHURN_MIN_RUNS:
-                by_members.setdefault(tuple(same), []).append(name)
-        for same, classes in by_members.items():
-            items = [runs[i] for i in same]
-            per_run = {
-                runs[i].label: sorted(s for s in failures[i] if failure_class(s) in classes) for i in same
-            }
-            slugs = Counter(slug for found in per_run.values() for slug in found)
-            differing = _differing(items)
-            compared = sorted({k for item in items for k in item.setup})
-            how = "; ".join(_class_counts(name, slugs) for name in classes)
-            shown = "; ".join(
-                f"{key}: {', '.join(str(v) for v in values)}" for key, values in list(differing.items())[:3]
+    chain: list[int] = []
+    steps: dict[int, list[Change]] = {}
+
+    def close() -> None:
+        if len(chain) > CHURN_CHANGES:
+            findings.append(_churn_finding(runs, failures, list(chain), steps))
+
+    for i in range(len(runs)):
+        found = changes(runs[i - 1], runs[i]) if i else []
+        hyper_only = bool(found) and all(c.kind == "hyperparameter" for c in found)
+        if chain and failures[i] and hyper_only:  # the chain ends at i - 1: it goes on
+            chain.append(i)
+            steps[i] = found
+            continue
+        close()
+        chain = [i] if failures[i] else []
+    close()
+    return findings
+
+
+def _churn_finding(
+    runs: list[RunDescription],
+    failures: list[frozenset[str]],
+    chain: list[int],
+    steps: dict[int, list[Change]],
+) -> Finding:
+    items = [runs[i] for i in chain]
+    per_run = {runs[i].label: sorted(failures[i]) for i in chain}
+    slugs = Counter(slug for found in per_run.values() for slug in found)
+    classes = sorted({failure_class(slug) for slug in slugs})
+    how = ", ".join(f"{slug} in {slugs[slug]}" for slug in sorted(slugs))
+    tried = "; ".join(", ".join(c.describe() for c in steps[i]) for i in chain[1:])
+    compared = sorted({k for item in items for k in item.setup})
+    return HYPERPARAMETER_CHURN.finding(
+        f"{len(items)} runs in a row fail ({how}) across {len(chain) - 1} hyperparameter-only changes "
+        f"({tried}): three failed hyperparameter changes mean it is a bug, not a hyperparameter — stop tuning, "
+        "run `hf-sanity diagnose`",
+        evidence={
+            "runs": [item.label for item in items],
+            "changes": [{"run": runs[i].label, "changed": _changed(steps[i])} for i in chain[1:]],
+            "failures": sorted(slugs),
+            "failure_classes": classes,
+            "failures_by_run": per_run,
+            "differing_hyperparameters": _differing(items),
+            "setup_fields_compared": compared or "none readable (no config.json or args file)",
+        },
+    )
+
+
+def several_changes_at_once(runs: list[RunDescription], failures: list[frozenset[str]]) -> list[Finding]:
+    """A run after a failed one that changed SEVERAL_CHANGES or more settings."""
+    findings = []
+    for i in range(1, len(runs)):
+        if not failures[i - 1]:
+            continue
+        found = changes(runs[i - 1], runs[i])
+        if len(found) < SEVERAL_CHANGES:
+            continue
+        before, run = runs[i - 1].label, runs[i].label
+        listed = ", ".join(c.describe() for c in found)
+        names = [c.setting for c in found]
+        evidence = {
+            "run": run,
+            "previous": before,
+            "previous_failures": sorted(failures[i - 1]),
+            "changed": _changed(found),
+            "outcome": _failed(failures[i]),
+        }
+        if failures[i]:
+            message = (
+                f"{run} changed {len(found)} settings at once after {before} failed ({listed}) and still "
+                f"{_failed(failures[i])}: none of the changes is ruled out, none is learned from"
             )
-            findings.append(
-                HYPERPARAMETER_CHURN.finding(
-                    f"{len(items)} runs of one setup fail the same way ({how}) "
-                    + (f"across different hyperparameters ({shown})" if differing else "with no readable "
-                       "hyperparameter telling them apart")
-                    + ": stop tuning, run `hf-sanity diagnose`",
-                    evidence={
-                        "runs": [item.label for item in items],
-                        "failure_classes": classes,
-                        "failures": sorted(slugs),
-                        "failures_by_run": per_run,
-                        "differing_hyperparameters": differing,
-                        "setup_fields_compared": compared or "none readable (no config.json or args file)",
-                    },
-                )
-            )  # fmt: skip
+        else:
+            evidence["confounded"] = names
+            message = (
+                f"{run} works after {before} failed, but it changed {len(found)} settings at once ({listed}): "
+                f"which of them fixed it is confounded ({', '.join(names)})"
+            )
+        findings.append(SEVERAL_CHANGES_AT_ONCE.finding(message, evidence=evidence))
     return findings
 
 
@@ -357,6 +404,11 @@ def eval_scores_cluster(rows: list[dict[str, Any]]) -> list[Finding]:
 @HYPERPARAMETER_CHURN.detector("runs")
 def detect_hyperparameter_churn(runs: RunSet) -> list[Finding]:
     return hyperparameter_churn(runs.descriptions, runs.failures)
+
+
+@SEVERAL_CHANGES_AT_ONCE.detector("runs")
+def detect_several_changes_at_once(runs: RunSet) -> list[Finding]:
+    return several_changes_at_once(runs.descriptions, runs.failures)
 
 
 @SEED_UNFIXED.detector("runs")

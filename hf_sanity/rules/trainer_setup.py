@@ -224,3 +224,51 @@ def check_checkpointing(ctx):
             f"with gradient checkpointing on, none of the {len(trainable)} trainable tensors receives a gradient",
             evidence={"trainable_tensors": len(trainable), "without_grad": missing[:5]},
         )
+
+
+CLIPPING_OFF_HALF_PRECISION = define(
+    "clipping-off-half-precision",
+    severity="warning",
+    stage="trainer",
+    objectives=ANY,
+    symptom="A half-precision run diverges or spikes on one large gradient; nothing caps the step it takes.",
+    detects="The trainer's arguments turn gradient clipping off (max_grad_norm 0 or None: Trainer clips only "
+    "when it is above 0) while it trains in half precision: bf16 or fp16 mixed precision, or trainable "
+    "weights held in bfloat16/float16. Half precision narrows the range a gradient and an update have, so one "
+    "outlier batch moves the weights without bound; with clipping off that is the first thing a divergence "
+    "points at (loss-diverged, grad-explosion and loss-spike say so during training).",
+    fix="Keep gradient clipping on: TrainingArguments(max_grad_norm=1.0), Trainer's default.",
+)
+
+
+def half_precision(trainer) -> dict[str, str] | None:
+    """How the trainer trains in half precision (the mixed-precision flag, or the trainable weights' dtype),
+    or None when it does not."""
+    import torch
+
+    args = trainer.args
+    flags = [name for name in ("bf16", "fp16") if getattr(args, name, False)]
+    if flags:
+        return {"mixed_precision": flags[0]}
+    half = (torch.bfloat16, torch.float16)
+    dtypes = {p.dtype for p in trainer.model.parameters() if p.requires_grad and p.dtype in half}
+    if dtypes:
+        return {"trainable_dtype": str(sorted(dtypes, key=str)[0]).replace("torch.", "")}
+    return None
+
+
+@CLIPPING_OFF_HALF_PRECISION.check(applies=lambda ctx: ctx.trainer is not None)
+def check_clipping_off_half_precision(ctx):
+    trainer = ctx.trainer
+    clip = getattr(trainer.args, "max_grad_norm", None)
+    if clip is not None and clip > 0:
+        return
+    precision = half_precision(trainer)
+    if precision is None:
+        return
+    how = next(iter(precision.values()))
+    yield CLIPPING_OFF_HALF_PRECISION.finding(
+        f"gradient clipping is off (max_grad_norm={clip}) in a {how} run: one outlier gradient moves the "
+        "half-precision weights without bound",
+        evidence={"max_grad_norm": clip, **precision},
+    )
