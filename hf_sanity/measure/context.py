@@ -341,6 +341,21 @@ class Context:
         return left_padding_shift(self.model, self.first_batch, facts.left_padded_rows[0])
 
     @cached_property
+    def future_leak(self) -> dict[str, Any] | None:
+        """How far the logits at positions <= t move when only the tokens after t change (``measure.causal``):
+        on the first collated batch as the model receives it, else on a right-padded batch of sampled
+        examples; None without a model or a row to check."""
+        from hf_sanity.measure.causal import LEAK_ROWS, future_token_leak
+
+        if not self.has_model:
+            return None
+        batch = self.first_batch
+        if batch is None:
+            batches = self.sample_batches(batch_size=LEAK_ROWS, limit=LEAK_ROWS)
+            batch = batches[0] if batches else None
+        return None if batch is None else future_token_leak(self.model, batch)
+
+    @cached_property
     def served(self):
         """The served model against the trained one (the model with the saved adapter attached) and the base
         (the model alone), on the first sample batch and weight by weight (see ``measure.served``); None
@@ -401,9 +416,10 @@ class Context:
             config = self.model_config
             text = config.get_text_config() if hasattr(config, "get_text_config") else config
             return getattr(text, "vocab_size", None)
-        if not self.has_model:
+        getter = getattr(self.model, "get_input_embeddings", None) if self.has_model else None
+        if getter is None:  # no model, or a hand-written module that does not say which layer embeds
             return None
-        embeddings = self.model.get_input_embeddings()
+        embeddings = getter()
         return int(embeddings.num_embeddings) if embeddings is not None else None
 
     @cached_property

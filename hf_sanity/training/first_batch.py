@@ -19,13 +19,15 @@ from hf_sanity.training.budget import Budget
 ALIGNED = ("input_ids", "labels", "attention_mask", "inputs_embeds")
 TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 STEP0_RULE = "init-loss-off-chance"
+LEAK_RULE = "future-token-leak"  # the model on the batch with its future changed: two extra forwards, a probe
 LIKELIHOOD_RULE = "likelihood-displacement"
 
 
 def token_findings(
-    tokenizer, batch: Mapping[str, Any], *, model, trainer, selection: Selection, max_len, step0
+    tokenizer, batch: Mapping[str, Any], *, model, trainer, selection: Selection, max_len, step0, causal=False
 ) -> list[Finding]:
-    """preflight's `tokens` rules on this one batch, and `init-loss-off-chance` on the step-0 numbers."""
+    """preflight's `tokens` rules on this one batch, `init-loss-off-chance` on the step-0 numbers and, with
+    ``causal``, `future-token-leak` on the batch as the model got it."""
     from hf_sanity.measure.batches import batches_context
     from hf_sanity.untouched import preserved_rng
 
@@ -40,6 +42,8 @@ def token_findings(
         findings = catalog.run_all("context", ctx, selection, stages=("tokens",))
         if step0:
             findings += catalog.run_all("context", ctx, selection.restricted({STEP0_RULE}))
+        if causal:
+            findings += catalog.run_all("context", ctx, selection.restricted({LEAK_RULE}))
     for finding in findings:
         finding.step = 1 if finding.step is None else finding.step
     return findings
@@ -106,14 +110,15 @@ class FirstBatch:
         tokenizer = getattr(trainer, "processing_class", None)
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
         token_rules = [r.slug for r in catalog.all_rules() if r.stage == "tokens"]
-        if sink.wants(*token_rules) or step0 is not None:
+        causal = probe and sink.wants(LEAK_RULE)
+        if sink.wants(*token_rules) or step0 is not None or causal:
             from hf_sanity.measure.batches import trainer_max_len
 
             sink.emit(
                 token_findings(
                     tokenizer, batch, model=module, trainer=trainer, selection=sink.selection,
                     max_len=trainer_max_len(trainer) if trainer is not None else None,
-                    step0=step0 if self.judge_step0 else None,
+                    step0=step0 if self.judge_step0 else None, causal=causal,
                 )
             )  # fmt: skip
         values = {"shapes": dict(self._shapes), "step0": step0}
