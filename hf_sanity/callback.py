@@ -204,13 +204,13 @@ class SanityCallback(TrainerCallback, ExportableState):
         return control
 
     # -- what the instruments observe ----------------------------------------------------------------
-    def before_micro(self, inputs) -> None:
+    def before_micro(self, inputs):
         with self.sink.guard("callback-batch"):
             batch = dict(inputs) if hasattr(inputs, "items") else {}
             self.held.hold(self._step or 1, batch)
             if self.sampler is not None:
                 self.sampler.batch(batch)
-            self.first.labels_seen(batch)
+            return self.first.labels_seen(batch, self.trainer, self.sink, self.monitors.feed)
 
     def after_micro(self, loss) -> None:
         with self.sink.guard("callback-loss"):

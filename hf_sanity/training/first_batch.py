@@ -7,6 +7,7 @@ measured on it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from hf_sanity.training.budget import Budget
 
 ALIGNED = ("input_ids", "labels", "attention_mask", "inputs_embeds")
 TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+SHAPE_RULE = "shape-mismatch"
 STEP0_RULE = "init-loss-off-chance"
 LEAK_RULE = "future-token-leak"  # the model on the batch with its future changed: two extra forwards, a probe
 LIKELIHOOD_RULE = "likelihood-displacement"
@@ -58,6 +60,7 @@ class FirstBatch:
         self.done = False
         self.judge_step0 = True  # False on a resumed run: its model is trained, chance says nothing of it
         self._labels = None  # the first batch's labels, which compute_loss may pop before the forward
+        self.loss_watch = None  # the first step's (broadcast.LossWatch), or why it was not watched
         self._shapes: dict[str, tuple[int, ...]] | None = None  # waiting for the logits
         self._probe_batch = None
         self._probe_prev = None
@@ -69,9 +72,44 @@ class FirstBatch:
         # shards: there every rank must probe at the same steps, so only the fixed interval decides.
         self.budget = Budget(free=FROZEN_PROBES)
 
-    def labels_seen(self, batch: Mapping[str, Any]) -> None:
+    def labels_seen(self, batch: Mapping[str, Any], trainer=None, sink=None, feed=None):
+        """A micro-batch begins: the first one's labels are kept (compute_loss may pop them before the forward),
+        and the context it runs in is returned: the watch of what its loss is computed from (`broadcast`), a
+        no-op context for every other one."""
         if not self.done and "labels" in batch:
             self._labels = batch["labels"]
+        if self.loss_watch is not None or sink is None or not sink.wants(SHAPE_RULE):
+            return contextlib.nullcontext()
+        from hf_sanity.training import broadcast
+
+        why = broadcast.watchable(trainer)
+        model = getattr(trainer, "model", None)
+        if why is not None or model is None:
+            self.loss_watch = why or "no model"
+            return contextlib.nullcontext()
+        watch = broadcast.LossWatch(broadcast.label_tensors(trainer, batch), model.parameters())
+        self.loss_watch = watch
+
+        def report(watched) -> None:
+            with sink.guard(SHAPE_RULE, 1):
+                if watched.error is not None:
+                    raise watched.error
+                found = {"broadcasts": watched.broadcasts, "warnings": watched.warnings}
+                feed(1, {"loss_broadcast": found if watched.broadcasts or watched.warnings else None})
+
+        return broadcast.watched(watch, report)
+
+    @property
+    def loss_watch_stats(self) -> dict[str, Any] | str | None:
+        """For the report: what the first step's loss was computed from, or why it was not watched."""
+        watch = self.loss_watch
+        if watch is None or isinstance(watch, str):
+            return watch
+        return {
+            "compared": watch.compared,
+            "broadcasts": len(watch.broadcasts),
+            "warnings": len(watch.warnings),
+        }
 
     def check(self, module, args, kwargs, trainer, sink, *, probe: bool = True) -> dict[str, Any]:
         """Everything the first batch tells; returns the values for the step detectors: its shapes and the
