@@ -423,6 +423,14 @@ def doctor_command(
         Path | None,
         typer.Option(help='JSONL of {"prediction": ..., "label": ...} and/or {"score": ...} rows.'),
     ] = None,
+    baseline: Annotated[
+        float | None,
+        typer.Option(help="An accuracy to judge the predictions against (0.9 for 90%): see --baseline-kind."),
+    ] = None,
+    baseline_kind: Annotated[
+        str,
+        typer.Option(help="human (an accuracy above it is suspect: leakage) or majority (not above it is)."),
+    ] = "human",
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Also draw the curves with the findings as a PNG.")
     ] = None,
@@ -431,17 +439,21 @@ def doctor_command(
     select: SelectOpt = None,
     ignore: IgnoreOpt = None,
 ) -> None:
-    """Post-mortem of finished runs: loss and eval curves, runs compared, eval predictions."""
+    """Post-mortem of finished runs: loss and eval curves, runs compared, eval predictions (per class, against
+    a baseline)."""
+    from hf_sanity.drivers.doctor import check_baseline
     from hf_sanity.selection import resolve
 
     resolve(select, ignore)  # an unknown slug fails before anything is read
+    check_baseline(baseline, baseline_kind, predictions)
     _show_progress()
     _quiet_libraries()
     from hf_sanity.drivers.doctor import doctor
 
     report = doctor(
-        runs, predictions=predictions, select=select, ignore=ignore, plot=plot, with_plot=html is not None
-    )
+        runs, predictions=predictions, select=select, ignore=ignore, plot=plot, with_plot=html is not None,
+        baseline=baseline, baseline_kind=baseline_kind,
+    )  # fmt: skip
     if plot is not None:
         console.print(f"[dim]plot written to {plot}[/dim]")
     _finish(report, json, html)

@@ -163,6 +163,7 @@ def render_html(report: Report, *, plots: dict[str, bytes] | None = None) -> str
         _header(report, title),
         "<main>",
         _findings(report),
+        *(render_view(view) for view in report.views),
     ]
     plots = {**report.plots, **(plots or {})}
     if plots:
@@ -384,6 +385,29 @@ def render_outputview(view: OutputView) -> str:
         )
     out.append("</figure>")
     return "".join(out)
+
+
+# -- views: what a report shows besides its findings ------------------------------------------------------
+def render_view(view) -> str:
+    """One of a report's views (a per-class table, a decoded batch) as a section of the page."""
+    from hf_sanity.classtable import ClassTable
+
+    if isinstance(view, ClassTable):
+        heads = "".join(
+            f"<th>{h}</th>" for h in ("label", "support", "accuracy", "predicted", "most confused with")
+        )
+        rows = []
+        for row in view.rows:
+            confused = (
+                f"{row['most_confused_with']} ({row['confused']})" if row["most_confused_with"] else "-"
+            )
+            rows.append(
+                f"<tr><td><code>{esc(row['label'])}</code></td><td>{row['support']}</td>"
+                f"<td>{row['accuracy']:.1%}</td><td>{row['predicted']}</td><td>{esc(confused)}</td></tr>"
+            )
+        table = f'<table class="stats perclass"><tr>{heads}</tr>{"".join(rows)}</table>'
+        return f'<section class="view"><h2>{esc(view.title)}</h2>{table}</section>'
+    return f'<section class="view"><h2>{esc(getattr(view, "title", "view"))}</h2><pre>{esc(view.data())}</pre></section>'
 
 
 # -- plots and stats ---------------------------------------------------------------------------------------

@@ -37,6 +37,9 @@ class Report:
     # What was not checked, and why, one line each (checks that could not run, a run that was skipped): said
     # under the summary, so that "no findings" never stands for checks that did not run.
     notes: list[str] = field(default_factory=list)
+    # What the report shows besides its findings (the decoded batch of `show`, doctor's per-class table):
+    # renderables with ``data()`` for the JSON (``views``); the HTML page draws each (`html.render_view`).
+    views: list[Any] = field(default_factory=list)
 
     def add(self, finding: Finding) -> None:
         self.findings.append(finding)
@@ -76,6 +79,7 @@ class Report:
             "title": self.title,
             "findings": [f.to_dict() for f in self.ordered()],
             "notes": list(self.notes),
+            **({"views": [jsonable(view.data()) for view in self.views]} if self.views else {}),
             "stats": jsonable(self.stats),
         }
 
@@ -119,6 +123,9 @@ class Report:
         for finding in self.ordered():
             yield Text()
             yield render_finding(finding)
+        for view in self.views:
+            yield Text()
+            yield view
         if self.stats:
             yield Text()
             yield Text("stats: " + ", ".join(f"{k}={_short(v)}" for k, v in self.stats.items()), style="dim")

@@ -341,6 +341,19 @@ class Context:
         return left_padding_shift(self.model, self.first_batch, facts.left_padded_rows[0])
 
     @cached_property
+    def splits(self):
+        """Train against eval (``measure.splits``): keys, distances against random re-splits, what eval holds
+        that train does not; None without an eval dataset."""
+        from hf_sanity.measure.splits import compare_splits, split_rows
+
+        if self.eval_dataset is None:
+            return None
+        layout = self.encoder.layout
+        common = dict(alpaca_template=layout.alpaca_template, has_template=self.markers.has_template)
+        train = split_rows(self.dataset, self.encoded, fmt=self.source_format, **common)
+        return compare_splits(train, split_rows(self.eval_dataset, self.eval_encoded, fmt=None, **common))
+
+    @cached_property
     def future_leak(self) -> dict[str, Any] | None:
         """How far the logits at positions <= t move when only the tokens after t change (``measure.causal``):
         on the first collated batch as the model receives it, else on a right-padded batch of sampled
