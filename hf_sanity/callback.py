@@ -50,23 +50,16 @@ class SanityCallback(TrainerCallback, ExportableState):
     ``generate_every``: from that step on, at evaluations (at most once every ``generate_every`` steps),
     generate for ``generate_prompts`` held-out prompts of the eval dataset (or the rows given) and run the
     `outputs` rules (never-stops, repeats-prompt, ...); off by default, cost in `hf_sanity.training.generation`.
-    Checkpoints keep its state: a run resumed from one continues its checks (`hf_sanity.training.resume`).
+    ``show_first_batch``: print the first real batch decoded (True: every row; N: the first N rows; in the
+    report's views too). A run resumed from a checkpoint continues its checks (`hf_sanity.training.resume`).
     """
 
     def __init__(
-        self,
-        abort_on: str = "never",
-        select: str | Iterable[str] | None = None,
-        ignore: str | Iterable[str] | None = None,
-        *,
-        check_every: int = 10,
-        probe_every: int = 50,
-        sync_every: int | None = None,
-        use_config: bool = True,
-        print_findings: bool = True,
-        generate_every: int | None = None,
-        generate_prompts: int | Any = 8,
-    ) -> None:
+        self, abort_on: str = "never", select: str | Iterable[str] | None = None,
+        ignore: str | Iterable[str] | None = None, *, check_every: int = 10, probe_every: int = 50,
+        sync_every: int | None = None, use_config: bool = True, print_findings: bool = True,
+        generate_every: int | None = None, generate_prompts: int | Any = 8, show_first_batch: bool | int = False,
+    ) -> None:  # fmt: skip
         self.settings = resume.settings(locals())  # what Trainer rebuilds it with from a checkpoint
         if abort_on not in ABORT_CHOICES:
             raise ValueError(f"abort_on must be one of {ABORT_CHOICES}, got {abort_on!r}")
@@ -76,7 +69,7 @@ class SanityCallback(TrainerCallback, ExportableState):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         GenerationCheck.validate(generate_every, generate_prompts)
         self.generation = GenerationCheck(generate_every, generate_prompts) if generate_every else None
-        self.abort_on, self.print_findings = abort_on, print_findings
+        self.abort_on, self.print_findings, self.show_first_batch = abort_on, print_findings, show_first_batch
         self.selection = resolve(select, ignore, use_config=use_config)
         self.check_every, self.probe_every = check_every, probe_every
         self.sync_every = sync_every or check_every
@@ -89,7 +82,7 @@ class SanityCallback(TrainerCallback, ExportableState):
         self.trl = ObjectiveFeed()
         self.monitors = MonitorSet(self.sink)
         self.recorder, self.early, self.history = Recorder(), EarlyFlags(), StepHistory()
-        self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch()
+        self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch(show=self.show_first_batch)
         self._step = self._micro = self._reads = 0
         self._autocast, self.memory_budget, self.resumed = None, Budget(), {}
         if self.generation is not None:  # a second train() checks its outputs from the start again

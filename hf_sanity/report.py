@@ -40,6 +40,8 @@ class Report:
     # What the report shows besides its findings (the decoded batch of `show`, doctor's per-class table):
     # renderables with ``data()`` for the JSON (``views``); the HTML page draws each (`html.render_view`).
     views: list[Any] = field(default_factory=list)
+    # Said instead of "no findings" by a report that runs no checks (`show`: what it shows).
+    headline: str | None = None
 
     def add(self, finding: Finding) -> None:
         self.findings.append(finding)
@@ -107,7 +109,7 @@ class Report:
     def summary(self) -> str:
         counts = self.counts()
         if not self.findings:
-            return f"{self.title}: no findings"
+            return f"{self.title}: {self.headline or 'no findings'}"
         parts = [
             f"{counts[s]} {s}{'s' if counts[s] != 1 else ''}"
             for s in ("error", "warning", "info")

@@ -51,6 +51,7 @@ def preflight(
     select: str | Iterable[str] | None = None,
     ignore: str | Iterable[str] | None = None,
     use_config: bool = True,
+    show: int | None = None,
 ) -> Report:
     """Inspect a fine-tuning setup before any training step and return a :class:`Report`.
 
@@ -62,7 +63,8 @@ def preflight(
     ``format``: the dataset format (default: detected from the columns; ShareGPT and Alpaca rows are read as
     the tools that use them build them); ``alpaca_template``: ``chat`` or ``text`` for Alpaca rows (default:
     chat when the tokenizer has a chat template); ``task``: ``extractive`` when the answers quote the prompt
-    (extractive QA, RAG with citations).
+    (extractive QA, RAG with citations). ``show``: also show the first ``show`` rows decoded as the model is fed
+    them (``report.views``: `hf_sanity.batchview`; with ``trainer=``, its first batch).
     """
     selection = resolve(select, ignore, use_config=use_config)
     started = time.perf_counter()
@@ -157,6 +159,12 @@ def preflight(
         report.stats.update(ctx.encoder.layout.describe(ctx.dataset))
         if task != "generative":
             report.stats["task"] = task
+    if show:
+        from hf_sanity.drivers.show import shown_rows
+
+        view = shown_rows(ctx, show, dataset)
+        if view is not None:
+            report.views.append(view)
     if size > 1:
         report.stats["processes"] = size
         return distributed.broadcast(report)

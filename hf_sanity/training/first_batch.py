@@ -56,7 +56,14 @@ class FirstBatch:
     the forward, which a mismatch may crash, and after it with the logits), the step-0 probe on it, and the
     token rules. Its first rows stay as the probe batch that `predictions-frozen` re-runs every few steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, show: bool | int = False) -> None:
+        if isinstance(show, bool) or show is None:
+            show = bool(show)
+        elif not isinstance(show, int) or show < 1:
+            raise ValueError(
+                f"show_first_batch must be True, False or a number of rows (1 or more), got {show!r}"
+            )
+        self.show = show  # print the batch decoded: True, every row; N, the first N rows
         self.done = False
         self.judge_step0 = True  # False on a resumed run: its model is trained, chance says nothing of it
         self._labels = None  # the first batch's labels, which compute_loss may pop before the forward
@@ -147,6 +154,9 @@ class FirstBatch:
                 step0 = measured.get("stats")
         tokenizer = getattr(trainer, "processing_class", None)
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
+        if self.show and tokenizer is not None and "input_ids" in batch:
+            with sink.guard("show-first-batch"):
+                self.shown(tokenizer, batch, sink)
         token_rules = [r.slug for r in catalog.all_rules() if r.stage == "tokens"]
         causal = probe and sink.wants(LEAK_RULE)
         if sink.wants(*token_rules) or step0 is not None or causal:
@@ -163,6 +173,21 @@ class FirstBatch:
         if chosen is not None:  # read once, at the first step
             values["chosen_logp"] = float(chosen)
         return values
+
+    def shown(self, tokenizer, batch: Mapping[str, Any], sink) -> None:
+        """``show_first_batch``: the batch as the model got it, decoded, printed (main process) and kept in the
+        report's views."""
+        from hf_sanity.batchview import BatchView
+
+        tensors = {k: v.detach().cpu() for k, v in batch.items() if hasattr(v, "shape")}
+        count = int(tensors["input_ids"].shape[0])
+        rows = list(range(count if self.show is True else min(self.show, count)))
+        view = BatchView.from_batch(
+            tokenizer, tensors, rows=rows, title="the first real batch",
+            source="the first batch of the run, as its model's forward received it (after the collator)",
+        )  # fmt: skip
+        sink.report.views.append(view)
+        sink.say(view, always=True)
 
     def logits_pending(self, output) -> dict[str, Any] | None:
         """After the first forward: its shapes with the logits' (once)."""
