@@ -8,6 +8,7 @@ report = hf_sanity.diagnose(trainer=trainer)             # the ordered debugging
 report = hf_sanity.served(merged, base=base, adapter="out/adapter", tokenizer=tokenizer)  # what is served
 report = hf_sanity.doctor(["out/checkpoint-500"])        # post-mortem of a finished run
 report = hf_sanity.outputs(model=model, tokenizer=tokenizer, dataset=held_out)  # what the model says
+hf_sanity.show(trainer=trainer).print()                  # the exact batch the model is fed, decoded
 """
 
 from hf_sanity.version import __version__
@@ -19,6 +20,7 @@ _PUBLIC = {
     "doctor": "hf_sanity.drivers.doctor",
     "outputs": "hf_sanity.drivers.outputs",
     "served": "hf_sanity.drivers.served",
+    "show": "hf_sanity.drivers.show",
     "SanityCallback": "hf_sanity.callback",
     "overfit": "hf_sanity.protocol",
     "diagnose": "hf_sanity.protocol",
@@ -50,4 +52,5 @@ __all__ = [
     "overfit",
     "preflight",
     "served",
+    "show",
 ]

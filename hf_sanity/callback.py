@@ -50,24 +50,18 @@ class SanityCallback(TrainerCallback, ExportableState):
     ``generate_every``: from that step on, at evaluations (at most once every ``generate_every`` steps),
     generate for ``generate_prompts`` held-out prompts of the eval dataset (or the rows given) and run the
     `outputs` rules (never-stops, repeats-prompt, ...); off by default, cost in `hf_sanity.training.generation`.
-    ``reward_dry_run=False``: no reward function is called at train begin. Resumable (`hf_sanity.training.resume`).
+    ``reward_dry_run=False``: no reward function is called at train begin. ``show_first_batch``: print the first
+    real batch decoded (True: every row; N: the first N rows; in the report's views too). A run resumed from a
+    checkpoint continues its checks (`hf_sanity.training.resume`).
     """
 
     def __init__(
-        self,
-        abort_on: str = "never",
-        select: str | Iterable[str] | None = None,
-        ignore: str | Iterable[str] | None = None,
-        *,
-        check_every: int = 10,
-        probe_every: int = 50,
-        sync_every: int | None = None,
-        use_config: bool = True,
-        print_findings: bool = True,
-        generate_every: int | None = None,
-        generate_prompts: int | Any = 8,
-        reward_dry_run: bool = True,
-    ) -> None:
+        self, abort_on: str = "never", select: str | Iterable[str] | None = None,
+        ignore: str | Iterable[str] | None = None, *, check_every: int = 10, probe_every: int = 50,
+        sync_every: int | None = None, use_config: bool = True, print_findings: bool = True,
+        generate_every: int | None = None, generate_prompts: int | Any = 8, reward_dry_run: bool = True,
+        show_first_batch: bool | int = False,
+    ) -> None:  # fmt: skip
         self.settings = resume.settings(locals())  # what Trainer rebuilds it with from a checkpoint
         if abort_on not in ABORT_CHOICES:
             raise ValueError(f"abort_on must be one of {ABORT_CHOICES}, got {abort_on!r}")
@@ -78,6 +72,7 @@ class SanityCallback(TrainerCallback, ExportableState):
         GenerationCheck.validate(generate_every, generate_prompts)
         self.generation = GenerationCheck(generate_every, generate_prompts) if generate_every else None
         self.abort_on, self.print_findings, self.reward_dry_run = abort_on, print_findings, reward_dry_run
+        self.show_first_batch = show_first_batch
         self.selection = resolve(select, ignore, use_config=use_config)
         self.check_every, self.probe_every = check_every, probe_every
         self.sync_every = sync_every or check_every
@@ -89,7 +84,7 @@ class SanityCallback(TrainerCallback, ExportableState):
         self.trainer = self.model = self.sampler = self.exchange = None
         self.trl, self.monitors = ObjectiveFeed(), MonitorSet(self.sink)
         self.recorder, self.early, self.history = Recorder(), EarlyFlags(), StepHistory()
-        self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch()
+        self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch(show=self.show_first_batch)
         self._step = self._micro = self._reads = 0
         self._autocast, self.memory_budget, self.resumed = None, Budget(), {}
         if self.generation is not None:  # a second train() checks its outputs from the start again
@@ -204,13 +199,13 @@ class SanityCallback(TrainerCallback, ExportableState):
         return control
 
     # -- what the instruments observe ----------------------------------------------------------------
-    def before_micro(self, inputs) -> None:
+    def before_micro(self, inputs):
         with self.sink.guard("callback-batch"):
             batch = dict(inputs) if hasattr(inputs, "items") else {}
             self.held.hold(self._step or 1, batch)
             if self.sampler is not None:
                 self.sampler.batch(batch)
-            self.first.labels_seen(batch)
+            return self.first.labels_seen(batch, self.trainer, self.sink, self.monitors.feed)
 
     def after_micro(self, loss) -> None:
         with self.sink.guard("callback-loss"):

@@ -204,6 +204,14 @@ def preflight_command(
             "(the report lists the first ten); split-leakage's rows index the eval split."
         ),
     ] = None,
+    show: Annotated[
+        int | None,
+        typer.Option(
+            "--show",
+            help="Also show the first N rows decoded, as the model is fed them (every token with its id, "
+            "attention, position id, label and loss); see `hf-sanity show`.",
+        ),
+    ] = None,
     select: SelectOpt = None,
     ignore: IgnoreOpt = None,
 ) -> None:
@@ -214,6 +222,8 @@ def preflight_command(
     # Bad options fail in a blink, before transformers is imported or anything is loaded.
     weights = reads_model(resolve(select, ignore))  # with the model stage off, the folder needs no weights
     check_options(loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template, task=task)
+    if show is not None and show < 1:
+        raise UserInputError(f"--show takes a number of rows (1 or more), got {show}")
     if format is not None:
         from hf_sanity.measure.formats import FORMATS
 
@@ -278,11 +288,61 @@ def preflight_command(
         num_proc=num_proc,
         select=select,
         ignore=ignore,
+        show=show,
     )
     phases = report.stats.get("seconds_by_phase")
     if phases is not None:  # config, tokenizer and data loading come first, then preflight's own phases
         report.stats["seconds_by_phase"] = {"load": round(loaded, 2), **phases}
     _finish(report, json, html, rows_out)
+
+
+@app.command("show")
+def show_command(
+    model: ModelOpt,
+    dataset: DatasetOpt,
+    tokenizer: TokenizerOpt = None,
+    split: SplitOpt = "train",
+    rows: Annotated[
+        str | None, typer.Option(help="Rows of the dataset to show: 0,5 or 0-3 (default: 0,1).")
+    ] = None,
+    trainer_batch: Annotated[
+        bool,
+        typer.Option(
+            "--trainer-batch",
+            help="Build TRL's SFTTrainer on the model and the rows and show its batch (after its own "
+            "tokenization and collator); needs the model's weights and trl.",
+        ),
+    ] = False,
+    max_len: MaxLenOpt = None,
+    loss_on: LossOnOpt = "completion",
+    format: FormatOpt = None,
+    alpaca_template: AlpacaOpt = None,
+    trust_remote_code: TrustOpt = False,
+    json: JsonOpt = None,
+    html: HtmlOpt = None,
+) -> None:
+    """Show the exact tensors the model will be fed, decoded: every token with its id, attention mask, position
+    id, label and whether it carries loss; padding, packed sequences and the labels' shift marked."""
+    from hf_sanity.drivers.preflight import check_options
+    from hf_sanity.drivers.show import parse_rows
+
+    picked = parse_rows(rows)
+    check_options(loss_on=loss_on, max_len=max_len, alpaca_template=alpaca_template)
+    _quiet_libraries()
+    from hf_sanity.drivers.show import show
+    from hf_sanity.measure.sources import load_config, load_dataset_ref, load_model, load_tokenizer
+
+    load_config(model, trust_remote_code=trust_remote_code, weights=trainer_batch)
+    tok = load_tokenizer(
+        tokenizer or model, trust_remote_code=trust_remote_code, kind="tokenizer" if tokenizer else "model"
+    )
+    data = load_dataset_ref(dataset, split)
+    report = show(
+        model=(lambda: load_model(model, trust_remote_code=trust_remote_code)) if trainer_batch else None,
+        tokenizer=tok, dataset=data, rows=picked, trainer_batch=trainer_batch, max_len=max_len, loss_on=loss_on,
+        format=format, alpaca_template=alpaca_template, source=dataset,
+    )  # fmt: skip
+    _finish(report, json, html)
 
 
 @app.command("outputs")
@@ -424,6 +484,14 @@ def doctor_command(
         Path | None,
         typer.Option(help='JSONL of {"prediction": ..., "label": ...} and/or {"score": ...} rows.'),
     ] = None,
+    baseline: Annotated[
+        float | None,
+        typer.Option(help="An accuracy to judge the predictions against (0.9 for 90%): see --baseline-kind."),
+    ] = None,
+    baseline_kind: Annotated[
+        str,
+        typer.Option(help="human (an accuracy above it is suspect: leakage) or majority (not above it is)."),
+    ] = "human",
     plot: Annotated[
         Path | None, typer.Option("--plot", help="Also draw the curves with the findings as a PNG.")
     ] = None,
@@ -432,17 +500,21 @@ def doctor_command(
     select: SelectOpt = None,
     ignore: IgnoreOpt = None,
 ) -> None:
-    """Post-mortem of finished runs: loss and eval curves, runs compared, eval predictions."""
+    """Post-mortem of finished runs: loss and eval curves, runs compared, eval predictions (per class, against
+    a baseline)."""
+    from hf_sanity.drivers.doctor import check_baseline
     from hf_sanity.selection import resolve
 
     resolve(select, ignore)  # an unknown slug fails before anything is read
+    check_baseline(baseline, baseline_kind, predictions)
     _show_progress()
     _quiet_libraries()
     from hf_sanity.drivers.doctor import doctor
 
     report = doctor(
-        runs, predictions=predictions, select=select, ignore=ignore, plot=plot, with_plot=html is not None
-    )
+        runs, predictions=predictions, select=select, ignore=ignore, plot=plot, with_plot=html is not None,
+        baseline=baseline, baseline_kind=baseline_kind,
+    )  # fmt: skip
     if plot is not None:
         console.print(f"[dim]plot written to {plot}[/dim]")
     _finish(report, json, html)

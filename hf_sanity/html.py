@@ -86,6 +86,10 @@ figure.tokenview figcaption {{ font-size: 13px; color: #3b404a; margin-bottom: 4
 .tok.unknown {{ background: {UNKNOWN_BG}; color: #4a3b00; }}
 .tok.focus {{ outline: 2px solid {FOCUS_OUTLINE}; outline-offset: 0; font-weight: 700; }}
 .tok.aftercut {{ text-decoration: line-through; text-decoration-color: #c62828; }}
+.tok.pad {{ background: #f4f4f4; color: #a0a4ab; text-decoration: line-through; }}
+.boundary {{ color: #a0168f; font-weight: 700; padding: 0 2px; }}
+table.ids tr.padrow td {{ color: #a0a4ab; }}
+table.ids tr.boundaryrow td {{ color: #a0168f; text-align: left; }}
 .tok:empty::after {{ content: "\\2205"; color: #8a8f99; }}
 .tokens .tok + .tok {{ box-shadow: inset 1px 0 0 rgba(255, 255, 255, 0.9); }}
 .cut {{ color: #c62828; font-weight: 700; padding: 0 4px; }}
@@ -162,7 +166,8 @@ def render_html(report: Report, *, plots: dict[str, bytes] | None = None) -> str
         "<body>",
         _header(report, title),
         "<main>",
-        _findings(report),
+        *([] if report.headline and not report.findings else [_findings(report)]),
+        *(render_view(view) for view in report.views),
     ]
     plots = {**report.plots, **(plots or {})}
     if plots:
@@ -196,7 +201,9 @@ def _header(report: Report, title: str) -> str:
             f'<li><span class="badge {cls}" data-severity="{severity}" data-count="{n}">'
             f"{_plural(n, severity)}</span></li>"
         )
-    if not report.findings:
+    if report.headline and not report.findings:  # a report that runs no checks says what it shows
+        badges = [f'<li><span class="badge info">{esc(report.headline)}</span></li>']
+    elif not report.findings:
         badges.insert(0, '<li><span class="badge clean">no findings</span></li>')
     notes = "".join(f"<li>{esc(note)}</li>" for note in report.notes)
     return (
@@ -287,7 +294,7 @@ _LOSS_WORD = {True: "loss", False: "no loss", None: "no labels"}
 
 
 def _cell_class(view: TokenView, cell: TokenCell) -> str:
-    cls = ["tok", _LOSS_CLASS[cell.loss]]
+    cls = ["tok", "pad" if cell.padding else _LOSS_CLASS[cell.loss]]
     if cell.pos == view.focus:
         cls.append("focus")
     if view.cut is not None and cell.pos >= view.cut:
@@ -297,6 +304,10 @@ def _cell_class(view: TokenView, cell: TokenCell) -> str:
 
 def _cell_tooltip(view: TokenView, cell: TokenCell) -> str:
     tip = f"pos {cell.pos} · id {cell.id} · {_LOSS_WORD[cell.loss]}"
+    if view.detailed:
+        extra = {"attention": cell.attention, "position id": cell.position, "label": cell.label}
+        tip += "".join(f" · {k} {v}" for k, v in extra.items() if v is not None)
+        tip += f" · trained to predict {cell.predicts}" if cell.predicts is not None else ""
     if cell.pos == view.focus:
         tip += " · the token this finding is about"
     if view.cut is not None and cell.pos >= view.cut:
@@ -316,6 +327,10 @@ def render_tokenview(view: TokenView) -> str:
     ]
     if view.focus is not None:
         legend.append('<span class="tok noloss focus">focus</span>')
+    if view.detailed and any(c.padding for c in cells):
+        legend.append('<span class="tok pad">padding</span>')
+    if any(c.starts_sequence for c in cells):
+        legend.append('<span class="boundary">‖ a packed sequence starts</span>')
     if cut_shown:
         legend.append(f'<span class="cut">✂ max_len={view.cut} cut</span>')
     caption.append(f'<span class="legend">{"".join(legend)}</span>')
@@ -334,6 +349,8 @@ def render_tokenview(view: TokenView) -> str:
                 f'<span class="cut" title="max_len={view.cut}: from position {view.cut} on, '
                 f'tokens are cut">✂ max_len={view.cut} ✂</span>'
             )
+        if cell.starts_sequence:
+            inline.append('<span class="boundary" title="a packed sequence starts: position id 0">‖</span>')
         inline.append(
             f'<span class="{_cell_class(view, cell)}" data-pos="{cell.pos}" data-id="{cell.id}" '
             f'title="{esc(_cell_tooltip(view, cell))}">{esc(cell.text)}</span>'
@@ -342,19 +359,37 @@ def render_tokenview(view: TokenView) -> str:
         later = view.total - 1 - cells[-1].pos
         inline.append(f'<span class="more" title="{later} later tokens not shown">…</span>')
 
+    extra = [c for c in view.columns() if c != "predicts"]
+    predicts = "predicts" in view.columns()
+    width = 4 + len(extra) + predicts
     rows = []
     for cell in cells:
         if cell.pos == view.cut:
-            rows.append(f'<tr class="cutrow"><td></td><td></td><td></td><td>✂ max_len={view.cut}</td></tr>')
-        focus = ' class="focus"' if cell.pos == view.focus else ""
-        mark = {True: "yes", False: "-", None: "?"}[cell.loss]
+            rows.append(f'<tr class="cutrow"><td colspan="{width}">✂ max_len={view.cut}</td></tr>')
+        if cell.starts_sequence:
+            rows.append(f'<tr class="boundaryrow"><td colspan="{width}">‖ a packed sequence starts</td></tr>')
+        cls = "focus" if cell.pos == view.focus else "padrow" if cell.padding else ""
+        mark = "pad" if cell.padding else {True: "yes", False: "-", None: "?"}[cell.loss]
+        values = view._extra(cell)
         rows.append(
-            f"<tr{focus}><td>{cell.pos}</td><td>{cell.id}</td><td>{mark}</td>"
-            f'<td class="text"><span class="{_cell_class(view, cell)}">{esc(cell.text)}</span></td></tr>'
+            f'<tr class="{cls}"><td>{cell.pos}</td><td>{cell.id}</td>'
+            + "".join(f"<td>{esc(values[c])}</td>" for c in extra)
+            + f"<td>{mark}</td>"
+            f'<td class="text"><span class="{_cell_class(view, cell)}">{esc(cell.text)}</span></td>'
+            + (f'<td class="text">{esc(values["predicts"])}</td>' if predicts else "")
+            + "</tr>"
         )
+    heads = [
+        "pos",
+        "id",
+        *extra,
+        "loss",
+        "token",
+        *(["predicts (the next position's label)"] if predicts else []),
+    ]
     table = (
-        '<details class="ids"><summary>positions and ids</summary>'
-        '<table class="ids"><tr><th>pos</th><th>id</th><th>loss</th><th>token</th></tr>'
+        f'<details class="ids"{" open" if view.detailed else ""}><summary>positions and ids</summary>'
+        f'<table class="ids"><tr>{"".join(f"<th>{esc(h)}</th>" for h in heads)}</tr>'
         f"{''.join(rows)}</table></details>"
     )
     return (
@@ -384,6 +419,35 @@ def render_outputview(view: OutputView) -> str:
         )
     out.append("</figure>")
     return "".join(out)
+
+
+# -- views: what a report shows besides its findings ------------------------------------------------------
+def render_view(view) -> str:
+    """One of a report's views (a per-class table, a decoded batch) as a section of the page."""
+    from hf_sanity.classtable import ClassTable
+
+    if isinstance(view, ClassTable):
+        heads = "".join(
+            f"<th>{h}</th>" for h in ("label", "support", "accuracy", "predicted", "most confused with")
+        )
+        rows = []
+        for row in view.rows:
+            confused = (
+                f"{row['most_confused_with']} ({row['confused']})" if row["most_confused_with"] else "-"
+            )
+            rows.append(
+                f"<tr><td><code>{esc(row['label'])}</code></td><td>{row['support']}</td>"
+                f"<td>{row['accuracy']:.1%}</td><td>{row['predicted']}</td><td>{esc(confused)}</td></tr>"
+            )
+        table = f'<table class="stats perclass"><tr>{heads}</tr>{"".join(rows)}</table>'
+        return f'<section class="view"><h2>{esc(view.title)}</h2>{table}</section>'
+    from hf_sanity.batchview import BatchView
+
+    if isinstance(view, BatchView):
+        about = "".join(f"<li>{prose(line)}</li>" for line in view.describe())
+        rows = "".join(render_tokenview(row) for row in view.rows)
+        return f'<section class="view batch"><h2>{esc(view.headline())}</h2><ul class="about">{about}</ul>{rows}</section>'
+    return f'<section class="view"><h2>{esc(getattr(view, "title", "view"))}</h2><pre>{esc(view.data())}</pre></section>'
 
 
 # -- plots and stats ---------------------------------------------------------------------------------------

@@ -37,6 +37,11 @@ class Report:
     # What was not checked, and why, one line each (checks that could not run, a run that was skipped): said
     # under the summary, so that "no findings" never stands for checks that did not run.
     notes: list[str] = field(default_factory=list)
+    # What the report shows besides its findings (the decoded batch of `show`, doctor's per-class table):
+    # renderables with ``data()`` for the JSON (``views``); the HTML page draws each (`html.render_view`).
+    views: list[Any] = field(default_factory=list)
+    # Said instead of "no findings" by a report that runs no checks (`show`: what it shows).
+    headline: str | None = None
 
     def add(self, finding: Finding) -> None:
         self.findings.append(finding)
@@ -76,6 +81,7 @@ class Report:
             "title": self.title,
             "findings": [f.to_dict() for f in self.ordered()],
             "notes": list(self.notes),
+            **({"views": [jsonable(view.data()) for view in self.views]} if self.views else {}),
             "stats": jsonable(self.stats),
         }
 
@@ -103,7 +109,7 @@ class Report:
     def summary(self) -> str:
         counts = self.counts()
         if not self.findings:
-            return f"{self.title}: no findings"
+            return f"{self.title}: {self.headline or 'no findings'}"
         parts = [
             f"{counts[s]} {s}{'s' if counts[s] != 1 else ''}"
             for s in ("error", "warning", "info")
@@ -119,6 +125,9 @@ class Report:
         for finding in self.ordered():
             yield Text()
             yield render_finding(finding)
+        for view in self.views:
+            yield Text()
+            yield view
         if self.stats:
             yield Text()
             yield Text("stats: " + ", ".join(f"{k}={_short(v)}" for k, v in self.stats.items()), style="dim")

@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hf_sanity import catalog
+from hf_sanity.classtable import ClassTable
 from hf_sanity.drivers.curves import analyze
 from hf_sanity.errors import UserInputError
 from hf_sanity.findings import Finding
@@ -157,6 +158,21 @@ def _failures(findings: Iterable[Finding], selection: Selection) -> frozenset[st
     return frozenset(out)
 
 
+BASELINE_KINDS = ("human", "majority")
+
+
+def check_baseline(baseline: float | None, kind: str, predictions) -> None:
+    """--baseline and --baseline-kind, checked before anything is read."""
+    if kind not in BASELINE_KINDS:
+        raise UserInputError(f"--baseline-kind must be one of {', '.join(BASELINE_KINDS)}, got {kind!r}")
+    if baseline is None:
+        return
+    if not 0 < baseline <= 1:
+        raise UserInputError(f"--baseline is an accuracy between 0 and 1 (0.9 for 90%), got {baseline}")
+    if predictions is None:
+        raise UserInputError("--baseline judges eval predictions: pass them with --predictions")
+
+
 def read_runs(paths: list[str | Path]) -> tuple[list[Run], list[tuple[str, str]]]:
     """The runs that can be read, and (path, why) for each that cannot: one bad RUN among several is skipped,
     not the end of the post-mortem; when none can be read, the first one's problem is the bad input."""
@@ -181,12 +197,17 @@ def doctor(
     plot: Path | None = None,
     with_plot: bool = False,
     use_config: bool = True,
+    baseline: float | None = None,
+    baseline_kind: str = "human",
 ) -> Report:
     """A post-mortem of finished runs: what the curves of each say, what they say together, and (with
-    ``predictions``) what the eval predictions say. ``plot`` writes a PNG of the curves with every
-    finding marked at its step; ``with_plot`` attaches the PNG to ``report.plots`` (for the HTML page)."""
+    ``predictions``) what the eval predictions say, with their per-class table; ``baseline``: the accuracy to
+    judge them against, a human one (``baseline_kind="human"``: above it is suspect) or a majority one
+    (``"majority"``: not above it is). ``plot`` writes a PNG of the curves with every finding marked at its
+    step; ``with_plot`` attaches the PNG to ``report.plots`` (for the HTML page)."""
     if not runs:
         raise UserInputError(f"doctor needs at least one run; {RUN_HELP}")
+    check_baseline(baseline, baseline_kind, predictions)
     selection = resolve(select, ignore, use_config=use_config)
     started = time.perf_counter()
     loaded, skipped = read_runs(runs)
@@ -215,6 +236,8 @@ def doctor(
         descriptions=[describe(run) for run in loaded],
         failures=[_failures(findings, selection) for findings in per_run],
         predictions=rows,
+        baseline=baseline,
+        baseline_kind=baseline_kind,
     )
     kept_together = catalog.run_all("runs", run_set, selection)
 
@@ -245,6 +268,11 @@ def doctor(
     ]
     if rows is not None:
         report.stats["predictions"] = len(rows)
+        from hf_sanity.measure.runs import class_table
+
+        table = class_table(rows)
+        if table is not None:
+            report.views.append(ClassTable(table, title=f"per class ({len(table)} labels)"))
     if plot is not None or with_plot:
         from hf_sanity.plots import plot_runs
 

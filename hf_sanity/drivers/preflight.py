@@ -52,6 +52,7 @@ def preflight(
     select: str | Iterable[str] | None = None,
     ignore: str | Iterable[str] | None = None,
     use_config: bool = True,
+    show: int | None = None,
 ) -> Report:
     """Inspect a fine-tuning setup before any training step and return a :class:`Report`.
 
@@ -65,7 +66,8 @@ def preflight(
     chat when the tokenizer has a chat template); ``task``: ``extractive`` when the answers quote the prompt
     (extractive QA, RAG with citations). ``reward_dry_run``: with an RL trainer (GRPO, RLOO), call its reward
     functions on a few completions before training (on copies, with a time limit); False when they call a paid
-    or remote service (the report says they were not called).
+    or remote service (the report says they were not called). ``show``: also show the first ``show`` rows decoded as the model
+    is fed them (``report.views``: `hf_sanity.batchview`; with ``trainer=``, its first batch).
     """
     selection = resolve(select, ignore, use_config=use_config)
     started = time.perf_counter()
@@ -171,6 +173,12 @@ def preflight(
         report.stats.update(ctx.encoder.layout.describe(ctx.dataset))
         if task != "generative":
             report.stats["task"] = task
+    if show:
+        from hf_sanity.drivers.show import shown_rows
+
+        view = shown_rows(ctx, show, dataset)
+        if view is not None:
+            report.views.append(view)
     if size > 1:
         report.stats["processes"] = size
         return distributed.broadcast(report)

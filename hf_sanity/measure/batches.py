@@ -27,7 +27,7 @@ def batch_rows(batch: Mapping[str, Any]) -> list[dict[str, list[int]]]:
     for r in range(input_ids.shape[0]):
         ids = input_ids[r].tolist()
         labs = labels[r].tolist() if labels is not None else None
-        keep = mask[r].bool().tolist() if mask is not None else [True] * len(ids)
+        keep = attended(mask, r) if mask is not None else [True] * len(ids)
         pos = positions[r].tolist() if positions is not None else None
         # Packed rows (padding-free): a new sequence starts wherever position_ids restart at 0.
         starts = [i for i, p in enumerate(pos) if p == 0] if pos is not None else [0]
@@ -43,6 +43,20 @@ def batch_rows(batch: Mapping[str, Any]) -> list[dict[str, list[int]]]:
                 row["labels"] = [labs[i] for i in kept]
             rows.append(row)
     return rows
+
+
+def attended(mask, row: int) -> list[bool]:
+    """Which positions of a batch row are tokens, by its attention mask: a 2-D padding mask's ones; a 4-D mask
+    (batch, heads, query, key) built by the collator itself, the positions that may attend to themselves (its
+    diagonal: True in a boolean mask, 0 in an additive float one)."""
+    import torch
+
+    if mask.dim() != 4:
+        return mask[row].bool().tolist()
+    diagonal = torch.diagonal(mask[row, 0], dim1=-2, dim2=-1)
+    if diagonal.is_floating_point():
+        return (diagonal > torch.finfo(diagonal.dtype).min / 2).tolist()
+    return diagonal.bool().tolist()
 
 
 def batches_context(

@@ -346,6 +346,34 @@ class Context:
         return left_padding_shift(self.model, self.first_batch, facts.left_padded_rows[0])
 
     @cached_property
+    def splits(self):
+        """Train against eval (``measure.splits``): keys, distances against random re-splits, what eval holds
+        that train does not; None without an eval dataset."""
+        from hf_sanity.measure.splits import compare_splits, split_rows
+
+        if self.eval_dataset is None:
+            return None
+        layout = self.encoder.layout
+        common = dict(alpaca_template=layout.alpaca_template, has_template=self.markers.has_template)
+        train = split_rows(self.dataset, self.encoded, fmt=self.source_format, **common)
+        return compare_splits(train, split_rows(self.eval_dataset, self.eval_encoded, fmt=None, **common))
+
+    @cached_property
+    def future_leak(self) -> dict[str, Any] | None:
+        """How far the logits at positions <= t move when only the tokens after t change (``measure.causal``):
+        on the first collated batch as the model receives it, else on a right-padded batch of sampled
+        examples; None without a model or a row to check."""
+        from hf_sanity.measure.causal import LEAK_ROWS, future_token_leak
+
+        if not self.has_model:
+            return None
+        batch = self.first_batch
+        if batch is None:
+            batches = self.sample_batches(batch_size=LEAK_ROWS, limit=LEAK_ROWS)
+            batch = batches[0] if batches else None
+        return None if batch is None else future_token_leak(self.model, batch)
+
+    @cached_property
     def served(self):
         """The served model against the trained one (the model with the saved adapter attached) and the base
         (the model alone), on the first sample batch and weight by weight (see ``measure.served``); None
@@ -411,7 +439,8 @@ class Context:
             config = self.model_config
             text = config.get_text_config() if hasattr(config, "get_text_config") else config
             return getattr(text, "vocab_size", None)
-        if not self.has_model:
+        getter = getattr(self.model, "get_input_embeddings", None) if self.has_model else None
+        if getter is None:  # no model, or a hand-written module that does not say which layer embeds
             return None
         embeddings = self.input_embeddings
         return int(embeddings.num_embeddings) if embeddings is not None else None

@@ -288,6 +288,53 @@ def read_predictions(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def label_key(value: Any) -> str:
+    """A prediction or label as compared: strings stripped, integral floats as ints, the rest as JSON."""
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return json.dumps(value, sort_keys=True)
+
+
+PER_CLASS_MAX = 50  # labels with more values than this are free text: no per-class table
+
+
+def class_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Per label of the predictions' rows (prediction and label): its support, the accuracy on it (recall),
+    how often it was predicted, and what it is most often mistaken for; by support, largest first. None
+    without labelled predictions or with free-text labels (more than ``PER_CLASS_MAX`` values)."""
+    from collections import Counter
+
+    pairs = [
+        (label_key(r["prediction"]), label_key(r["label"]))
+        for r in rows
+        if "prediction" in r and "label" in r
+    ]
+    labels = Counter(y for _, y in pairs)
+    if not pairs or len(labels) > PER_CLASS_MAX:
+        return None
+    predicted = Counter(p for p, _ in pairs)
+    wrong: dict[str, Counter] = {}
+    for p, y in pairs:
+        if p != y:
+            wrong.setdefault(y, Counter())[p] += 1
+    table = []
+    for label, support in labels.most_common():
+        mistaken = wrong.get(label, Counter()).most_common(1)
+        table.append(
+            {
+                "label": label,
+                "support": support,
+                "accuracy": round((support - sum(wrong.get(label, Counter()).values())) / support, 4),
+                "predicted": predicted.get(label, 0),
+                "most_confused_with": mistaken[0][0] if mistaken else None,
+                "confused": mistaken[0][1] if mistaken else 0,
+            }
+        )
+    return table
+
+
 # -- what a run says about itself ------------------------------------------------------------------
 # A run's readable description is split in two. HYPERPARAMETERS are the knobs people turn between runs
 # of one setup; everything else that is readable (the model's identity from config.json, the other fields
@@ -375,6 +422,10 @@ class RunSet:
     descriptions: list[RunDescription]
     failures: list[frozenset[str]]
     predictions: list[dict[str, Any]] | None = None
+    # The accuracy the predictions are judged against (doctor --baseline), and whose: "human" (a model above
+    # it is suspect) or "majority" (a model not above it learned nothing).
+    baseline: float | None = None
+    baseline_kind: str = "human"
 
 
 # -- what changed from one run to the next ---------------------------------------------------------

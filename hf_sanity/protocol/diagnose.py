@@ -129,6 +129,18 @@ def layer_shapes_masks(pipeline: Pipeline, report, state: dict) -> tuple[list, l
                 f"{masks['supervised_tokens']} of {masks['tokens']} tokens carry loss; {fired}",
             )
         )
+        leaks = [f for f in findings if f.rule == "future-token-leak"]
+        checked = masks["causal_rows_checked"]
+        if not checked:
+            status, detail = "skipped", "no row of the batch to change the future of"
+        else:
+            status = _status(leaks)
+            detail = (
+                leaks[0].message
+                if leaks
+                else f"{checked} rows: the tokens after t do not move the logits at <= t"
+            )
+        items.append(_item(3, "no position sees the tokens after it (causal mask)", status, detail))
     return findings, items
 
 

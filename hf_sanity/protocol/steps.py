@@ -27,14 +27,20 @@ MASK_STAGE = "tokens"
 VOCAB_RULE = "vocab-size-mismatch"
 INIT_RULE = "init-loss-off-chance"
 INPUT_RULE = "input-ignored"  # both flat at chance: does the input reach the model at all?
+LEAK_RULE = "future-token-leak"  # the causal mask, by what the model computes on the batch as collated
 
 
 # -- 2. step-0 loss --------------------------------------------------------------------------------
-def batch_context(pipeline: Pipeline, model=None):
+def batch_context(pipeline: Pipeline, model=None, *, as_fed: bool = False):
+    """A context over the pipeline's batches; ``as_fed``: with the first one as the model receives it (its
+    own attention mask and position ids), for the checks that run the model on it."""
     from hf_sanity.measure.batches import batches_context
 
     tensors = [{k: v for k, v in b.items() if hasattr(v, "shape")} for b in pipeline.batches]
-    return batches_context(pipeline.tokenizer, tensors, model=model, max_len=pipeline.max_len)
+    first = tensors[0] if as_fed and tensors else None
+    return batches_context(
+        pipeline.tokenizer, tensors, model=model, max_len=pipeline.max_len, first_batch=first
+    )
 
 
 def run_init_loss(pipeline: Pipeline, model) -> tuple[list, dict[str, Any]]:
@@ -161,11 +167,15 @@ def run_masks(pipeline: Pipeline, model) -> tuple[list, dict[str, Any]]:
     ctx = batch_context(pipeline, model)
     findings = catalog.run_all("context", ctx, Selection(), stages=(MASK_STAGE,))
     findings += catalog.run_all("context", ctx, Selection(select=frozenset({VOCAB_RULE})))
+    as_fed = batch_context(pipeline, model, as_fed=True)
+    findings += catalog.run_all("context", as_fed, Selection(select=frozenset({LEAK_RULE})))
+    leak = as_fed.future_leak
     return findings, {
         "examples": len(ctx),
         "tokens": int(ctx.col("n_tokens").sum()),
         "supervised_tokens": int(ctx.col("n_supervised_kept").sum()),
         "rules": sorted({f.rule for f in findings}),
+        "causal_rows_checked": len(leak["rows"]) if leak else 0,
     }
 
 

@@ -213,3 +213,206 @@ def check_label_leakage(ctx):
         example=ctx.view(rows[0]),
         rows=pasted,
     )
+
+
+# -- is the eval set a random sample of the training data? (measure/splits.py) ------------------------------
+SLICE_SHARE = (
+    0.5  # of the eval rows beyond every train row on one side of a key (a random eval set: ~1/(n+1))
+)
+SORTED_SOURCE = 0.9  # rank correlation (or grouping) of the train rows' key with their order: a sorted source
+DISTANCE_FLOOR = 0.1  # KS D or total variation: smaller differences are not worth a warning
+# ... and beyond the largest of 500 random re-splits of the pooled rows by this factor: that largest is a
+# 1-in-500 event of chance alone, which a check run on every eval set should not report (the margin makes it
+# a 1-in-many-thousands one; planted differences measure 1.5x and more)
+NOISE_MARGIN = 1.5
+UNSEEN_EXCESS = 0.05  # eval items unseen in train: this much above random halves of train, and twice theirs
+EVAL_MIN_ROWS = 20  # eval rows needed to compare distributions (a slice shows with fewer)
+SLICE_MIN_ROWS = 5
+KEY_WORDS = {"length": "length in tokens", "text-order": "text (in lexical order)", "label": "label",
+             "format": "format (system turn, turns)", "template": "template markers"}  # fmt: skip
+
+EVAL_NOT_RANDOM = define(
+    "eval-not-random",
+    severity="warning",
+    stage="data",
+    symptom="Eval loss and metrics that do not reflect the task: an eval set of the longest (or shortest, or "
+    "last-labelled) examples, better or worse than the model really is.",
+    detects=f"With an eval dataset, on up to 5,000 rows of each split: a head or tail slice of a sorted source "
+    f"(cause `sorted-slice`: {SLICE_SHARE:.0%} or more of the eval rows lie beyond every train row on one side "
+    "of a key, where a random eval set puts about 1/(n+1) of its rows; or the train rows are in the order of a "
+    f"key, rank correlation or grouping >= {SORTED_SOURCE:g}, and the eval rows differ on it), or a length, "
+    f"label or format distribution that differs from train's beyond sampling noise (cause `distribution`, "
+    f"{EVAL_MIN_ROWS}+ eval rows: a Kolmogorov-Smirnov D or total variation >= {DISTANCE_FLOOR:g} and "
+    f"{NOISE_MARGIN:g}x above the largest of 500 random re-splits of the pooled rows), over the same vocabulary, template and labels "
+    "(else it is split-shift). Keys: length in tokens, the text in lexical order, the label (a label column, "
+    "or answers with at most 20 values), the format (system turn, number of turns).",
+    fix="Draw the eval set at random from the same data: `dataset.train_test_split(test_size=0.1, shuffle=True, "
+    "seed=0)` (`stratify_by_column=` for labels), or shuffle before slicing (`dataset.shuffle(seed=0)`); never "
+    "the first or last rows of a file sorted by length, date or label.",
+)
+
+SPLIT_SHIFT = define(
+    "split-shift",
+    severity="warning",
+    stage="data",
+    symptom="Good training loss, eval loss or metrics that say something else: the eval set is another "
+    "distribution than the one trained on.",
+    detects="With an eval dataset, what the eval rows hold that the train rows never do, against the same "
+    "share between random halves of train (up to 5,000 rows each): words (token ids for pre-tokenized rows), "
+    "template markers or system prompts, formats (another dataset format, or a system turn and turn count "
+    f"train never has), labels; flagged {UNSEEN_EXCESS:g} above the random halves' largest share and at least "
+    "twice it. The lengths, label prior and formats that differ beyond sampling noise go with it as evidence. "
+    "A slice of a sorted source is eval-not-random's.",
+    fix="Build the eval set from the same source and preprocessing as train (the same template, format, "
+    "vocabulary and labels) when it is meant to measure the task trained. An eval set from another distribution "
+    "on purpose (out-of-domain) measures transfer: read it as such, and keep an in-distribution eval set too.",
+)
+
+
+def _differs(key) -> bool:
+    return (
+        key.distance is not None
+        and key.distance >= DISTANCE_FLOOR
+        and key.distance > NOISE_MARGIN * (key.noise or 0.0)
+    )
+
+
+def _slice(comparison):
+    """The key the train rows are sorted by and the eval rows were cut from the end of: (key, "head" or "tail"
+    or "part", the share of eval rows beyond every train row or None); None. A sorted source and an eval set
+    off its end, both: eval rows beyond the train rows alone are as much the mark of another source."""
+    rows = len(comparison.eval.texts)
+    for key in comparison.keys.values():
+        if abs(key.train_sorted) < SORTED_SOURCE:
+            continue
+        share = max(key.above, key.below)
+        if key.kind != "category" and share >= SLICE_SHARE and rows >= SLICE_MIN_ROWS:
+            return key, "tail" if key.above >= key.below else "head", share
+        if _differs(key) and rows >= EVAL_MIN_ROWS:
+            return key, _end(key), None
+    return None
+
+
+def _end(key) -> str:
+    """Which end of a sorted source the eval rows were cut from: its head or its tail (where the train rows'
+    order puts the values the eval rows have more of); "part" for categories."""
+    if key.kind != "number" or not key.summary:
+        return "part"
+    higher = key.summary["eval_median"] > key.summary["train_median"]
+    return "tail" if higher == (key.train_sorted > 0) else "head"
+
+
+def _new(comparison) -> dict[str, dict]:
+    """What eval holds that train does not, per kind, beyond what random halves of train show."""
+    out = {}
+    for kind, unseen in comparison.unseen.items():
+        if (
+            unseen["share"] >= UNSEEN_EXCESS + unseen["baseline"]
+            and unseen["share"] >= 2 * unseen["baseline"]
+        ):
+            out[kind] = unseen
+    train, eval_ = comparison.train.fmt, comparison.eval.fmt
+    from hf_sanity.measure.formats import read_as
+
+    if read_as(train) != read_as(eval_):
+        out["dataset-format"] = {"train": train, "eval": eval_}
+    return out
+
+
+def _distributions(comparison) -> dict[str, dict]:
+    if len(comparison.eval.texts) < EVAL_MIN_ROWS:
+        return {}
+    return {
+        name: {"distance": round(key.distance, 4), "random_resplits_max": round(key.noise, 4), **key.summary}
+        for name, key in comparison.keys.items()
+        if name in ("length", "label", "format") and _differs(key)
+    }
+
+
+@EVAL_NOT_RANDOM.check(applies=lambda ctx: ctx.eval_dataset is not None)
+def check_eval_not_random(ctx):
+    comparison = ctx.splits
+    if comparison is None:
+        return
+    sliced = _slice(comparison)
+    n = len(comparison.eval.texts)
+    base = {
+        "eval_rows": comparison.eval.rows,
+        "train_rows": comparison.train.rows,
+        "rows_compared": [len(comparison.train.texts), n],
+    }
+    if sliced is not None:
+        key, side, share = sliced
+        words = KEY_WORDS[key.key]
+        order = "grouped by" if key.kind == "category" else "in the order of"
+        sorted_by = (
+            f"the train rows are {order} their {words} ({key.train_sorted:.2f}: 1 is sorted, 0 random)"
+        )
+        if share is not None:
+            where = "above" if side == "tail" else "below"
+            chance = 1 / (len(comparison.train.texts) + 1)
+            cut = f"{share:.0%} of its {n} rows lie {where} every train row (a random eval set puts about {chance:.1%} there)"
+        else:
+            cut = f"it differs from them on it by {key.distance:.2f}, where random re-splits of the same rows reach {key.noise:.2f}"
+        what = (
+            f"the {side} of a source sorted by {words}"
+            if side != "part"
+            else f"a part of a source sorted by {words}"
+        )
+        evidence = {"cause": "sorted-slice", "key": key.key, "side": side, "share_beyond": share,
+                    "train_sorted": round(key.train_sorted, 4), **key.summary, **base}  # fmt: skip
+        yield EVAL_NOT_RANDOM.finding(
+            f"the eval set looks like {what}: {sorted_by}, and {cut}", evidence=evidence
+        )
+        return
+    if _new(comparison):
+        return  # another source: split-shift's
+    differing = _distributions(comparison)
+    if differing:
+        name, first = next(iter(differing.items()))
+        yield EVAL_NOT_RANDOM.finding(
+            f"the eval set's {' and '.join(KEY_WORDS[k] for k in differing)} distribution differs from train's "
+            f"beyond sampling noise ({name}: distance {first['distance']:.2f}, random re-splits of the same rows "
+            f"reach {first['random_resplits_max']:.2f}), over the same vocabulary and template: it is not a random "
+            "sample of the same data",
+            evidence={"cause": "distribution", "differs": differing, **base},
+        )
+
+
+SHIFT_ORDER = ("dataset-format", "template", "system-prompt", "vocabulary", "format", "label")
+SHIFT_WORDS = {
+    "vocabulary": "of its words never occur in train",
+    "template": "of its rows carry template markers train never has",
+    "system-prompt": "of its system prompts are ones train never uses",
+    "format": "of its rows have a format (system turn, turns) train never has",
+    "label": "of its labels never occur in train",
+}
+
+
+@SPLIT_SHIFT.check(applies=lambda ctx: ctx.eval_dataset is not None)
+def check_split_shift(ctx):
+    comparison = ctx.splits
+    if comparison is None or _slice(comparison) is not None:
+        return
+    new = _new(comparison)
+    if not new:
+        return
+    parts = []
+    for kind, found in new.items():
+        if kind == "dataset-format":
+            parts.append(f"it is {found['eval']} data, train is {found['train']}")
+        else:
+            parts.append(
+                f"{found['share']:.0%} {SHIFT_WORDS[kind]} (random halves of train: at most {found['baseline']:.0%})"
+            )
+    yield SPLIT_SHIFT.finding(
+        f"the eval set comes from another distribution than train: {'; '.join(parts)}",
+        evidence={
+            "cause": min(new, key=SHIFT_ORDER.index),
+            "causes": sorted(new, key=SHIFT_ORDER.index),
+            "unseen": new,
+            "differs": _distributions(comparison),
+            "eval_rows": comparison.eval.rows,
+            "train_rows": comparison.train.rows,
+        },
+    )

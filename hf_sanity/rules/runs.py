@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from typing import Any
@@ -13,7 +12,16 @@ from hf_sanity.catalog import define
 from hf_sanity.findings import Finding
 from hf_sanity.measure.curves import Curves
 from hf_sanity.measure.objective import ANY
-from hf_sanity.measure.runs import ARGS_BIN, ARGS_FILES, Change, RunDescription, RunSet, canonical, changes
+from hf_sanity.measure.runs import (
+    ARGS_BIN,
+    ARGS_FILES,
+    Change,
+    RunDescription,
+    RunSet,
+    canonical,
+    changes,
+    label_key,
+)  # fmt: skip
 from hf_sanity.numbers import median, noise
 
 ARGS_NAMES = (ARGS_BIN, *ARGS_FILES)
@@ -108,7 +116,10 @@ METRIC_SUSPICIOUS = define(
     detects=f"From a predictions JSONL ({PREDICTIONS_MIN}+ rows with prediction and label; exact match after "
     f"stripping whitespace): accuracy >= {ACCURACY_HIGH:.0%}, or, with at most {CLASSIFICATION_MAX_LABELS} "
     f"distinct labels, no more than {MAJORITY_SE:g} standard errors above the majority-class rate; or a "
-    "single label in the whole set.",
+    "single label in the whole set. With `--baseline ACC` (`--baseline-kind human`, the default): above that "
+    f"human baseline by more than {MAJORITY_SE:g} standard errors (cause `above-human-baseline`); with "
+    "`--baseline-kind majority`: not above it by that much (cause `at-majority-baseline`). The report's per-class "
+    "table (support, accuracy, most confused with) shows where the accuracy comes from.",
     fix="Compare with the majority-class baseline; check split-leakage and label-leakage.",
 )
 
@@ -312,16 +323,14 @@ def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
 # -- predictions -----------------------------------------------------------------------------------
 
 
-def _key(value: Any) -> str:
-    if isinstance(value, str):
-        return value.strip()
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return json.dumps(value, sort_keys=True)
+_key = label_key
 
 
-def metric_suspicious(rows: list[dict[str, Any]]) -> list[Finding]:
-    """Accuracy (exact match after stripping whitespace) at the majority-class rate, or >= 0.99."""
+def metric_suspicious(
+    rows: list[dict[str, Any]], baseline: float | None = None, baseline_kind: str = "human"
+) -> list[Finding]:
+    """Accuracy (exact match after stripping whitespace) at the majority-class rate, or >= 0.99; against a
+    given ``baseline``: above a human one, or not above a majority one."""
     pairs = [(_key(r["prediction"]), _key(r["label"])) for r in rows if "prediction" in r and "label" in r]
     n = len(pairs)
     if n < PREDICTIONS_MIN:
@@ -366,6 +375,32 @@ def metric_suspicious(rows: list[dict[str, Any]]) -> list[Finding]:
                     evidence={**evidence, "majority_margin": round(MAJORITY_SE * se, 4)},
                 )
             ]
+    return _against_baseline(accuracy, n, baseline, baseline_kind, evidence) if baseline is not None else []
+
+
+def _against_baseline(accuracy: float, n: int, baseline: float, kind: str, evidence: dict) -> list[Finding]:
+    """A human baseline beaten, or a majority baseline not beaten, by more than sampling noise allows."""
+    margin = MAJORITY_SE * math.sqrt(max(accuracy * (1 - accuracy), 1 / n) / n)
+    evidence = {**evidence, "baseline": baseline, "baseline_kind": kind, "margin": round(margin, 4)}
+    if kind == "human" and accuracy > baseline + margin:
+        return [
+            METRIC_SUSPICIOUS.finding(
+                f"accuracy {accuracy:.1%} on {n} rows is above the human baseline {baseline:.1%} (by "
+                f"{accuracy - baseline:.1%}, beyond {MAJORITY_SE:g} standard errors): better than people is almost "
+                "always leakage or a broken metric",
+                evidence={**evidence, "cause": "above-human-baseline"},
+                fix="Grade 20 predictions by hand; check split-leakage and label-leakage, and that the metric "
+                "compares the prediction with the label (not the label with itself).",
+            )
+        ]
+    if kind == "majority" and accuracy <= baseline + margin:
+        return [
+            METRIC_SUSPICIOUS.finding(
+                f"accuracy {accuracy:.1%} on {n} rows is no better than the majority baseline {baseline:.1%}: "
+                "the model adds nothing to always answering the most common label",
+                evidence={**evidence, "cause": "at-majority-baseline"},
+            )
+        ]
     return []
 
 
@@ -418,7 +453,9 @@ def detect_seed_unfixed(runs: RunSet) -> list[Finding]:
 
 @METRIC_SUSPICIOUS.detector("runs")
 def detect_metric_suspicious(runs: RunSet) -> list[Finding]:
-    return metric_suspicious(runs.predictions) if runs.predictions is not None else []
+    if runs.predictions is None:
+        return []
+    return metric_suspicious(runs.predictions, runs.baseline, runs.baseline_kind)
 
 
 @EVAL_SCORES_CLUSTER.detector("runs")

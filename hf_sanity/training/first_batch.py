@@ -7,6 +7,7 @@ measured on it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,14 +19,17 @@ from hf_sanity.training.budget import Budget
 
 ALIGNED = ("input_ids", "labels", "attention_mask", "inputs_embeds")
 TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+SHAPE_RULE = "shape-mismatch"
 STEP0_RULE = "init-loss-off-chance"
+LEAK_RULE = "future-token-leak"  # the model on the batch with its future changed: two extra forwards, a probe
 LIKELIHOOD_RULE = "likelihood-displacement"
 
 
 def token_findings(
-    tokenizer, batch: Mapping[str, Any], *, model, trainer, selection: Selection, max_len, step0
+    tokenizer, batch: Mapping[str, Any], *, model, trainer, selection: Selection, max_len, step0, causal=False
 ) -> list[Finding]:
-    """preflight's `tokens` rules on this one batch, and `init-loss-off-chance` on the step-0 numbers."""
+    """preflight's `tokens` rules on this one batch, `init-loss-off-chance` on the step-0 numbers and, with
+    ``causal``, `future-token-leak` on the batch as the model got it."""
     from hf_sanity.measure.batches import batches_context
     from hf_sanity.untouched import preserved_rng
 
@@ -40,6 +44,8 @@ def token_findings(
         findings = catalog.run_all("context", ctx, selection, stages=("tokens",))
         if step0:
             findings += catalog.run_all("context", ctx, selection.restricted({STEP0_RULE}))
+        if causal:
+            findings += catalog.run_all("context", ctx, selection.restricted({LEAK_RULE}))
     for finding in findings:
         finding.step = 1 if finding.step is None else finding.step
     return findings
@@ -50,10 +56,18 @@ class FirstBatch:
     the forward, which a mismatch may crash, and after it with the logits), the step-0 probe on it, and the
     token rules. Its first rows stay as the probe batch that `predictions-frozen` re-runs every few steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, show: bool | int = False) -> None:
+        if isinstance(show, bool) or show is None:
+            show = bool(show)
+        elif not isinstance(show, int) or show < 1:
+            raise ValueError(
+                f"show_first_batch must be True, False or a number of rows (1 or more), got {show!r}"
+            )
+        self.show = show  # print the batch decoded: True, every row; N, the first N rows
         self.done = False
         self.judge_step0 = True  # False on a resumed run: its model is trained, chance says nothing of it
         self._labels = None  # the first batch's labels, which compute_loss may pop before the forward
+        self.loss_watch = None  # the first step's (broadcast.LossWatch), or why it was not watched
         self._shapes: dict[str, tuple[int, ...]] | None = None  # waiting for the logits
         self._probe_batch = None
         self._probe_prev = None
@@ -65,9 +79,44 @@ class FirstBatch:
         # shards: there every rank must probe at the same steps, so only the fixed interval decides.
         self.budget = Budget(free=FROZEN_PROBES)
 
-    def labels_seen(self, batch: Mapping[str, Any]) -> None:
+    def labels_seen(self, batch: Mapping[str, Any], trainer=None, sink=None, feed=None):
+        """A micro-batch begins: the first one's labels are kept (compute_loss may pop them before the forward),
+        and the context it runs in is returned: the watch of what its loss is computed from (`broadcast`), a
+        no-op context for every other one."""
         if not self.done and "labels" in batch:
             self._labels = batch["labels"]
+        if self.loss_watch is not None or sink is None or not sink.wants(SHAPE_RULE):
+            return contextlib.nullcontext()
+        from hf_sanity.training import broadcast
+
+        why = broadcast.watchable(trainer)
+        model = getattr(trainer, "model", None)
+        if why is not None or model is None:
+            self.loss_watch = why or "no model"
+            return contextlib.nullcontext()
+        watch = broadcast.LossWatch(broadcast.label_tensors(trainer, batch), model.parameters())
+        self.loss_watch = watch
+
+        def report(watched) -> None:
+            with sink.guard(SHAPE_RULE, 1):
+                if watched.error is not None:
+                    raise watched.error
+                found = {"broadcasts": watched.broadcasts, "warnings": watched.warnings}
+                feed(1, {"loss_broadcast": found if watched.broadcasts or watched.warnings else None})
+
+        return broadcast.watched(watch, report)
+
+    @property
+    def loss_watch_stats(self) -> dict[str, Any] | str | None:
+        """For the report: what the first step's loss was computed from, or why it was not watched."""
+        watch = self.loss_watch
+        if watch is None or isinstance(watch, str):
+            return watch
+        return {
+            "compared": watch.compared,
+            "broadcasts": len(watch.broadcasts),
+            "warnings": len(watch.warnings),
+        }
 
     def check(self, module, args, kwargs, trainer, sink, *, probe: bool = True) -> dict[str, Any]:
         """Everything the first batch tells; returns the values for the step detectors: its shapes and the
@@ -105,22 +154,41 @@ class FirstBatch:
                 step0 = measured.get("stats")
         tokenizer = getattr(trainer, "processing_class", None)
         tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
+        if self.show and tokenizer is not None and "input_ids" in batch:
+            with sink.guard("show-first-batch"):
+                self.shown(tokenizer, batch, sink)
         token_rules = [r.slug for r in catalog.all_rules() if r.stage == "tokens"]
         # An RL trainer's first forward is its generation's (prompts only, no labels): not a training sequence.
-        if sink.objective.kind != "rl" and (sink.wants(*token_rules) or step0 is not None):
+        causal = probe and sink.wants(LEAK_RULE)
+        if sink.objective.kind != "rl" and (sink.wants(*token_rules) or step0 is not None or causal):
             from hf_sanity.measure.batches import trainer_max_len
 
             sink.emit(
                 token_findings(
                     tokenizer, batch, model=module, trainer=trainer, selection=sink.selection,
                     max_len=trainer_max_len(trainer) if trainer is not None else None,
-                    step0=step0 if self.judge_step0 else None,
+                    step0=step0 if self.judge_step0 else None, causal=causal,
                 )
             )  # fmt: skip
         values = {"shapes": dict(self._shapes), "step0": step0}
         if chosen is not None:  # read once, at the first step
             values["chosen_logp"] = float(chosen)
         return values
+
+    def shown(self, tokenizer, batch: Mapping[str, Any], sink) -> None:
+        """``show_first_batch``: the batch as the model got it, decoded, printed (main process) and kept in the
+        report's views."""
+        from hf_sanity.batchview import BatchView
+
+        tensors = {k: v.detach().cpu() for k, v in batch.items() if hasattr(v, "shape")}
+        count = int(tensors["input_ids"].shape[0])
+        rows = list(range(count if self.show is True else min(self.show, count)))
+        view = BatchView.from_batch(
+            tokenizer, tensors, rows=rows, title="the first real batch",
+            source="the first batch of the run, as its model's forward received it (after the collator)",
+        )  # fmt: skip
+        sink.report.views.append(view)
+        sink.say(view, always=True)
 
     def logits_pending(self, output) -> dict[str, Any] | None:
         """After the first forward: its shapes with the logits' (once)."""

@@ -5,7 +5,8 @@
 * ``trainer._get_grad_norm`` is wrapped: the pre-clip gradient norm Trainer computes anyway;
 * forward hooks on the model: the first real batch and whether each training forward runs in train mode.
 
-The observer (the callback) gets ``before_micro(inputs)``, ``after_micro(loss)``, ``failed(exc)``,
+The observer (the callback) gets ``before_micro(inputs)`` (which may return a context the step runs in),
+``after_micro(loss)``, ``failed(exc)``,
 ``grad_norm(norm)``, ``pre_forward(module, args, kwargs)`` and ``post_forward(module, output)``; hooks fire
 only inside a training step and never during hf-sanity's own extra forwards (:attr:`Instruments.busy`).
 """
@@ -62,10 +63,11 @@ class Instruments:
 
     def _training_step(self, original, observer):
         def training_step(model, inputs, *args, **kwargs):
-            observer.before_micro(inputs)
+            watch = observer.before_micro(inputs) or contextlib.nullcontext()
             self.in_train = True
             try:
-                loss = original(model, inputs, *args, **kwargs)
+                with watch:
+                    loss = original(model, inputs, *args, **kwargs)
             except BaseException as exc:
                 self.in_train = False
                 observer.failed(exc)

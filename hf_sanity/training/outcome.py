@@ -98,7 +98,9 @@ def stats(callback, *, steps: int) -> dict[str, Any]:
     out = sink.stats(steps=steps, reads=callback._reads, transfers=callback.recorder.transfers)
     out.update(memory_walks=budget.runs, memory_walks_skipped=budget.skipped)
     out.update(probes=callback.first.budget.runs, probes_skipped=callback.first.budget.skipped)
-    out.update(callback.resumed)  # resumed_from_step, resumed_state
+    out.update(
+        callback.resumed, loss_watch=callback.first.loss_watch_stats
+    )  # resumed_from_step, resumed_state
     out.update(callback.trl.stats())  # an RL run: its reward dry run (or why it did not run), its KL probe
     if sampler is not None:
         out["warmup_steps"] = sampler.warmup_steps

@@ -152,10 +152,11 @@ class FindingSink:
             "objective_detail": self.objective.describe(),
         }
 
-    def say(self, renderable, *, soft_wrap: bool = False) -> None:
+    def say(self, renderable, *, soft_wrap: bool = False, always: bool = False) -> None:
         """Print on the main process, through ``tqdm.write``: a progress bar on the terminal (Trainer's) is
-        cleared first and redrawn below, so the text gets lines of its own (``soft_wrap``: one line, unwrapped)."""
-        if self.is_main and self.print_findings:
+        cleared first and redrawn below, so the text gets lines of its own (``soft_wrap``: one line, unwrapped;
+        ``always``: also with ``print_findings=False``, for what the user asked to see)."""
+        if self.is_main and (self.print_findings or always):
             with contextlib.suppress(Exception):
                 from rich.console import Console
                 from tqdm.auto import tqdm

@@ -1,7 +1,10 @@
-"""The shapes of the first real batch entering the model: `shape-mismatch`.
+"""The shapes of the first real batch entering the model, and of what its loss is computed from:
+`shape-mismatch`.
 
 :class:`ShapeMonitor` is fed ``shapes`` (the batch's per-token tensors, before the forward: a mismatch may
-well crash it) and, after the forward, ``logits_shape``.
+well crash it), after the forward ``logits_shape``, and after the first step ``loss_broadcast``: the
+operations of the step that broadcast the model's output against the labels, and torch's broadcasting
+warnings (``hf_sanity.training.broadcast``).
 """
 
 from __future__ import annotations
@@ -19,8 +22,20 @@ SHAPE_MISMATCH = define(
     stage="training",
     symptom="Crashes on a shape error, or broadcasting silently computes the wrong loss.",
     detects="input_ids, labels and attention_mask of the first real batch must have the same shape; logits "
-    "must match labels on the sequence dimension.",
+    "must match labels on the sequence dimension. And what the loss is computed from, in the first real step "
+    "(the trainer's own compute_loss, the model's forward): every torch operation is followed, and an "
+    "elementwise operation or loss function between a tensor derived from the model alone and one derived from "
+    "the labels alone whose result is larger than both (a (B, 1) output against (B,) targets: (B, B), every "
+    "prediction against every target) is cause `broadcast`, with torch's own broadcasting warning when one was "
+    "raised in the step. Not watched under torch.compile, FSDP or DeepSpeed (the report's "
+    "`stats.loss_watch` says so).",
     fix="Pad labels with the same collator as input_ids (-100 for padding) and return them at the same length.",
+)
+
+BROADCAST_FIX = (
+    "Make the model's output and the targets the same shape before the loss: `output.squeeze(-1)` for a "
+    "(B, 1) regression head against (B,) targets (or `labels.view_as(output)`), and assert it "
+    "(`assert output.shape == labels.shape`) where the loss is computed."
 )
 
 ALIGNED = ("input_ids", "labels", "attention_mask", "inputs_embeds")
@@ -51,9 +66,11 @@ def shape_findings(
 @monitor
 class ShapeMonitor(Monitor):
     rules = (SHAPE_MISMATCH,)
-    reads = ("shapes", "logits_shape")
+    reads = ("shapes", "logits_shape", "loss_broadcast")
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
+        if values.get("loss_broadcast"):
+            return self._broadcast(step, values["loss_broadcast"])
         if values.get("shapes") is None:
             return []
         found = shape_findings(values["shapes"], values.get("logits_shape"))
@@ -62,3 +79,18 @@ class ShapeMonitor(Monitor):
             if found
             else []
         )
+
+    def _broadcast(self, step: int, found: Mapping[str, Any]) -> list[Finding]:
+        broadcasts, warned = found.get("broadcasts") or [], found.get("warnings") or []
+        if broadcasts:
+            first = broadcasts[0]
+            message = (
+                f"the loss at step {step} broadcasts the model's output {tuple(first['output'])} against the labels "
+                f"{tuple(first['labels'])} into {tuple(first['result'])} (`{first['op']}`"
+                f"{' at ' + first['at'] if first.get('at') else ''}): every prediction is compared with every "
+                "target, and the loss is not the one meant"
+            )
+        else:
+            message = f"torch warned of broadcasting in the loss at step {step}: {warned[0]}"
+        evidence = {"cause": "broadcast", "operations": broadcasts, "torch_warnings": warned}
+        return self.fire(SHAPE_MISMATCH, message, step=step, evidence=evidence, fix=BROADCAST_FIX)

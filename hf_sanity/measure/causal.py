@@ -1,0 +1,121 @@
+"""Whether the model's predictions at a position depend on the tokens after it: the causal mask, measured.
+
+A causal LM's logits at position t are a function of tokens 0..t only. A collator that builds its own 4-D
+attention mask (bidirectional by mistake), or a model whose attention is not causal (an encoder used as a
+decoder, a custom module without a causal mask), lets every position read the answer it is trained to
+predict: the loss falls to ~0 and the model is useless at generation, where the future is not there.
+
+The measurement: on a few rows of a batch, the tokens after position t (the middle of each row's real
+tokens) are replaced by other tokens of the same row, everything else (attention mask, position ids) kept;
+the logits at positions <= t are compared. Under a causal model they are identical (the masked keys add
+exact zeros): the comparison's own noise is measured by running the unchanged batch twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+LEAK_ROWS = 4  # rows of the batch whose future is changed
+NO_MASK_KEYS = ("attention_mask",)
+
+
+def _real_positions(batch: Mapping[str, Any], row: int) -> list[int]:
+    """The row's attended positions by its 2-D attention mask; every position without one (or with a 4-D
+    mask, which marks no padding by itself)."""
+    mask = batch.get("attention_mask")
+    width = int(batch["input_ids"].shape[1])
+    if mask is not None and mask.dim() == 2:
+        return [i for i, m in enumerate(mask[row].tolist()) if int(m) != 0]
+    return list(range(width))
+
+
+def changed_future(ids, positions: list[int], t: int):
+    """``ids`` (one row) with every real token after position ``t`` replaced by a different token of the same
+    row (so no id the model has never been fed): deterministic, no RNG."""
+    row = ids.clone()
+    before = [int(ids[i]) for i in positions if i <= t]
+    for k, i in enumerate(p for p in positions if p > t):
+        old = int(ids[i])
+        pool = [x for x in before if x != old]
+        if pool:
+            row[i] = pool[(7 * k + 3) % len(pool)]
+    return row
+
+
+def _logits(model, batch: Mapping[str, Any]):
+    from hf_sanity.measure.tensors import forward_kwargs, logits_of
+
+    return logits_of(model(**forward_kwargs(model, batch, use_cache=False)))
+
+
+def future_token_leak(model, batch: Mapping[str, Any], *, rows: int = LEAK_ROWS) -> dict[str, Any] | None:
+    """On up to ``rows`` rows of ``batch`` (2 real tokens or more): how far the logits at positions <= t move
+    when only the tokens after t change, against the noise of running the same batch twice. With the batch's
+    own 4-D attention mask, the same is measured without any attention mask (the model's own causal mask):
+    whether the mask or the model lets the future in. None when no row can be checked."""
+    import torch
+
+    from hf_sanity.measure.tensors import model_device, to_device
+    from hf_sanity.untouched import untouched
+
+    ids = batch.get("input_ids")
+    if ids is None or getattr(ids, "dim", lambda: 0)() != 2:
+        return None
+    picked: list[tuple[int, int, list[int]]] = []  # (row, t, real positions)
+    for r in range(int(ids.shape[0])):
+        positions = _real_positions(batch, r)
+        if len(positions) >= 2:
+            picked.append((r, positions[len(positions) // 2 - 1], positions))
+        if len(picked) == rows:
+            break
+    if not picked:
+        return None
+    keep = [r for r, _, _ in picked]
+    device = model_device(model)
+
+    def select(tensors: Mapping[str, Any], drop=()) -> dict[str, Any]:
+        out = {}
+        for key, value in tensors.items():
+            if key in drop or not hasattr(value, "shape"):
+                continue
+            per_row = value.dim() >= 2 and value.shape[0] == ids.shape[0]  # not cu_seq_lens and the like
+            out[key] = value[keep] if per_row else value
+        return to_device(out, device)
+
+    base = select(batch)
+    changed = dict(base)
+    changed["input_ids"] = torch.stack(
+        [changed_future(ids[r], positions, t).to(device) for r, t, positions in picked]
+    )
+    mask = batch.get("attention_mask")
+    mask_dims = int(mask.dim()) if mask is not None else 0
+    with untouched(model):
+        first, again, moved = _logits(model, base), _logits(model, base), _logits(model, changed)
+        measured = _compare(first, again, moved, picked)
+        if mask_dims == 4:  # the collator's own mask: the same without it tells the mask from the model
+            plain = select(batch, drop=NO_MASK_KEYS)
+            plain_changed = {**plain, "input_ids": changed["input_ids"]}
+            measured["without_mask"] = _compare(
+                _logits(model, plain), _logits(model, plain), _logits(model, plain_changed), picked
+            )
+    half = first.dtype in (torch.float16, torch.bfloat16)
+    return {**measured, "mask_dims": mask_dims, "half": half}
+
+
+def _compare(first, again, moved, picked) -> dict[str, Any]:
+    """Per checked row: how far the logits at each position <= t moved, relative to the row's logit scale
+    (their largest |value|); and the noise, the same batch run twice, the same way."""
+    import torch
+
+    per_row = []
+    noise = 0.0
+    for k, (r, t, _) in enumerate(picked):
+        x, y, z = first[k, : t + 1].float(), again[k, : t + 1].float(), moved[k, : t + 1].float()
+        finite = torch.isfinite(x) & torch.isfinite(y) & torch.isfinite(z)
+        zero = torch.zeros_like(x)
+        scale = float(torch.where(finite, x.abs(), zero).max()) or 1.0
+        moved_by = torch.where(finite, (x - z).abs(), zero).reshape(t + 1, -1).amax(dim=1) / scale
+        noise = max(noise, float(torch.where(finite, (x - y).abs(), zero).max()) / scale)
+        per_row.append({"row": r, "t": t, "moved": [float(v) for v in moved_by]})
+    return {"rows": per_row, "noise": noise}
