@@ -249,8 +249,10 @@ def keep_answers_whole(ctx, cut, raise_to: int | None, rule: str) -> Remedy | No
 
     n = len(drop)
     rows = f"the {n} row{'s' if n != 1 else ''}"
+    valid = int(ctx.valid.sum())
+    fits = f"{(valid - n) / valid:.0%} of the examples fit whole" if n else "every completion fits"
     title = (
-        f"train with max_length={raise_to:,} (was {max_len:,})"
+        f"train with max_length={raise_to:,} (was {max_len:,}; {fits})"
         + (f" and drop {rows} it still cuts" if n else "")
         if raise_to
         else f"drop {rows} whose completion max_len={max_len:,} cuts"

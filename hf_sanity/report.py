@@ -140,9 +140,8 @@ class Report:
             line.append(f"{len(fixable)} finding{'s' if len(fixable) != 1 else ''} with a remedy: ")
             line.append(self.apply_command(), style="bold")
             if unsafe:
-                line.append(
-                    f" ({unsafe} unsafe: add --unsafe-fixes)" if self.fix_command else f" ({unsafe} unsafe)"
-                )
+                more = "add --unsafe-fixes" if self.fix_command else self.apply_command(unsafe=True)
+                line.append(f" ({unsafe} unsafe: {more})")
             yield line
         if self.stats:
             yield Text()

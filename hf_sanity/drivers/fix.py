@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console, ConsoleOptions, RenderResult
-from rich.padding import Padding
 from rich.text import Text
 
 from hf_sanity.errors import UserInputError
@@ -35,7 +34,7 @@ STATUS_STYLE = {
     "fixed": "bold green",
     "not fixed": "bold red",
     "display only": "bold cyan",
-    "unsafe, not applied": "bold yellow",
+    "not applied": "bold yellow",
     "no remedy": "dim",
     "new": "bold red",
 }
@@ -45,7 +44,7 @@ TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.json", "tekken.json"}  # fmt: skip
 DATA_FILES = {"train": "dataset.jsonl", "eval": "eval_dataset.jsonl"}
 DIFF_LINES = 60  # lines of one file's diff shown; fixes.json has every change
-DIFF_ROWS = 12  # rows of the dataset's diff shown
+DIFF_ROWS = 8  # rows of the dataset's diff shown (dropped rows first)
 
 
 @dataclass
@@ -182,9 +181,17 @@ class Fixed:
 
     def summary(self) -> str:
         counts = self.counts()
-        parts = [f"{counts[s]} {s}" for s in STATUS_STYLE if counts.get(s)]
+        parts = [
+            f"{counts[s]} {s}" + (" (unsafe)" if s == "not applied" else "")
+            for s in STATUS_STYLE
+            if counts.get(s)
+        ]
         errors = sum(1 for f in self.report.findings if f.severity == "error")
-        verdict = "every error fixed" if not errors else f"{errors} error{'s' if errors != 1 else ''} remain"
+        verdict = (
+            "every error fixed"
+            if not errors
+            else f"{errors} error{'s remain' if errors != 1 else ' remains'}"
+        )
         if not self.outcomes:
             return "hf-sanity fix: nothing to fix"
         return f"hf-sanity fix: {', '.join(parts)}; {verdict}"
@@ -235,7 +242,7 @@ class Fixed:
         errors = any(f.severity == "error" for f in self.report.findings)
         yield Text(self.summary(), style="bold red" if errors else "bold green")
         for outcome in self.outcomes:
-            yield render_outcome(outcome, self.unsafe)
+            yield render_outcome(outcome)
         yield Text()
         yield Text(
             f"verification (the checks run again on the repaired copy): {self.report.summary()}", style="dim"
@@ -245,26 +252,26 @@ class Fixed:
         (console or Console()).print(self)
 
 
-def render_outcome(outcome: Outcome, unsafe: bool) -> Padding | Text:
+def render_outcome(outcome: Outcome) -> Text:
+    """One finding's outcome on one line: status, severity, rule, the remedy (or the finding, without one);
+    below a finding not fixed, what remains of it."""
     finding, remedy = outcome.finding, outcome.finding.remedy
     line = Text()
-    line.append(f"{outcome.status:<20}", STATUS_STYLE[outcome.status])
+    line.append(f"{outcome.status:<13}", STATUS_STYLE[outcome.status])
     line.append(f"{finding.severity:<8}", SEVERITY_STYLE[finding.severity])
     line.append(finding.rule, "bold")
     if remedy is not None and outcome.status != "new":
         line.append(f"  {remedy.title}")
         line.append(f" [{remedy.safety}]", "dim")
-        if outcome.status == "unsafe, not applied":
-            line.append(": pass --unsafe-fixes to apply it", "yellow")
     else:
         line.append(f"  {finding.message}")
     if outcome.note:
         line.append(f" ({outcome.note})", "dim")
     for left in outcome.remaining if outcome.status == "not fixed" else ():
-        line.append("\n" + " " * 20 + "remains: ", "red")
+        line.append("\n" + " " * 13 + "remains: ", "red")
         line.append(left.message)
         if left.evidence:
-            line.append("\n" + " " * 29 + _evidence(left.evidence), "dim")
+            line.append("\n" + " " * 22 + _evidence(left.evidence), "dim")
     return line
 
 
@@ -430,7 +437,7 @@ def _outcomes(before: Report, after: Report, chosen: list[Finding], failed: dict
         elif remedy is not None and remedy.safety == "display":
             status, note = "display only", ""
         elif remedy is not None and remedy.applicable and not unsafe and remedy.safety == "unsafe":
-            status, note = "unsafe, not applied", ""
+            status, note = "not applied", "pass --unsafe-fixes"
         elif chosen and not left:
             status, note = "fixed", "by another remedy"
         else:
@@ -493,7 +500,8 @@ def _unified(before: list[str], after: list[str], name: str, context: int = 2) -
 def _rows_diff(repair: Repair, split: str, name: str) -> list[str]:
     """The rows of ``split`` a remedy edited (the fields that changed) or dropped, by their index as given."""
     out = [f"--- a/{name}", f"+++ b/{name}"]
-    rows = sorted(set(repair.dropped[split]) | set(repair.edited[split]))
+    dropped = sorted(repair.dropped[split])
+    rows = dropped + sorted(set(repair.edited[split]) - set(dropped))
     for i in rows[:DIFF_ROWS]:
         if i in repair.dropped[split]:
             out.append(f"@@ row {i}: dropped ({repair.dropped[split][i]}) @@")
