@@ -9,6 +9,7 @@ report = hf_sanity.served(merged, base=base, adapter="out/adapter", tokenizer=to
 report = hf_sanity.doctor(["out/checkpoint-500"])        # post-mortem of a finished run
 report = hf_sanity.outputs(model=model, tokenizer=tokenizer, dataset=held_out)  # what the model says
 hf_sanity.show(trainer=trainer).print()                  # the exact batch the model is fed, decoded
+fixed = hf_sanity.fix(model=model, tokenizer=tokenizer, dataset=train)  # remedies on a copy, checked again
 """
 
 from hf_sanity.version import __version__
@@ -17,6 +18,7 @@ from hf_sanity.version import __version__
 # should answer before those load.
 _PUBLIC = {
     "preflight": "hf_sanity.drivers.preflight",
+    "fix": "hf_sanity.drivers.fix",
     "doctor": "hf_sanity.drivers.doctor",
     "outputs": "hf_sanity.drivers.outputs",
     "served": "hf_sanity.drivers.served",
@@ -48,6 +50,7 @@ __all__ = [
     "__version__",
     "diagnose",
     "doctor",
+    "fix",
     "outputs",
     "overfit",
     "preflight",

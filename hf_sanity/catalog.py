@@ -40,6 +40,7 @@ from hf_sanity.errors import UserInputError
 from hf_sanity.findings import SEVERITIES, Finding, Severity
 from hf_sanity.measure.objective import ANY, SFT
 from hf_sanity.measure.objective import KINDS as OBJECTIVE_KINDS
+from hf_sanity.remedies import RemedyDoc
 
 # Where a rule runs. Order is the order of the docs page.
 STAGES: dict[str, str] = {
@@ -106,6 +107,8 @@ class Rule:
     # The training objectives (`measure.objective.KINDS`) the rule is written for: on a run of another
     # objective its detectors do not run (an SFT rule never reads a DPO pair or a GRPO rollout as a sequence).
     objectives: frozenset[str] = SFT
+    # What `hf-sanity fix` can do about a finding of this rule (its findings carry the concrete Remedy).
+    remedy: RemedyDoc | None = None
     detectors: list[Detector] = field(default_factory=list, repr=False)
 
     def applies_to(self, objective: str | None) -> bool:
@@ -148,9 +151,10 @@ class Rule:
         example: Any = None,
         severity: Severity | None = None,
         rows: Any = None,
+        remedy: Any = None,
     ) -> Finding:
         """A finding of this rule; the fix defaults to the catalog's fix. ``rows``: every offending row, as a
-        boolean mask over the rows or their indices."""
+        boolean mask over the rows or their indices; ``remedy``: its repair (``hf_sanity.remedies.Remedy``)."""
         if getattr(getattr(rows, "dtype", None), "kind", None) == "b":  # a numpy mask
             rows = rows.nonzero()[0]
         return Finding(
@@ -162,6 +166,7 @@ class Rule:
             step=step,
             example=example,
             rows=None if rows is None else sorted(int(i) for i in rows),
+            remedy=remedy,
         )
 
     def explain(self) -> str:
@@ -172,6 +177,11 @@ class Rule:
             f"**Symptom.** {self.symptom}\n\n"
             f"**How it is detected.** {self.detects}\n\n"
             f"**Fix.** {self.fix}\n"
+            + (
+                f"\n**Remedy** ({self.remedy.safety}; `hf-sanity fix`). {self.remedy.does}\n"
+                if self.remedy
+                else ""
+            )
             + f"\n**Objectives.** {_objectives_text(self.objectives)}\n"
             + (
                 f"\n**Needs.** {', '.join(f'`{n}`' for n in self.needs)} to pass first.\n"
@@ -202,11 +212,12 @@ def define(
     needs: tuple[str, ...] = (),
     explained_by: tuple[str, ...] = (),
     objectives: Iterable[str] = SFT,
+    remedy: RemedyDoc | None = None,
 ) -> Rule:
     """Declare a rule. Each slug is declared exactly once. ``needs``: rules that must pass before this one
     can measure anything meaningful (:attr:`Rule.needs`); ``explained_by``: rules whose finding explains this
     one's symptom (:attr:`Rule.explained_by`); ``objectives``: the training objectives it is written for
-    (:attr:`Rule.objectives`; SFT unless said)."""
+    (:attr:`Rule.objectives`; SFT unless said); ``remedy``: what `hf-sanity fix` does about its findings."""
     if severity not in SEVERITIES:
         raise ValueError(f"{slug}: severity must be one of {SEVERITIES}")
     if stage not in STAGES:
@@ -217,6 +228,7 @@ def define(
     rule = Rule(slug, severity, stage, symptom.strip(), detects.strip(), fix.strip(), module=caller)
     rule.needs, rule.explained_by = tuple(needs), tuple(explained_by)
     rule.objectives = frozenset(objectives)
+    rule.remedy = remedy
     if not rule.objectives or not rule.objectives <= ANY:
         raise ValueError(f"{slug}: objectives must be among {OBJECTIVE_KINDS}, got {sorted(rule.objectives)}")
     _RULES[slug] = rule

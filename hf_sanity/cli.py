@@ -50,6 +50,18 @@ FORMAT_HELP = (
     "preference-unpaired (KTO's prompt/completion/label) (default: detected from the columns)."
 )
 FormatOpt = Annotated[str | None, typer.Option("--format", help=FORMAT_HELP)]
+UnsafeFixesOpt = Annotated[
+    bool,
+    typer.Option(
+        "--unsafe-fixes",
+        help="Apply the unsafe remedies too: those that change the data (rows dropped or edited, a training argument) "
+        "or the vocabulary and weights.",
+    ),
+]
+LOSS_ON_HELP = (
+    "completion (labels on completions only), assistant (on the assistant turns, from the chat template's "
+    "{% generation %} markers, as TRL's assistant_only_loss) or all."
+)
 ObjectiveOpt = Annotated[
     str | None,
     typer.Option(
@@ -107,7 +119,11 @@ def _progress_off() -> None:
 
 
 def _finish(
-    report, json_path: Path | None, html_path: Path | None = None, rows_path: Path | None = None
+    report,
+    json_path: Path | None,
+    html_path: Path | None = None,
+    rows_path: Path | None = None,
+    exit: bool = True,
 ) -> None:
     _progress_off()
     if rows_path is not None:
@@ -124,7 +140,8 @@ def _finish(
 
         write_html(report, html_path)
         console.print(f"[dim]report page written to {html_path}[/dim]")
-    raise typer.Exit(report.exit_code)
+    if exit:
+        raise typer.Exit(report.exit_code)
 
 
 @app.command("rules")
@@ -180,9 +197,7 @@ def preflight_command(
     inference_tokenizer: Annotated[
         str | None, typer.Option(help="Tokenizer used at inference, for template parity.")
     ] = None,
-    loss_on: Annotated[
-        str, typer.Option(help="completion (labels on completions only) or all.")
-    ] = "completion",
+    loss_on: Annotated[str, typer.Option(help=LOSS_ON_HELP)] = "completion",
     format: FormatOpt = None,
     alpaca_template: AlpacaOpt = None,
     task: Annotated[
@@ -214,6 +229,22 @@ def preflight_command(
     ] = None,
     select: SelectOpt = None,
     ignore: IgnoreOpt = None,
+    fix: Annotated[
+        bool,
+        typer.Option(
+            "--fix",
+            help="Then apply the findings' remedies to a copy written to --fix-out and run the checks on the copy "
+            "(see `hf-sanity fix`).",
+        ),
+    ] = False,
+    fix_out: Annotated[
+        Path | None, typer.Option(help="With --fix: a new folder for the repaired copy.")
+    ] = None,
+    unsafe_fixes: UnsafeFixesOpt = False,
+    fix_only: Annotated[
+        bool, typer.Option(hidden=True)
+    ] = False,  # `hf-sanity fix`: its outcomes, not the report
+    fix_diff: Annotated[bool, typer.Option(hidden=True)] = False,  # `hf-sanity fix --diff`: nothing written
 ) -> None:
     """Inspect model, tokenizer, data and adapter before a single training step."""
     from hf_sanity.drivers.preflight import check_options, reads_model
@@ -233,6 +264,9 @@ def preflight_command(
         raise UserInputError(f"--num-proc must be at least 1, got {num_proc}")
     if eval_dataset and eval_split:
         raise UserInputError("pass --eval-dataset or --eval-split, not both")
+    yours = (model, tokenizer, dataset, eval_dataset, adapter)
+    if fix:
+        _check_fix_out(fix_out, fix_diff, yours)
     _show_progress()
     _quiet_libraries()
     from hf_sanity.drivers.preflight import preflight
@@ -270,7 +304,7 @@ def preflight_command(
         else None
     )
     loaded = time.perf_counter() - loading
-    report = preflight(
+    inputs = dict(
         model=(lambda: load_model(model, trust_remote_code=trust_remote_code)) if weights else None,
         model_config=config,
         generation_config=load_generation_config(model),
@@ -290,9 +324,21 @@ def preflight_command(
         ignore=ignore,
         show=show,
     )
+    report = preflight(**inputs)
     phases = report.stats.get("seconds_by_phase")
     if phases is not None:  # config, tokenizer and data loading come first, then preflight's own phases
         report.stats["seconds_by_phase"] = {"load": round(loaded, 2), **phases}
+    report.fix_command = _fix_command_line(
+        model, dataset, tokenizer=tokenizer, split=split, eval_dataset=eval_dataset, eval_split=eval_split,
+        max_len=max_len, loss_on=loss_on, format=format, alpaca_template=alpaca_template, select=select,
+        ignore=ignore, trust_remote_code=trust_remote_code,
+    )  # fmt: skip
+    if fix and not fix_only:  # preflight --fix: the report and its files first, then the fix
+        _finish(report, json, html, rows_out, exit=False)
+        console.print()
+    if fix:
+        _fix(report, inputs, out=fix_out, unsafe=unsafe_fixes, diff=fix_diff, model=model, yours=yours,
+             json_path=json if fix_only else None)  # fmt: skip
     _finish(report, json, html, rows_out)
 
 
@@ -343,6 +389,107 @@ def show_command(
         format=format, alpaca_template=alpaca_template, source=dataset,
     )  # fmt: skip
     _finish(report, json, html)
+
+
+@app.command("fix")
+def fix_command(
+    model: ModelOpt,
+    dataset: DatasetOpt,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="A new folder for the repaired copy: a complete model folder, with dataset.jsonl when the "
+            "data changed, and fixes.json / fixes.md."
+        ),
+    ] = None,
+    unsafe_fixes: UnsafeFixesOpt = False,
+    diff: Annotated[
+        bool, typer.Option("--diff", help="Print the changes (and check them) without writing.")
+    ] = False,
+    tokenizer: TokenizerOpt = None,
+    split: SplitOpt = "train",
+    eval_dataset: Annotated[str | None, typer.Option(help="Eval dataset (split-leakage).")] = None,
+    eval_split: Annotated[str | None, typer.Option(help="Eval split of --dataset (split-leakage).")] = None,
+    max_len: MaxLenOpt = None,
+    loss_on: Annotated[str, typer.Option(help=LOSS_ON_HELP)] = "completion",
+    format: FormatOpt = None,
+    alpaca_template: AlpacaOpt = None,
+    sample: Annotated[int, typer.Option(help="Examples for the model-side checks.")] = 256,
+    trust_remote_code: TrustOpt = False,
+    json: Annotated[
+        Path | None, typer.Option("--json", help="Also write what changed and the outcomes as JSON.")
+    ] = None,
+    select: SelectOpt = None,
+    ignore: IgnoreOpt = None,
+) -> None:
+    """Repair what preflight finds, on a copy: apply each finding's remedy (safe ones; unsafe ones with
+    --unsafe-fixes), write the repaired model folder to --out, run the checks on it and report each finding
+    fixed, not fixed or display only. Exit 0 only if every error was fixed."""
+    if out is None and not diff:
+        raise UserInputError(
+            "pass --out DIR (a new folder for the repaired copy), or --diff to see the changes"
+        )
+    preflight_command(
+        model=model, dataset=dataset, tokenizer=tokenizer, split=split, eval_dataset=eval_dataset,
+        eval_split=eval_split, max_len=max_len, loss_on=loss_on, format=format, alpaca_template=alpaca_template,
+        sample=sample, trust_remote_code=trust_remote_code, json=json, select=select, ignore=ignore, fix=True,
+        fix_out=out, unsafe_fixes=unsafe_fixes, fix_only=True, fix_diff=diff,
+    )  # fmt: skip
+
+
+def _check_fix_out(out: Path | None, diff: bool, yours) -> None:
+    """The folder for the repaired copy is given, new or empty, and none of the user's (before any loading)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserInputError("fix runs in one process: run it without torchrun or accelerate launch")
+    if diff:
+        return
+    if out is None:
+        raise UserInputError("--fix needs --fix-out DIR: a new folder for the repaired copy")
+    from hf_sanity.drivers.fix import check_out
+
+    check_out(out, protect=yours)
+
+
+def _fix_command_line(model: str, dataset: str, **options) -> str:
+    """`hf-sanity fix` with the options preflight ran with that change what is checked (defaults left out)."""
+    import shlex
+
+    args = ["hf-sanity", "fix", "--model", model, "--dataset", dataset]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        elif isinstance(value, list):
+            args += [a for v in value for a in (flag, v)]
+        elif value not in (None, False, "train", "completion"):
+            args += [flag, str(value)]
+    return " ".join(shlex.quote(a) for a in args) + " --out DIR"
+
+
+def _fix(report, inputs: dict, *, out, unsafe: bool, diff: bool, model: str, yours, json_path) -> None:
+    """The remedies of ``report`` applied to a copy of ``inputs`` and checked: the outcomes printed (the diff
+    first with --diff), the copy written to ``out`` (not with --diff); exits 0 only if no error is left."""
+    from hf_sanity import progress
+    from hf_sanity.drivers.fix import fix, render_diff
+    from hf_sanity.report import write_atomic
+
+    with progress.phase("fixing a copy and checking it again"):
+        fixed = fix(report=report, unsafe=unsafe, use_config=True, **inputs)
+    _progress_off()
+    if diff:
+        console.print(render_diff(fixed.diff()) if fixed.changed else "no changes")
+    console.print(fixed)
+    if not diff:
+        local = Path(model).expanduser().is_dir()
+        where = fixed.save(out, model_folder=model if local else None, protect=yours)
+        written = sorted(p.name for p in where.iterdir())
+        console.print(f"[dim]wrote {where}: {', '.join(written)}[/dim]", highlight=False)
+    if json_path is not None:
+        import json
+
+        write_atomic(json_path, json.dumps(fixed.to_dict(), indent=2, ensure_ascii=False) + "\n")
+        console.print(f"[dim]fixes written to {json_path}[/dim]")
+    raise typer.Exit(fixed.exit_code)
 
 
 @app.command("outputs")

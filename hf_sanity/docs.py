@@ -19,14 +19,22 @@ stage names or `ALL`), `select=`/`ignore=` in Python, or a `[tool.hf-sanity]` ta
 ignore = ["duplicate-examples"]
 severity = { "prompt-in-loss" = "error" }
 ```
+
+The *remedy* column says what `hf-sanity fix` can do about a rule's findings, on a copy of your setup: *safe*
+(cannot change what a correct setup trains on: applied by default), *unsafe* (changes the data, the vocabulary
+or the weights: applied with `--unsafe-fixes`), *display* (a change in your code, shown only); "safe or unsafe":
+the finding says which.
 """
 
 
 def render() -> str:
     rules = catalog.all_rules()
-    lines = [HEADER, "| rule | severity | stage | symptom |", "|---|---|---|---|"]
+    lines = [HEADER, "| rule | severity | stage | remedy | symptom |", "|---|---|---|---|---|"]
     for rule in rules:
-        lines.append(f"| [`{rule.slug}`](#{rule.slug}) | {rule.severity} | {rule.stage} | {rule.symptom} |")
+        remedy = rule.remedy.safety if rule.remedy else "—"
+        lines.append(
+            f"| [`{rule.slug}`](#{rule.slug}) | {rule.severity} | {rule.stage} | {remedy} | {rule.symptom} |"
+        )
     for stage, title in catalog.STAGES.items():
         members = [rule for rule in rules if rule.stage == stage]
         if not members:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from hf_sanity.outputview import OutputView
+    from hf_sanity.remedies import Remedy
     from hf_sanity.tokenview import TokenView
 
 Severity = Literal["error", "warning", "info"]
@@ -21,7 +22,8 @@ class Finding:
 
     ``evidence`` must be JSON-serialisable (counts, fractions, row indices, the offending step);
     ``example`` is the token view of the first offending example, where tokens are involved, or the
-    side-by-side view (prompt / generation / reference) of a generated output.
+    side-by-side view (prompt / generation / reference) of a generated output; ``remedy`` is the repair
+    `hf-sanity fix` can apply to a copy of the setup (``hf_sanity.remedies``), where the rule has one.
     """
 
     rule: str
@@ -33,6 +35,7 @@ class Finding:
     example: TokenView | OutputView | None = None
     # Every offending row (``evidence["rows"]`` lists the first ten): for `--rows-out` and dataset.filter.
     rows: list[int] | None = field(default=None, repr=False)
+    remedy: Remedy | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -52,6 +55,8 @@ class Finding:
             out["example"] = self.example.plain()
             if hasattr(self.example, "data"):  # a side-by-side view: its columns as fields too
                 out["side_by_side"] = self.example.data()
+        if self.remedy is not None:
+            out["remedy"] = self.remedy.to_dict()
         return out
 
 

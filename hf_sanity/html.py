@@ -63,6 +63,9 @@ article.finding h3 {{ font-size: 16px; margin: 0 0 4px; display: flex; gap: 10px
 .message {{ margin: 4px 0 8px; font-size: 15px; white-space: pre-line; }}
 .fix {{ margin: 8px 0 4px; white-space: pre-line; }}
 .fix strong {{ color: #2e6b3a; }}
+.remedy {{ margin: 4px 0; }}
+.remedy strong {{ color: #2e6b3a; }}
+.fixable {{ color: #2e6b3a; font-weight: 700; font-size: 14px; }}
 .about {{ margin: 6px 0 0; color: #5b616e; font-size: 13px; }}
 .about dt {{ font-weight: 600; float: left; clear: left; width: 7.5em; }}
 .about dd {{ margin: 0 0 2px 7.5em; }}
@@ -167,6 +170,7 @@ def render_html(report: Report, *, plots: dict[str, bytes] | None = None) -> str
         _header(report, title),
         "<main>",
         *([] if report.headline and not report.findings else [_findings(report)]),
+        _fixable(report),
         *(render_view(view) for view in report.views),
     ]
     plots = {**report.plots, **(plots or {})}
@@ -229,7 +233,7 @@ def _findings(report: Report) -> str:
         )
         out.append(f'<p class="none">No findings: {ran}.</p>')
     for i, finding in enumerate(ordered, 1):
-        out.append(_finding(finding, i))
+        out.append(_finding(finding, i, report.apply_command))
     out.append("</section>")
     return "\n".join(out)
 
@@ -240,7 +244,31 @@ def _catalog_rule(slug: str):
     return catalog.load().get(slug)
 
 
-def _finding(finding: Finding, index: int) -> str:
+def _remedy(remedy, command) -> str:
+    """The finding's remedy: what it changes, its safety, and the command that applies it to a copy."""
+    if not remedy.applicable:
+        return f'<p class="remedy" data-safety="display"><strong>remedy (display only):</strong> {prose(remedy.title)}</p>'
+    apply = f" · <code>{esc(command(remedy.safety == 'unsafe'))}</code>" if command is not None else ""
+    return (
+        f'<p class="remedy" data-safety="{esc(remedy.safety)}"><strong>[*] remedy ({esc(remedy.safety)}):</strong> '
+        f"{prose(remedy.title)}{apply}</p>"
+    )
+
+
+def _fixable(report: Report) -> str:
+    """One line under the findings, as ruff ends: how many have a remedy and the command that applies them."""
+    fixable = [r for _, r in report.remedies() if r.applicable]
+    if not fixable:
+        return ""
+    unsafe = sum(r.safety == "unsafe" for r in fixable)
+    more = f" ({unsafe} unsafe: <code>{esc(report.apply_command(True))}</code>)" if unsafe else ""
+    return (
+        f'<p class="fixable-summary"><span class="fixable">[*]</span> {len(fixable)} finding'
+        f"{'s' if len(fixable) != 1 else ''} with a remedy: <code>{esc(report.apply_command())}</code>{more}</p>"
+    )
+
+
+def _finding(finding: Finding, index: int, command=None) -> str:
     rule = _catalog_rule(finding.rule)
     sev = finding.severity
     head = [
@@ -251,6 +279,9 @@ def _finding(finding: Finding, index: int) -> str:
         head.append(f'<span class="stage">{esc(rule.stage)}</span>')
     if finding.step is not None:
         head.append(f'<span class="step">@ step {esc(finding.step)}</span>')
+    remedy = finding.remedy
+    if remedy is not None and remedy.applicable:
+        head.append('<span class="fixable" title="hf-sanity fix can repair this on a copy">[*]</span>')
     out = [
         f'<article class="finding {sev}" id="finding-{index}" data-rule="{esc(finding.rule)}" '
         f'data-severity="{sev}">',
@@ -266,6 +297,8 @@ def _finding(finding: Finding, index: int) -> str:
     fix = finding.fix or (rule.fix if rule is not None else "")
     if fix:
         out.append(f'<p class="fix"><strong>fix:</strong> {prose(fix)}</p>')
+    if remedy is not None:
+        out.append(_remedy(remedy, command))
     if rule is not None:
         about = [f"<dt>symptom</dt><dd>{prose(rule.symptom)}</dd>"]
         about.append(f"<dt>detected by</dt><dd>{prose(rule.detects)}</dd>")

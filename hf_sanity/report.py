@@ -6,10 +6,10 @@ import json
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.padding import Padding
@@ -17,6 +17,9 @@ from rich.text import Text
 
 from hf_sanity.findings import SEVERITY_RANK, Finding, jsonable
 from hf_sanity.numbers import fmt
+
+if TYPE_CHECKING:
+    from hf_sanity.remedies import Remedy
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
 
@@ -42,6 +45,9 @@ class Report:
     views: list[Any] = field(default_factory=list)
     # Said instead of "no findings" by a report that runs no checks (`show`: what it shows).
     headline: str | None = None
+    # The command that applies the findings' remedies (the CLI names its own paths); shown with each finding that
+    # has one, as ruff marks a fixable diagnostic [*].
+    fix_command: str | None = field(default=None, repr=False)
 
     def add(self, finding: Finding) -> None:
         self.findings.append(finding)
@@ -63,6 +69,18 @@ class Report:
 
     def by_rule(self, slug: str) -> list[Finding]:
         return [f for f in self.findings if f.rule == slug]
+
+    def remedies(self) -> list[tuple[Finding, Remedy]]:
+        """(finding, remedy) for every finding that has one, errors first: what `hf-sanity fix` applies to a
+        copy of the setup (safe ones; unsafe ones with --unsafe-fixes, ``unsafe=True``; display-only ones are
+        shown, never applied)."""
+        return [(f, f.remedy) for f in self.ordered() if f.remedy is not None]
+
+    def apply_command(self, unsafe: bool = False) -> str:
+        """How to apply the remedies: the CLI's ``hf-sanity fix ...``, or ``hf_sanity.fix(...)`` in Python."""
+        if self.fix_command:
+            return self.fix_command + (" --unsafe-fixes" if unsafe else "")
+        return f"hf_sanity.fix(model, tokenizer, dataset{', unsafe=True' if unsafe else ''})"
 
     def counts(self) -> Counter:
         return Counter(f.severity for f in self.findings)
@@ -124,7 +142,18 @@ class Report:
         yield from self.rendered_notes()
         for finding in self.ordered():
             yield Text()
-            yield render_finding(finding)
+            yield render_finding(finding, self.apply_command)
+        fixable = [r for _, r in self.remedies() if r.applicable]
+        if fixable:
+            unsafe = sum(r.safety == "unsafe" for r in fixable)
+            yield Text()
+            line = Text("[*] ", style="bold green")
+            line.append(f"{len(fixable)} finding{'s' if len(fixable) != 1 else ''} with a remedy: ")
+            line.append(self.apply_command(), style="bold")
+            if unsafe:
+                more = "add --unsafe-fixes" if self.fix_command else self.apply_command(unsafe=True)
+                line.append(f" ({unsafe} unsafe: {more})")
+            yield line
         for view in self.views:
             yield Text()
             yield view
@@ -149,11 +178,15 @@ def _short(value: Any) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def render_finding(finding: Finding) -> Group:
-    """One finding, pytest style: the verdict with its number, the evidence, the example, the fix."""
+def render_finding(finding: Finding, command: Callable[[bool], str] | None = None) -> Group:
+    """One finding, pytest style: the verdict with its number, the evidence, the example, the fix; a finding
+    with a remedy is marked [*] (ruff's mark), its remedy said after the fix with ``command(unsafe)``, how to apply it."""
     head = Text()
     head.append(f"{finding.severity:<8}", SEVERITY_STYLE[finding.severity])
     head.append(f"{finding.rule}", "bold")
+    remedy = finding.remedy
+    if remedy is not None and remedy.applicable:
+        head.append(" [*]", "bold green")
     if finding.step is not None:
         head.append(f" @ step {finding.step}", "magenta")
     head.append(f"  {finding.message}")
@@ -167,6 +200,14 @@ def render_finding(finding: Finding) -> Group:
         fix = Text("fix: ", style="bold green")
         fix.append(finding.fix)
         parts.append(Padding(fix, (0, 0, 0, 8), expand=False))
+    if remedy is not None:
+        line = Text("[*] " if remedy.applicable else "", style="bold green")
+        line.append(f"remedy ({remedy.safety}{' only' if not remedy.applicable else ''}): ", "bold green")
+        line.append(remedy.title)
+        if remedy.applicable and command is not None:
+            line.append(" — ")
+            line.append(command(remedy.safety == "unsafe"), "bold")
+        parts.append(Padding(line, (0, 0, 0, 8), expand=False))
     return Group(*parts)
 
 

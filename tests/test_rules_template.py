@@ -225,3 +225,47 @@ def test_a_template_without_a_system_role_drops_the_system_prompt(conversations)
 @pytest.mark.clean("template-drops-content")
 def test_templates_keep_plain_conversations_whole(name, conversations):
     assert run(real_tokenizer(name), conversations, select="template-drops-content").findings == []
+
+
+@pytest.mark.planted("generation-markers-missing")
+def test_assistant_only_loss_on_a_template_without_generation_markers(chatml, conversations):
+    """ChatML has no {% generation %} markers: asked for assistant-only loss, its mask is empty. The remedy is
+    this template with each answer wrapped, which renders every row as before (safe)."""
+    (finding,) = run(chatml, conversations, select="generation-markers-missing", loss_on="assistant").findings
+    assert finding.evidence["cause"] == "no-markers" and finding.evidence["conversations"] == len(
+        conversations
+    )
+    remedy = finding.remedy
+    assert remedy.safety == "safe" and remedy.detail["rows_rendered"] == len(conversations)
+    assert remedy.detail["rows_rendered_differently"] == 0
+    assert run(chatml, conversations, select="generation-markers-missing").findings == []  # not asked
+
+
+def test_generation_markers_that_leave_the_end_of_turn_out(conversations):
+    """Markers closed before `<|im_end|>`: the mask trains the answer but never the end of its turn."""
+    tok = build_tokenizer("generation")
+    tok.chat_template = tok.chat_template.replace(
+        "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}",
+        "{% generation %}{{ message['content'] }}{% endgeneration %}{{ '<|im_end|>' }}",
+    )
+    (finding,) = run(tok, conversations, select="generation-markers-missing", loss_on="assistant").findings
+    assert finding.evidence["cause"] == "markers-misplaced" and finding.remedy is None
+    assert finding.evidence["answer_tokens_left_out"] > 0
+    assert finding.evidence["other_tokens_in"] == 0
+
+
+@pytest.mark.parametrize("name", ["generation", "qwen2.5-twin", "phi3-twin"])
+@pytest.mark.clean("generation-markers-missing")
+def test_templates_whose_markers_cover_the_answers_are_silent(name, conversations):
+    """The tiny template with markers and TRL's training twins of real templates (their mask takes in the
+    newline around the answer: the turn's own whitespace, not the prompt). The check compared masks: the
+    same rows with the markers moved are caught (test above)."""
+    from hf_sanity.measure.chat_templates import training_twin
+
+    if name == "generation":
+        tok = build_tokenizer("generation")
+    else:
+        tok = real_tokenizer(name.removesuffix("-twin").replace("phi3", "phi3-instruct").replace(
+            "qwen2.5", "qwen2.5-instruct"))  # fmt: skip
+        tok.chat_template = training_twin(tok.chat_template)[1]
+    assert run(tok, conversations, select="generation-markers-missing", loss_on="assistant").findings == []

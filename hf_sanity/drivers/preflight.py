@@ -19,6 +19,9 @@ PREFLIGHT_STAGES = ("data", "tokens", "template", "model", "trainer")
 # What the completions are: written by the model (generative), or quoted from the prompt (extractive QA, RAG
 # with citations), where the answer appearing in the prompt is the point (label-leakage is off).
 TASKS = ("generative", "extractive")
+# Which tokens carry loss: completions (TRL's completion_only_loss), the assistant turns as the chat template's
+# {% generation %} markers mark them (assistant_only_loss), or every token.
+LOSS_ON = ("completion", "assistant", "all")
 
 
 def run_checks(
@@ -250,8 +253,8 @@ def check_options(
     check_alpaca_template(alpaca_template)
     if task not in TASKS:
         raise UserInputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
-    if loss_on not in ("completion", "all"):
-        raise UserInputError(f"--loss-on must be 'completion' or 'all', got {loss_on!r}")
+    if loss_on not in LOSS_ON:
+        raise UserInputError(f"--loss-on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
     if max_len is not None and max_len <= 0:
         raise UserInputError(f"--max-len must be positive, got {max_len}")
     if sample < 1:

@@ -254,6 +254,14 @@ class Context:
     def __len__(self) -> int:
         return len(self.encoded)
 
+    @property
+    def rows_are_dataset(self) -> bool:
+        """Row ``i`` of the measurements is row ``i`` of the dataset as given (preflight on SFT rows), so a
+        remedy may drop or edit rows by index; not on a trainer's batches, nor on preference pairs."""
+        return (
+            self.trainer is None and self.dataset is not None and self.pairs is None and self.unpaired is None
+        )
+
     def col(self, name: str) -> np.ndarray:
         """One scalar measurement for every example, as an array (read once from Arrow, cached)."""
         if name not in self._columns:

@@ -135,7 +135,9 @@ def normalize(text: str) -> str:
 @dataclass
 class EncodeOptions:
     fmt: str  # as detected (formats.FORMATS); ShareGPT and Alpaca rows are converted to what TRL reads
-    loss_on: str = "completion"  # or "all"
+    # "completion", "assistant" (the same labels, as `assistant_only_loss=True` takes them from the chat template's
+    # {% generation %} markers: generation-markers-missing checks the template gives them) or "all".
+    loss_on: str = "completion"
     max_len: int | None = None
     min_leak_chars: int = 20
     alpaca_template: str | None = None  # "chat" or "text"; default: chat when the tokenizer has a template
@@ -374,7 +376,7 @@ class Encoder:
                     "offset_mapping"
                 ]
             spans, gp_mismatch = self._exact_spans(messages, first, full, ids, offsets, kwargs)
-        labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
+        labels = self._labels(ids, spans if self.options.loss_on != "all" else None)
         texts = [(m["role"], text_of(m)) for m in messages]
         # Each text is normalized once (its words): `normalize` of texts joined by spaces is their words joined.
         conversation: list[str] = []
@@ -479,7 +481,7 @@ class Encoder:
         ids = tok(full_text)["input_ids"]
         start = _common_prefix(prompt_ids, ids)
         spans = [self._close(ids, start, len(ids))]
-        labels = self._labels(ids, spans if self.options.loss_on == "completion" else None)
+        labels = self._labels(ids, spans if self.options.loss_on != "all" else None)
         out = self.measure(ids, labels, spans, user_labels=False)
         own_prompt, own_completion = user_texts or (prompt, completion)
         out.update(

@@ -9,6 +9,7 @@ import numpy as np
 
 from hf_sanity.catalog import define
 from hf_sanity.measure.families import NO_TEMPLATE
+from hf_sanity.remedies import Remedy, RemedyDoc, drop_rows, merge_system_turns
 
 BAD_INPUT_VALUES = define(
     "bad-input-values",
@@ -20,6 +21,11 @@ BAD_INPUT_VALUES = define(
     "A row the template rejects is rendered again with its system turn merged into the first user turn: when "
     "that renders, the cause is `system-role-refused` (the template has no system role, as Mistral's).",
     fix="Drop or repair the listed rows before training (e.g. `dataset.filter(...)`); the reasons say what is wrong.",
+    remedy=RemedyDoc(
+        "unsafe",
+        "Drops the rows (dataset.jsonl); rows a template without a system role refuses get their system prompt "
+        "merged into the first user turn instead.",
+    ),
 )
 
 SYSTEM_REFUSED_FIX = (
@@ -40,12 +46,14 @@ def check_bad_input_values(ctx):
     reasons = Counter(re.sub(r"\d+", "N", str(e)) for e in errors[bad])
     evidence = {"rows": rows, "count": int(bad.sum()), "reasons": dict(reasons.most_common(5))}
     refused = bad & ctx.col("system_refused").astype(bool)
+    drop = drop_rows(np.flatnonzero(bad & ~refused), BAD_INPUT_VALUES.slug, "that cannot be trained on")
     if not refused.any():
         yield BAD_INPUT_VALUES.finding(
             f"{int(bad.sum())} of {len(errors)} rows cannot be trained on as they are "
             f"(row {rows[0]}: {errors[rows[0]]})",
             evidence=evidence,
             rows=bad,
+            remedy=drop if ctx.rows_are_dataset else None,
         )
         return
     n_refused, first = int(refused.sum()), ctx.first(refused, 1)[0]
@@ -63,7 +71,25 @@ def check_bad_input_values(ctx):
         evidence={**evidence, "cause": "system-role-refused", "system_refused": n_refused},
         fix=SYSTEM_REFUSED_FIX.format(share=n_refused / len(errors), rest=rest),
         rows=bad,
+        remedy=_merged_then_dropped(ctx, refused, drop if others else None),
     )
+
+
+def _merged_then_dropped(ctx, refused, drop: Remedy | None) -> Remedy | None:
+    """The refused rows' system prompts merged into their first user turns, and the other bad rows dropped."""
+    merge = merge_system_turns(np.flatnonzero(refused), BAD_INPUT_VALUES.slug, ctx.source_format,
+                               "the template refuses the system turn of")  # fmt: skip
+    if merge is None or not ctx.rows_are_dataset:
+        return None
+    if drop is None:
+        return merge
+
+    def apply(repair) -> None:
+        merge.apply(repair)
+        drop.apply(repair)
+
+    return Remedy(f"{merge.title}, and {drop.title}", "unsafe", ("dataset",), apply,
+                  detail={**merge.detail, **drop.detail})  # fmt: skip
 
 
 DUPLICATE_EXAMPLES = define(
@@ -73,6 +99,7 @@ DUPLICATE_EXAMPLES = define(
     symptom="The model parrots a few answers; eval looks better than it should.",
     detects="A hash of each example's normalized text (lower case, collapsed whitespace); rows whose hash was seen before.",
     fix="Deduplicate the dataset (keep the first of each group), e.g. by the normalized text.",
+    remedy=RemedyDoc("unsafe", "Drops every row that repeats an earlier one (dataset.jsonl)."),
 )
 
 
@@ -101,6 +128,9 @@ def check_duplicates(ctx):
             "largest_group": int(counts.max()),
         },
         rows=repeats,
+        remedy=drop_rows(repeats, DUPLICATE_EXAMPLES.slug, "repeating an earlier one")
+        if ctx.rows_are_dataset
+        else None,
     )
 
 
@@ -111,6 +141,7 @@ SPLIT_LEAKAGE = define(
     symptom="Eval loss and metrics look excellent; the model does worse on genuinely new inputs.",
     detects="Hashes of normalized example text in the eval split that also occur in the train split.",
     fix="Remove the overlapping examples from the eval split (or split by a key that cannot repeat, such as a source id).",
+    remedy=RemedyDoc("unsafe", "Drops the overlapping rows from the eval split (eval_dataset.jsonl)."),
 )
 
 
@@ -130,6 +161,9 @@ def check_split_leakage(ctx):
         f"{int(overlap.sum())} of {n} eval examples ({overlap.sum() / n:.1%}) also appear in the train split",
         evidence={"overlap": int(overlap.sum()), "fraction": float(overlap.sum() / n), "eval_rows": rows},
         rows=overlap,  # rows of the eval split
+        remedy=drop_rows(np.flatnonzero(overlap), SPLIT_LEAKAGE.slug, "also in the train split", split="eval")
+        if ctx.rows_are_dataset
+        else None,
     )
 
 
@@ -145,6 +179,7 @@ LABEL_LEAKAGE = define(
     fix="Remove the answer from the input (check the template/formatting function that builds the prompt). If "
     "the task is to quote the input (extractive QA, RAG with citations), pass `--task extractive` "
     '(`task="extractive"`).',
+    remedy=RemedyDoc("unsafe", "Drops the rows whose answer is pasted into the prompt (dataset.jsonl)."),
 )
 
 ANSWER_REPEATS_PROMPT = define(
@@ -212,6 +247,9 @@ def check_label_leakage(ctx):
         },
         example=ctx.view(rows[0]),
         rows=pasted,
+        remedy=drop_rows(np.flatnonzero(pasted), LABEL_LEAKAGE.slug, "whose answer is pasted into the prompt")
+        if ctx.rows_are_dataset
+        else None,
     )
 
 

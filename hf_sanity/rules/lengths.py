@@ -6,6 +6,7 @@ import numpy as np
 
 from hf_sanity.catalog import define
 from hf_sanity.measure.objective import SEQUENCES
+from hf_sanity.remedies import RemedyDoc, keep_answers_whole
 
 TRUNCATED_COMPLETION = define(
     "truncated-completion",
@@ -19,6 +20,12 @@ TRUNCATED_COMPLETION = define(
     "later turn whose answer the cut removed; and the rows the trainer dropped.",
     fix="Drop or split the examples longer than max_len, or raise max_len until they fit; the finding says what "
     "each costs (the examples and supervised tokens dropped, or how much longer the longest sequences get).",
+    remedy=RemedyDoc(
+        "unsafe",
+        "Under 10% of the examples cut: drops them (dataset.jsonl); more: the max_length that "
+        "keeps 99% of them whole, as the training argument to use (fixes.json), and the rows it "
+        "still cuts dropped.",
+    ),
 )
 
 ERROR_FRACTION = 0.10
@@ -78,6 +85,9 @@ def check_truncated_completion(ctx):
         severity="error" if fraction >= ERROR_FRACTION else "warning",
         fix=f"{first[0].upper()}{first[1:]}, or {second}.",
         rows=cut,
+        remedy=keep_answers_whole(
+            ctx, cut, for_99 if fraction >= ERROR_FRACTION else None, TRUNCATED_COMPLETION.slug
+        ),
     )
 
 

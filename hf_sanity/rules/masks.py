@@ -8,6 +8,7 @@ from hf_sanity.catalog import define
 from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.families import NO_TEMPLATE
 from hf_sanity.measure.objective import ANY, SEQUENCES
+from hf_sanity.remedies import Remedy, RemedyDoc, display, drop_rows
 
 MISSING_CHAT_TEMPLATE = define(
     "missing-chat-template",
@@ -95,6 +96,7 @@ EMPTY_LOSS_MASK = define(
     "example a packing split across rows (its prompt alone) is not an example.",
     fix="Check the response template / assistant mask (it must match the rendered text), and raise max_len or drop "
     "examples whose completion starts after it.",
+    remedy=RemedyDoc("unsafe", "Drops the rows that carry no loss (dataset.jsonl)."),
 )
 
 
@@ -118,6 +120,9 @@ def check_empty_loss_mask(ctx):
         },
         example=ctx.view(rows[0]),
         rows=empty,
+        remedy=drop_rows(np.flatnonzero(empty), EMPTY_LOSS_MASK.slug, "carrying no loss")
+        if ctx.rows_are_dataset
+        else None,
     )
 
 
@@ -197,16 +202,29 @@ def check_labels_misaligned(ctx):
     )
 
 
-def pad_candidate(tokenizer) -> str | None:
-    """A token of this tokenizer that can pad without harm: a dedicated pad or reserved token it already has."""
+# Added tokens named like a pad that are not one: multimodal and fill-in-the-middle placeholders.
+_NOT_A_PAD = ("vision", "image", "video", "audio", "fim")
+
+
+def pad_candidate(tokenizer, avoid=()) -> str | None:
+    """A token of this tokenizer that can pad without harm: one made to pad (Llama-3's
+    `<|finetune_right_pad_id|>`, `<pad>`), Qwen's `<|endoftext|>` where it is not EOS, a reserved or unused one,
+    else `<unk>`; never EOS, BOS or an id in ``avoid`` (what the data or the template uses)."""
     specials = {tokenizer.eos_token, tokenizer.bos_token}
-    added = [str(t) for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()]
-    for hint in ("pad", "reserved", "unused"):
-        for token in added:
-            if hint in token.lower() and token not in specials:
-                return token
+    avoided = {int(i) for i in avoid}
+    added = [
+        str(t)
+        for i, t in sorted((getattr(tokenizer, "added_tokens_decoder", {}) or {}).items())
+        if str(t) not in specials and i not in avoided
+    ]
+    named = [t for t in added if "pad" in t.lower() and not any(w in t.lower() for w in _NOT_A_PAD)]
+    named += [t for t in added if t == "<|endoftext|>"]
+    named += [t for hint in ("reserved", "unused") for t in added if hint in t.lower()]
+    if named:
+        return named[0]
     unk = getattr(tokenizer, "unk_token", None)
-    return unk if unk and unk not in specials else None
+    unk_id = getattr(tokenizer, "unk_token_id", None)
+    return unk if unk and unk not in specials and unk_id not in avoided else None
 
 
 EOS_NOT_LEARNED = define(
@@ -223,6 +241,13 @@ EOS_NOT_LEARNED = define(
     fix="Keep the end-of-turn/EOS token in the labels: use a pad token distinct from EOS (an unused reserved "
     "token of this tokenizer, or add one), or a collator that masks padding by attention_mask rather than by "
     "token id; for text data append EOS.",
+    remedy=RemedyDoc(
+        "unsafe",
+        "Restores the labels of the end-of-turn tokens that pre-tokenized rows mask (dataset.jsonl) and, with pad "
+        "== EOS, sets the tokenizer's pad token to one of its own tokens the data does not use (Llama-3's "
+        "`<|finetune_right_pad_id|>`, Qwen's `<|endoftext|>`), or adds `<pad>` and resizes the embeddings. On a "
+        "trainer's batches the labels are your collator's: display only.",
+    ),
 )
 
 
@@ -248,7 +273,7 @@ def check_eos_not_learned(ctx):
         what.append(f"{n_unsup:,} end-of-turn tokens carry no loss")
     if n_missing:
         what.append(f"{n_missing:,} completions do not end with an end-of-turn token")
-    candidate = pad_candidate(tok) if trap else None
+    candidate = pad_candidate(tok, _in_use(ctx)) if trap else None
     fix = (
         f"Keep the end-of-turn/EOS token in the labels: set a pad token distinct from EOS ({tok.eos_token!r}), "
         f"e.g. `tokenizer.pad_token = {candidate!r}` (unused by this tokenizer's template), or use a collator "
@@ -265,11 +290,90 @@ def check_eos_not_learned(ctx):
             "completions": completions,
             "rows": rows,
             "pad_is_eos": trap,
+            **({"cause": "pad-is-eos"} if trap else {}),
             "end_tokens": sorted(tok.convert_ids_to_tokens(sorted(ctx.markers.stop_ids))),
         },
         example=ctx.view(first, focus=focus),
         rows=bad,
+        remedy=_end_labels_remedy(ctx, ctx.valid & (unsup > 0), trap, candidate) if n_unsup else None,
     )
+
+
+def _in_use(ctx) -> set[int]:
+    """Token ids a pad token must not be: those the data uses and the template's markers."""
+    used = {i for ids in ctx.values("special_ids") for i in ids}
+    return used | set(ctx.markers.turn_marker_ids) | set(ctx.markers.stop_ids)
+
+
+def _end_labels_remedy(ctx, masked, pad_is_eos: bool, candidate: str | None) -> Remedy | None:
+    """Pre-tokenized rows whose end-of-turn tokens carry no loss get those labels back; with pad == EOS the
+    tokenizer gets a pad token of its own (``candidate``), or ``<pad>`` and resized embeddings, so that a
+    collator that masks pad ids no longer masks EOS. On a trainer's batches the labels are the collator's."""
+    if ctx.trainer is not None:
+        return display(
+            "mask padding by attention_mask in your collator"
+            + (f", or set `tokenizer.pad_token = {candidate!r}` before building it" if candidate else "")
+        )
+    if ctx.source_format != "tokens" or not ctx.rows_are_dataset:
+        return None
+    rows = [int(i) for i in np.flatnonzero(masked)]
+    add_pad = pad_is_eos and candidate is None and ctx.has_model
+    slug = EOS_NOT_LEARNED.slug
+
+    def apply(repair) -> None:
+        if pad_is_eos and candidate:
+            repair.tokenizer.pad_token = candidate
+        elif add_pad:
+            repair.tokenizer.add_special_tokens({"pad_token": "<pad>"})
+            repair.model.resize_token_embeddings(len(repair.tokenizer))
+        encoder = repair.encoder()
+        for i in rows:
+            row = repair.rows()[i]
+            labels = restored_end_labels(encoder, row)
+            if labels is not None:
+                repair.replace(i, {**row, "labels": labels}, slug)
+
+    pad = (
+        [f"set the pad token to {candidate!r} (a token of this tokenizer the data does not use)"]
+        if pad_is_eos and candidate
+        else ["add the pad token '<pad>' and resize the embeddings"]
+        if add_pad
+        else []
+    )
+    labels = f"restore the labels of the end-of-turn tokens masked in {len(rows)} pre-tokenized rows"
+    changes = ("tokenizer",) * bool(pad) + ("model",) * add_pad + ("dataset",)
+    return Remedy(
+        " and ".join([*pad, labels]),
+        "unsafe",
+        changes,
+        apply,
+        detail={"rows_relabelled": len(rows), "pad_token": candidate or ("<pad>" if add_pad else None)},
+    )
+
+
+def restored_end_labels(encoder, row: dict) -> list[int] | None:
+    """The row's labels with each trained turn's end-of-turn token carrying loss again (positions of the row
+    as given: padding left out by its attention mask is kept where it is); None when there is nothing to
+    restore."""
+    ids, labels = list(row["input_ids"]), row.get("labels")
+    if labels is None:
+        return None
+    encoded = encoder.encode(row)
+    kept = [i for i, m in enumerate(row.get("attention_mask") or [1] * len(ids)) if int(m)]
+    enc_ids, enc_labels, flat = encoded["input_ids"], encoded["labels"], encoded["spans"]
+    out = list(labels)
+    for k in range(0, len(flat), 4):
+        start, stop = flat[k + 1], flat[k + 2]
+        last = stop - 1
+        trained = any(label != IGNORE_INDEX for label in enc_labels[start:last])
+        if (
+            stop > start
+            and enc_ids[last] in encoder.markers.stop_ids
+            and enc_labels[last] == IGNORE_INDEX
+            and trained
+        ):
+            out[kept[last]] = ids[kept[last]]
+    return out if out != list(labels) else None
 
 
 PAD_TOKEN_MISSING = define(
@@ -282,6 +386,10 @@ PAD_TOKEN_MISSING = define(
     "When the data shows the mis-masking (an end-of-turn token without loss), that is `eos-not-learned`.",
     fix="Set a pad token that is not EOS: an unused reserved token of this tokenizer, or "
     "`tokenizer.add_special_tokens({'pad_token': '<|pad|>'})` followed by `model.resize_token_embeddings(len(tokenizer))`.",
+    remedy=RemedyDoc(
+        "safe",
+        "Sets the pad token to a token of this tokenizer the data does not use (tokenizer_config.json).",
+    ),
 )
 
 
@@ -290,7 +398,7 @@ def check_pad_token(ctx):
     tok = ctx.tokenizer
     if tok.pad_token is not None or ctx.trainer is not None:
         return
-    candidate = pad_candidate(tok)
+    candidate = pad_candidate(tok, _in_use(ctx))
     fix = (
         f"Set a pad token that is not EOS ({tok.eos_token!r}): this tokenizer has {candidate!r} "
         f"(`tokenizer.pad_token = {candidate!r}`); or add one with `tokenizer.add_special_tokens({{'pad_token': "
@@ -303,4 +411,14 @@ def check_pad_token(ctx):
         "pad ids would mask EOS too",
         evidence={"tokenizer": type(tok).__name__, "eos_token": tok.eos_token, "pad_candidate": candidate},
         fix=fix,
+        remedy=_set_pad(candidate) if candidate else None,
+    )
+
+
+def _set_pad(token: str) -> Remedy:
+    def apply(repair) -> None:
+        repair.tokenizer.pad_token = token
+
+    return Remedy(
+        f"set the pad token to {token!r}", "safe", ("tokenizer",), apply, detail={"pad_token": token}
     )

@@ -10,6 +10,7 @@ from hf_sanity.catalog import NotMeasured, define
 from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.losses import token_loss
 from hf_sanity.measure.objective import ANY, SEQUENCES
+from hf_sanity.remedies import RemedyDoc, embeddings_from_text
 
 INIT_LOSS_OFF_CHANCE = define(
     "init-loss-off-chance",
@@ -104,6 +105,11 @@ UNTRAINED_SPECIAL_TOKENS = define(
     "resize_token_embeddings), or two or more of them collapsed onto one vector.",
     fix="Initialise those rows (e.g. to the mean embedding) and train them (modules_to_save=['embed_tokens', "
     "'lm_head'] or trainable_token_indices with LoRA), or use the instruct checkpoint the template belongs to.",
+    remedy=RemedyDoc(
+        "unsafe",
+        "Initialises their input and output embedding rows to the mean embedding of the pieces "
+        "their text is made of: each its own vector (the repaired folder holds the weights).",
+    ),
 )
 
 TINY_FRACTION = 0.05
@@ -174,6 +180,7 @@ def check_untrained_special_tokens(ctx):
     yield UNTRAINED_SPECIAL_TOKENS.finding(
         f"{len(suspect)} special tokens the data uses look untrained: {', '.join(map(repr, names[:5]))}",
         evidence={"tokens": names, "ids": suspect, **health},
+        remedy=embeddings_from_text(ctx.tokenizer, suspect),
     )
 
 

@@ -8,8 +8,17 @@ from collections import Counter
 import numpy as np
 
 from hf_sanity.catalog import define
+from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure.chat_templates import (
+    has_generation_markers,
+    mask_problems,
+    training_twin,
+    wrap_assistant_content,
+)
 from hf_sanity.measure.families import FAMILY_OF
+from hf_sanity.measure.markers import Span
 from hf_sanity.measure.objective import ANY
+from hf_sanity.remedies import Remedy, RemedyDoc, merge_system_turns, set_chat_template
 
 TEMPLATE_MISMATCH = define(
     "template-mismatch",
@@ -238,6 +247,12 @@ DOUBLE_BOS = define(
     detects="Training sequences that start with two BOS tokens: text rendered by a chat template that emits BOS, "
     "then tokenized again with add_special_tokens=True (Llama-2/3, Mistral, DeepSeek templates).",
     fix="Tokenize rendered chat text with add_special_tokens=False, or use apply_chat_template(tokenize=True).",
+    remedy=RemedyDoc(
+        "safe or unsafe",
+        "Sets `add_bos_token=False` on the tokenizer when its text rows already start with the BOS their chat "
+        "template emits: safe when every row does (no row loses its only BOS), unsafe otherwise; in "
+        "pre-tokenized rows, drops the repeated BOS (unsafe: dataset.jsonl).",
+    ),
 )
 
 
@@ -259,7 +274,69 @@ def check_double_bos(ctx):
         },
         example=ctx.view(rows[0], focus=1),
         rows=doubled,
+        remedy=_double_bos_remedy(ctx, doubled),
     )
+
+
+def _double_bos_remedy(ctx, doubled) -> Remedy | None:
+    """Text the tokenizer prefixes with a BOS it already starts with: the tokenizer stops adding one. Rows
+    that arrive tokenized: the repeated BOS goes."""
+    if not ctx.rows_are_dataset:
+        return None
+    tok = ctx.tokenizer
+    if ctx.source_format == "tokens":
+        indices = [int(i) for i in np.flatnonzero(doubled)]
+
+        def strip(repair) -> None:
+            for i in indices:
+                row = without_repeated_bos(repair.rows()[i], tok.bos_token_id)
+                if row is not None:
+                    repair.replace(i, row, DOUBLE_BOS.slug)
+
+        return Remedy(
+            f"drop the repeated BOS from the {len(indices)} pre-tokenized rows that start with it twice",
+            "unsafe",
+            ("dataset",),
+            strip,
+            detail={"rows_edited": len(indices)},
+        )
+    if ctx.fmt not in ("text", "prompt-completion"):
+        return None
+    emitted = bool(tok.bos_token) and ctx.markers.probe_render.startswith(tok.bos_token)
+    every_row = int(doubled.sum()) == int(ctx.valid.sum())
+
+    def no_bos(repair) -> None:
+        repair.tokenizer.add_bos_token = False
+
+    return Remedy(
+        "set add_bos_token=False: the rows already start with BOS"
+        + (" (the chat template emits it)" if emitted else "")
+        + ("" if every_row else f"; the {int(ctx.valid.sum() - doubled.sum())} other rows lose their BOS"),
+        "safe" if emitted and every_row else "unsafe",
+        ("tokenizer",),
+        no_bos,
+        detail={"add_bos_token": False},
+    )
+
+
+def without_repeated_bos(row: dict, bos: int) -> dict | None:
+    """A pre-tokenized row with one BOS where it starts with several (after left padding); its labels and
+    attention mask kept aligned. None when it has no repeated BOS."""
+    ids = list(row["input_ids"])
+    mask = row.get("attention_mask")
+    start = next((k for k, m in enumerate(mask) if int(m)), len(ids)) if mask is not None else 0
+    end = start
+    while end < len(ids) and ids[end] == bos:
+        end += 1
+    if end - start < 2:
+        return None
+    repeated = range(start + 1, end)
+    out = dict(row)
+    for key in ("input_ids", "labels", "attention_mask"):
+        values = row.get(key)
+        if isinstance(values, list) and len(values) == len(ids):
+            out[key] = [v for k, v in enumerate(values) if k not in repeated]
+    return out
 
 
 STOP_TOKEN_MISMATCH = define(
@@ -277,6 +354,7 @@ STOP_TOKEN_MISMATCH = define(
     "rollouts stop on (`trainer.eos_token_ids`: the model's generation config's EOS and the tokenizer's).",
     fix="Add the end-of-turn token to `generation_config.eos_token_id` (and save it with the model), or serve with "
     "`eos_token_id=[...]` including it.",
+    remedy=RemedyDoc("safe", "Adds the end-of-turn id to `eos_token_id` in generation_config.json."),
 )
 
 
@@ -291,8 +369,30 @@ def check_stop_token(ctx):
         return
     names = dict(zip(sorted(stops), tok.convert_ids_to_tokens(sorted(stops))))
     rollouts = type(ctx.trainer).__name__ if ctx.objective.kind == "rl" and ctx.trainer is not None else None
-    yield _stop_token_mismatch(
-        tok.decode(list(ctx.markers.end_of_turn)), closing, stops, names, rollouts=rollouts
+    turn_end = tok.decode(list(ctx.markers.end_of_turn))
+    finding = _stop_token_mismatch(turn_end, closing, stops, names, rollouts=rollouts)
+    if rollouts is None:  # an RL trainer's rollouts stop on its own arguments, not on a generation config
+        finding.remedy = _add_stop_id(turn_end, closing, tok.eos_token_id)
+    yield finding
+
+
+def _add_stop_id(turn_end: str, closing: int, eos: int | None) -> Remedy:
+    """The end-of-turn id appended to the generation config's eos_token_id (its EOS kept, or the tokenizer's
+    where it names none): generation that stopped before still stops."""
+
+    def apply(repair) -> None:
+        config = repair.generation_config
+        ids = config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        ids = ids or ([eos] if eos is not None else [])
+        config.eos_token_id = ids if closing in ids else [*ids, closing]
+
+    return Remedy(
+        f"add {turn_end!r} (id {closing}) to generation_config.eos_token_id",
+        "safe",
+        ("generation-config",),
+        apply,
+        detail={"eos_token_id_added": closing},
     )
 
 
@@ -411,6 +511,12 @@ TEMPLATE_DROPS_CONTENT = define(
     fix="Render with a template that keeps the content: TRL's training variant of the template "
     "(trl/chat_templates/*_training.jinja) or a format that carries it explicitly (e.g. the reasoning in the "
     "answer text, tools in a template that supports them).",
+    remedy=RemedyDoc(
+        "unsafe",
+        "Sets the chat template to TRL's training twin of this template when it renders every affected row "
+        "whole (the reasoning kept); when only system prompts are dropped, merges them into the first user turn "
+        "(dataset.jsonl).",
+    ),
 )
 
 SYSTEM_DROPPED_FIX = (
@@ -460,4 +566,169 @@ def check_template_drops_content(ctx):
         example=ctx.view(rows[0]),
         severity="error" if in_trained else "warning",
         fix=SYSTEM_DROPPED_FIX if system else None,
+        remedy=(
+            merge_system_turns(
+                np.flatnonzero(bad),
+                TEMPLATE_DROPS_CONTENT.slug,
+                ctx.source_format,
+                "whose system turn the template drops",
+            )
+            if system
+            else _keeping_twin(ctx, np.flatnonzero(bad))
+        )
+        if ctx.rows_are_dataset
+        else None,
     )
+
+
+def _conversations(ctx, indices=None):
+    """(row, messages, index of the first trained message, template kwargs) of the valid rows (or
+    ``indices``), read as TRL renders them."""
+    from hf_sanity.measure.encode import template_kwargs
+    from hf_sanity.measure.formats import conversation_of
+
+    layout = ctx.encoder.layout
+    wanted = [int(i) for i in (np.flatnonzero(ctx.valid) if indices is None else indices)]
+    for i, row in zip(wanted, ctx.dataset.select(wanted)):
+        row = layout.to_trl(row)
+        messages = conversation_of(row) if isinstance(row, dict) else None
+        if not messages:
+            continue
+        kwargs = template_kwargs(row)
+        first = len(row["prompt"]) if isinstance(row.get("prompt"), list) else 0
+        yield i, messages, first, kwargs if isinstance(kwargs, dict) else {}
+
+
+def _keeping_twin(ctx, bad) -> Remedy | None:
+    """TRL's training twin of the template, when it renders every affected row without dropping what the data
+    trains on (DeepSeek-R1's twin keeps the reasoning); the text changes, so unsafe."""
+    from hf_sanity.measure.encode import dropped_content
+
+    tok = ctx.tokenizer
+    twin = training_twin(tok.chat_template)
+    if twin is None:
+        return None
+    name, template = twin
+    checked = 0
+    for _, messages, first, kwargs in _conversations(ctx, bad):
+        full = tok.apply_chat_template(messages, tokenize=False, chat_template=template, **kwargs)
+        if dropped_content(messages, first, full)["n_dropped_supervised"]:
+            return None
+        checked += 1
+    return set_chat_template(
+        template, f"TRL's training twin {name}", differs=checked, rows=checked,
+        why=f"the {checked} rows it dropped content from render whole",
+    )  # fmt: skip
+
+
+GENERATION_MARKERS_MISSING = define(
+    "generation-markers-missing",
+    severity="error",
+    stage="template",
+    symptom="Assistant-only loss trains on nothing (or on the wrong tokens), or TRL refuses the template: "
+    "`return_assistant_tokens_mask` marks what the chat template puts between `{% generation %}` markers, and "
+    "this template has none around the answers.",
+    detects='With assistant-only loss asked (`--loss-on assistant`, `loss_on="assistant"`: TRL\'s '
+    "`assistant_only_loss=True`), the chat template must mark the answers with `{% generation %}`...`{% "
+    "endgeneration %}`: without markers the mask is empty (cause `no-markers`); with them, on a sample, the "
+    "mask must cover each answer and its end-of-turn token and nothing of the prompt (cause "
+    "`markers-misplaced`).",
+    fix="Train with a template that marks the answers: TRL's training twin of this template "
+    "(trl/chat_templates/*_training.jinja; SFTTrainer swaps it in for the templates it knows and raises for the "
+    "others), or this template with each answer and its end-of-turn token wrapped in `{% generation %}`...`{% "
+    "endgeneration %}`.",
+    remedy=RemedyDoc(
+        "safe or unsafe",
+        "Sets the chat template to TRL's training twin of this template when it is one of TRL's originals, "
+        "character for character, else to this template with the expression that prints a message's content "
+        "wrapped in `{% generation %}` for assistant messages; every row is rendered with both templates: safe "
+        "when the text is identical, unsafe when it differs (a twin that keeps reasoning the original drops), "
+        "no remedy when the new mask would not cover the answers.",
+    ),
+)
+MASK_SAMPLE = 32  # conversations whose assistant mask is compared with the located answers
+
+
+@GENERATION_MARKERS_MISSING.check(
+    applies=lambda ctx: (
+        ctx.options.loss_on == "assistant" and ctx.fmt == "messages" and ctx.markers.has_template
+    )
+)
+def check_generation_markers(ctx):
+    template = ctx.tokenizer.chat_template
+    n = int(ctx.valid.sum())
+    if not has_generation_markers(template):
+        yield GENERATION_MARKERS_MISSING.finding(
+            f"assistant-only loss is asked but the chat template has no {{% generation %}} markers: the "
+            f"assistant mask of all {n} conversations is empty",
+            evidence={"cause": "no-markers", "conversations": n},
+            remedy=_marked_template(ctx) if ctx.rows_are_dataset else None,
+        )
+        return
+    missed, extra, rows = _mask_against_spans(ctx, ctx.tokenizer, ctx.sample_indices[:MASK_SAMPLE])
+    if rows:
+        yield GENERATION_MARKERS_MISSING.finding(
+            f"the {{% generation %}} markers of the chat template leave {missed} answer tokens out of the "
+            f"assistant mask and take {extra} other tokens in, in {len(rows)} of "
+            f"{min(len(ctx.sample_indices), MASK_SAMPLE)} sampled conversations",
+            evidence={
+                "cause": "markers-misplaced",
+                "answer_tokens_left_out": missed,
+                "other_tokens_in": extra,
+                "rows": rows[:10],
+            },
+            example=ctx.view(rows[0]),
+            fix="Move the markers so that each answer and its end-of-turn token, and nothing of the prompt, lie "
+            "between `{% generation %}` and `{% endgeneration %}`.",
+        )
+
+
+def _mask_against_spans(ctx, tok, indices, template=None) -> tuple[int, int, list[int]]:
+    """(answer tokens left out, other tokens taken in, rows with either) of the assistant mask ``template``
+    (default: the tokenizer's) gives ``indices``, against the answers located from that template."""
+    from hf_sanity.measure.encode import Encoder
+
+    encoder = ctx.encoder
+    if template is not None:
+        import copy
+
+        tok = copy.copy(tok)
+        tok.chat_template = template
+        encoder = Encoder(tok, ctx.options)
+    missed = extra = 0
+    rows = []
+    for i, messages, _, kwargs in _conversations(ctx, indices):
+        out = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True, **kwargs)  # fmt: skip
+        row = encoder.encode(ctx.dataset[i]) if template is not None else ctx.row(i)
+        if list(out["input_ids"]) != list(row["input_ids"]):
+            continue  # tokenized otherwise (a BOS added): positions do not compare
+        flat = row["spans"]
+        spans = [Span(*flat[k : k + 4]) for k in range(0, len(flat), 4)]
+        left_out, taken_in = mask_problems(list(out["assistant_masks"]), spans, row["labels"], IGNORE_INDEX)
+        missed, extra = missed + left_out, extra + taken_in
+        if left_out or taken_in:
+            rows.append(i)
+    return missed, extra, rows
+
+
+def _marked_template(ctx) -> Remedy | None:
+    """A template with markers: TRL's twin of this one, else this one with its content expressions wrapped;
+    every row rendered with both (safe only if the text is identical), the new mask checked on a sample."""
+    tok = ctx.tokenizer
+    twin = training_twin(tok.chat_template)
+    candidates = [(f"TRL's training twin {twin[0]}", twin[1])] if twin else []
+    wrapped = wrap_assistant_content(tok.chat_template)
+    if wrapped:
+        candidates.append(("this template with each answer wrapped in {% generation %}", wrapped))
+    for name, template in candidates:
+        _, _, broken = _mask_against_spans(ctx, tok, ctx.sample_indices[:MASK_SAMPLE], template)
+        if broken:
+            continue
+        differs = rendered = 0
+        for _, messages, _, kwargs in _conversations(ctx):
+            before = tok.apply_chat_template(messages, tokenize=False, **kwargs)
+            after = tok.apply_chat_template(messages, tokenize=False, chat_template=template, **kwargs)
+            differs, rendered = differs + (before != after), rendered + 1
+        return set_chat_template(template, name, differs=differs, rows=rendered)
+    return None
