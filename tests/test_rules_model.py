@@ -234,6 +234,7 @@ def test_checks_that_need_a_failed_precondition_are_skipped_not_crashed(setup, c
         "init-loss-off-chance",
         "init-loss-above-base",
         "input-ignored",
+        "future-token-leak",
     }
     # Selected alone, the step-0 check still measures its precondition first (without reporting it).
     alone = run(tok, rows, model=model, select="init-loss-off-chance")
