@@ -1,8 +1,11 @@
 """SanityCallback's cost: the same training with and without it, by the whole ``train()`` wall clock and by
 the median step time, and the callback's own seconds, by hook and by check.
 
-Two setups: a 9.4M-parameter Llama (steps of ~0.55 s on a 2-core CPU), and a small model
-with short steps (~15 ms on one CPU thread), where any per-step host work of the callback shows. After a
+Four setups: a 9.4M-parameter Llama (steps of ~0.55 s on a 2-core CPU), a small model with short steps
+(~15 ms on one CPU thread), where any per-step host work of the callback shows, and issue 22's setup at 100 and
+300 steps (a 2-layer Llama, hidden 128, vocabulary 4,096, batch 8 x 128 tokens, two threads, ~57 ms steps, a
+clean run whose loss falls to ~0.25), with 8 ABBA pairs each: the per-pair ratios' min, median and max and the
+callback's own share of the run (``stats.callback_share``) beside the wall ratio. After a
 warm-up run, runs alternate in ABBA order (same seed, same batches) so that drift and background load hit both
 alike; the wall clock covers the whole ``trainer.train()`` call, its first steps included, on both sides.
 CUDA and bf16 are picked automatically where present. :func:`feed_growth` times the per-step work of the
@@ -36,6 +39,15 @@ SMALL_CONFIG = dict(
     intermediate_size=128,
     max_position_embeddings=512,
 )
+# Issue 22's setup: a 2-layer Llama, hidden 128, vocabulary 4,096 (~57 ms steps at batch 8 x 128, 2 threads).
+ISSUE_CONFIG = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=256,
+    max_position_embeddings=512,
+)
 # What the callback does in a step, as Trainer and the instruments call it.
 HOOKS = (
     "on_step_begin",
@@ -59,6 +71,9 @@ class Setup:
     seq: int | None  # rows cut and padded to this length (None: the demo data as it comes, padded to 64s)
     steps: int
     threads: int | None = None  # torch threads on the CPU (None: torch's default)
+    vocab: int | None = None  # the model's vocabulary (None: the tokenizer's)
+    learning_rate: float = 1e-4
+    pairs: int | None = None  # ABBA pairs (None: the default for the run's length)
 
 
 class StepTimer(TrainerCallback):
@@ -102,6 +117,7 @@ class Run:
     hooks: dict[str, float]
     stats: dict
     cpu: float = 0.0  # the process's CPU seconds in train()
+    last_loss: float = float("nan")
 
 
 def one_run(setup: Setup, with_callback: bool, device: str, dtype, steps: int | None = None) -> Run:
@@ -111,10 +127,10 @@ def one_run(setup: Setup, with_callback: bool, device: str, dtype, steps: int | 
 
     from hf_sanity.callback import SanityCallback
     from hf_sanity.measure.encode import EncodeOptions, Encoder
-    from hf_sanity.testing import TinyConfig, build_tokenizer, demo_conversations, tiny_model_for
+    from hf_sanity.testing import build_tokenizer, demo_conversations
 
     tokenizer = build_tokenizer("chatml", "distinct")
-    model = tiny_model_for(tokenizer, TinyConfig(**setup.config)).to(device=device, dtype=dtype)
+    model = bench_model(setup, tokenizer).to(device=device, dtype=dtype)
     encoder = Encoder(tokenizer, EncodeOptions(fmt="messages"))
     rows = [encoder.encode(r) for r in demo_conversations(128)]
     if setup.seq:  # fixed-length rows: each repeated up to the length, then cut (every batch one shape)
@@ -132,7 +148,7 @@ def one_run(setup: Setup, with_callback: bool, device: str, dtype, steps: int | 
         output_dir=tempfile.mkdtemp(prefix="hf-sanity-bench-"),
         max_steps=steps or setup.steps,
         per_device_train_batch_size=setup.batch,
-        learning_rate=1e-4,
+        learning_rate=setup.learning_rate,
         logging_steps=10,
         report_to=[],
         save_strategy="no",
@@ -160,12 +176,23 @@ def one_run(setup: Setup, with_callback: bool, device: str, dtype, steps: int | 
     finally:
         torch.set_num_threads(threads)
     stats = dict(sanity.report.stats) if sanity is not None else {}
-    return Run(wall, timer.times, clock.seconds, stats, cpu)
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return Run(wall, timer.times, clock.seconds, stats, cpu, losses[-1] if losses else float("nan"))
+
+
+def bench_model(setup: Setup, tokenizer):
+    """The setup's Llama: the tokenizer's vocabulary, or ``setup.vocab`` rows (same initial weights each run)."""
+    from hf_sanity.testing import TinyConfig, tiny_model_for
+    from hf_sanity.testing.factory import build_model
+
+    if setup.vocab is None:
+        return tiny_model_for(tokenizer, TinyConfig(**setup.config))
+    return build_model(setup.vocab, TinyConfig(**setup.config), eos_token_id=tokenizer.eos_token_id)
 
 
 def compare(setup: Setup, *, repeats: int, device: str, dtype) -> tuple[dict, dict]:
     """(the overhead row, the callback's own clock) for ``setup``: ABBA runs after one warm-up run."""
-    from hf_sanity.testing import TinyConfig, build_tokenizer, tiny_model_for
+    from hf_sanity.testing import build_tokenizer
 
     one_run(setup, False, device, dtype, steps=max(setup.steps // 4, 10))  # allocator, kernels, file caches
     runs: dict[bool, list[Run]] = {False: [], True: []}
@@ -179,15 +206,15 @@ def compare(setup: Setup, *, repeats: int, device: str, dtype) -> tuple[dict, di
         paired.append(statistics.median(w / b for w, b in zip(pair[True].steps[2:], pair[False].steps[2:])))
     wall = {w: statistics.median(r.wall for r in runs[w]) for w in runs}
     step = {w: statistics.median(statistics.median(r.steps[2:]) for r in runs[w]) for w in runs}
-    wall_ratios = [a.wall / b.wall for a, b in zip(runs[True], runs[False])]
-    params = sum(
-        p.numel() for p in tiny_model_for(build_tokenizer("chatml"), TinyConfig(**setup.config)).parameters()
-    )
+    wall_ratios = sorted(a.wall / b.wall for a, b in zip(runs[True], runs[False]))
+    params = sum(p.numel() for p in bench_model(setup, build_tokenizer("chatml", "distinct")).parameters())
     steps = setup.steps
     own = statistics.median(r.stats.get("callback_seconds", 0.0) for r in runs[True])
+    share = statistics.median(r.stats.get("callback_share") or 0.0 for r in runs[True])
+    threads = f" ({setup.threads} thread{'s' if setup.threads > 1 else ''})" if setup.threads else ""
     row = {
         "model": f"{setup.name}: Llama {params / 1e6:.1f}M, batch {setup.batch}",
-        "device": device + (f" ({setup.threads} thread)" if setup.threads and device == "cpu" else ""),
+        "device": device + (threads if device == "cpu" else ""),
         "dtype": str(dtype).removeprefix("torch."),
         "steps": steps,
         "repeats": repeats,
@@ -195,6 +222,11 @@ def compare(setup: Setup, *, repeats: int, device: str, dtype) -> tuple[dict, di
         "wall_s_with": wall[True],
         "wall_ratio": statistics.median(wall_ratios),
         "wall_ratio_range": f"{min(wall_ratios):.3f}-{max(wall_ratios):.3f}",
+        "pair_ratios_min_median_max": (
+            f"{wall_ratios[0]:.3f} / {statistics.median(wall_ratios):.3f} / {wall_ratios[-1]:.3f}"
+        ),
+        "callback_share": share,
+        "last_loss": statistics.median(r.last_loss for r in runs[True]),
         "step_ms_without": 1e3 * step[False],
         "step_ms_with": 1e3 * step[True],
         "step_ratio": step[True] / step[False],
@@ -261,7 +293,7 @@ def feed_growth(steps: int = 20_000, window: int = 1_000) -> dict:
 
 
 def run(*, quick: bool = False, device: str | None = None, dtype=None, only: str | None = None):
-    """Rows for both setups (``only``: "large" or "small"), and the callback's own clock for each."""
+    """Rows for the setups (``only``: one setup's name), and the callback's own clock for each."""
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -269,13 +301,45 @@ def run(*, quick: bool = False, device: str | None = None, dtype=None, only: str
     setups = [
         Setup("large", BENCH_CONFIG, batch=16, seq=None, steps=20 if quick else 100),
         Setup("small", SMALL_CONFIG, batch=8, seq=64, steps=100 if quick else 1000, threads=1),
+        *(
+            Setup(
+                f"issue-{steps}",
+                ISSUE_CONFIG,
+                batch=8,
+                seq=128,
+                steps=20 if quick else steps,
+                threads=2,
+                vocab=4096,
+                learning_rate=1e-3,
+                pairs=8,
+            )
+            for steps in (100, 300)
+        ),
     ]
     rows, clocks = [], []
     for setup in setups:
         if only and setup.name != only:
             continue
-        repeats = 2 if quick else (4 if setup.name == "large" else 6)
+        repeats = 2 if quick else setup.pairs or (4 if setup.name == "large" else 6)
         row, clock = compare(setup, repeats=repeats, device=device, dtype=dtype)
         rows.append(row)
         clocks.append(clock)
     return rows, clocks
+
+
+if __name__ == "__main__":  # python -m benchmarks.callback_overhead issue-300 [--quick]: one setup's rows
+    import sys
+
+    from benchmarks.run import table
+
+    for name in [a for a in sys.argv[1:] if not a.startswith("--")] or [None]:
+        rows, clocks = run(quick="--quick" in sys.argv, only=name)
+        print(table(rows))
+        for clock in clocks:
+            print(
+                clock["model"],
+                "| hooks total",
+                clock["hooks_ms_per_step_total"],
+                "ms/step",
+                clock["hooks_us_per_step"],
+            )

@@ -26,7 +26,7 @@ from hf_sanity.selection import resolve
 from hf_sanity.training import first_batch, memory, outcome, replay, resume, shards
 from hf_sanity.training.budget import Budget
 from hf_sanity.training.generation import GenerationCheck
-from hf_sanity.training.instrument import Instruments, find_trainer, move_before_reporters
+from hf_sanity.training.instrument import Instruments, OwnClock, clocked, find_trainer, move_before_reporters
 from hf_sanity.training.measures import StepSampler, train_only_modules, vocab_size
 from hf_sanity.training.monitors import MonitorSet
 from hf_sanity.training.ranks import RankExchange, world
@@ -38,6 +38,7 @@ from hf_sanity.training.values import StepHistory
 ABORT_CHOICES = ("error", "never")
 
 
+@clocked  # every event and instrument call on self.clock: stats.callback_seconds and callback_share
 class SanityCallback(TrainerCallback, ExportableState):
     """Watches a Trainer run; findings in :attr:`report` and in ``output_dir/hf-sanity/report.json``; a stop
     at an error in ``trainer.state.hf_sanity_aborted_at_step`` too (see :mod:`hf_sanity.training.outcome`).
@@ -76,7 +77,7 @@ class SanityCallback(TrainerCallback, ExportableState):
         self.selection = resolve(select, ignore, use_config=use_config)
         self.check_every, self.probe_every = check_every, probe_every
         self.sync_every = sync_every or check_every
-        self.instruments = Instruments()
+        self.instruments, self.clock = Instruments(), OwnClock()
         self._reset()
 
     def _reset(self) -> None:
@@ -105,6 +106,7 @@ class SanityCallback(TrainerCallback, ExportableState):
             return given.on_train_begin(args, state, control, model=model, optimizer=optimizer, **kwargs)
         self.instruments.uninstall()
         self._reset()
+        self.clock.restart()
         sink = self.sink
         with sink.guard("callback-setup"):  # first and alone: every rank must agree on the world size
             sink.is_main = bool(state.is_world_process_zero)

@@ -9,13 +9,108 @@ The observer (the callback) gets ``before_micro(inputs)`` (which may return a co
 ``after_micro(loss)``, ``failed(exc)``,
 ``grad_norm(norm)``, ``pre_forward(module, args, kwargs)`` and ``post_forward(module, output)``; hooks fire
 only inside a training step and never during hf-sanity's own extra forwards (:attr:`Instruments.busy`).
+
+:class:`OwnClock` is the callback's own clock: every piece of code it adds to a run (each Trainer event, each
+call of the instruments above, their wrappers' own work around Trainer's) is timed once, at its outermost
+entry, so ``stats.callback_seconds`` is everything the callback costs that can be told apart from the model's
+own work, and ``stats.callback_share`` that time over the run's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
+import time
 from typing import Any
+
+
+class OwnClock:
+    """Seconds spent in the callback's code. Reentrant: an entry inside another (a guard inside an event, an
+    event Trainer fires from inside a wrapped step) is inside the outer one's time, and counted once."""
+
+    __slots__ = ("_depth", "_entered", "seconds", "started")
+
+    def __init__(self) -> None:
+        self.seconds, self._depth, self._entered = 0.0, 0, 0.0
+        self.started: float | None = None  # the run's wall clock starts at on_train_begin
+
+    def restart(self) -> None:
+        """A new run: the seconds so far forgotten (an entry in progress still counts whole)."""
+        self.seconds, self.started = 0.0, time.perf_counter()
+        if self._depth:
+            self._entered = self.started
+
+    def __enter__(self) -> None:
+        if self._depth == 0:
+            self._entered = time.perf_counter()
+        self._depth += 1
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.seconds += time.perf_counter() - self._entered
+
+    @property
+    def running(self) -> bool:
+        return self._depth > 0
+
+    def so_far(self) -> float:
+        """The seconds counted, with the entry in progress (the report is written inside on_train_end)."""
+        return self.seconds + (time.perf_counter() - self._entered if self._depth else 0.0)
+
+    def pause(self):
+        """Trainer's own work inside one of ours (the wrapped step's original): not counted."""
+        return _Paused(self)
+
+    def share(self) -> float | None:
+        """The callback's seconds over the run's (from train begin to now)."""
+        if self.started is None:
+            return None
+        wall = time.perf_counter() - self.started
+        return self.so_far() / wall if wall > 0 else None
+
+
+class _Paused:
+    __slots__ = ("clock", "depth")
+
+    def __init__(self, clock: OwnClock) -> None:
+        self.clock = clock
+
+    def __enter__(self) -> None:
+        clock = self.clock
+        self.depth, clock._depth = clock._depth, 0
+        if self.depth:
+            clock.seconds += time.perf_counter() - clock._entered
+
+    def __exit__(self, *exc) -> None:
+        clock = self.clock
+        clock._depth = self.depth
+        if self.depth:
+            clock._entered = time.perf_counter()
+
+
+# What the callback runs: Trainer's events, the checkpoint's state, and what the instruments call.
+CLOCKED = ("state", "before_micro", "after_micro", "failed", "grad_norm", "pre_forward", "post_forward")
+
+
+def clocked(cls):
+    """Class decorator: every ``on_*`` event of ``cls`` and the methods in :data:`CLOCKED` run on
+    ``self.clock`` (an :class:`OwnClock`)."""
+    for name in [n for n in vars(cls) if n.startswith("on_")] + list(CLOCKED):
+        method = getattr(cls, name, None)
+        if callable(method):
+            setattr(cls, name, _on_clock(method))
+    return cls
+
+
+def _on_clock(method):
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        with self.clock:
+            return method(self, *args, **kwargs)
+
+    return timed
 
 
 class Instruments:
@@ -62,43 +157,56 @@ class Instruments:
         self._installed.append((obj, name, previous, had))
 
     def _training_step(self, original, observer):
+        clock = observer.clock
+
         def training_step(model, inputs, *args, **kwargs):
-            watch = observer.before_micro(inputs) or contextlib.nullcontext()
-            self.in_train = True
-            try:
-                with watch:
-                    loss = original(model, inputs, *args, **kwargs)
-            except BaseException as exc:
+            with clock:  # the wrapper's own work counts; Trainer's step inside it does not
+                watch = observer.before_micro(inputs) or contextlib.nullcontext()
+                self.in_train = True
+                try:
+                    with watch, clock.pause():
+                        loss = original(model, inputs, *args, **kwargs)
+                except BaseException as exc:
+                    self.in_train = False
+                    observer.failed(exc)
+                    raise
                 self.in_train = False
-                observer.failed(exc)
-                raise
-            self.in_train = False
-            observer.after_micro(loss)
-            return loss
+                observer.after_micro(loss)
+                return loss
 
         return training_step
 
     def _pre(self, observer):
+        clock = observer.clock
+
         def hook(module, args, kwargs):
-            if self.in_train and not self.busy:
-                observer.pre_forward(module, args, kwargs)
+            with clock:
+                if self.in_train and not self.busy:
+                    observer.pre_forward(module, args, kwargs)
 
         return hook
 
     def _post(self, observer):
+        clock = observer.clock
+
         def hook(module, args, kwargs, output):
-            if self.in_train and not self.busy:
-                observer.post_forward(module, output)
+            with clock:
+                if self.in_train and not self.busy:
+                    observer.post_forward(module, output)
 
         return hook
 
 
 def _observed_norm(original, observer):
+    clock = observer.clock
+
     def _get_grad_norm(*args, **kwargs):
-        norm = original(*args, **kwargs)
-        if norm is not None:
-            observer.grad_norm(norm)
-        return norm
+        with clock:
+            with clock.pause():
+                norm = original(*args, **kwargs)
+            if norm is not None:
+                observer.grad_norm(norm)
+            return norm
 
     return _get_grad_norm
 

@@ -95,7 +95,14 @@ def stats(callback, *, steps: int) -> dict[str, Any]:
     """The run's figures for the report: the callback's own clock, reads and transfers, the memory walks and
     probes their time budgets ran and skipped, and the sharding layout."""
     sink, sampler, budget = callback.sink, callback.sampler, callback.memory_budget
-    out = sink.stats(steps=steps, reads=callback._reads, transfers=callback.recorder.transfers)
+    clock = callback.clock
+    out = sink.stats(
+        clock.so_far(),
+        clock.share(),
+        steps=steps,
+        reads=callback._reads,
+        transfers=callback.recorder.transfers,
+    )
     out.update(memory_walks=budget.runs, memory_walks_skipped=budget.skipped)
     out.update(probes=callback.first.budget.runs, probes_skipped=callback.first.budget.skipped)
     out.update(

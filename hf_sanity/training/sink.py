@@ -37,7 +37,6 @@ class _TimedGuard(catalog.Guard):
     def __exit__(self, kind, exc, tb) -> bool:
         sink, check = self.sink, self.check
         elapsed = time.perf_counter() - self.started
-        sink.seconds += elapsed
         sink.timings[check] = sink.timings.get(check, 0.0) + elapsed
         return super().__exit__(kind, exc, tb)
 
@@ -64,7 +63,6 @@ class FindingSink:
         self.stop_reason: Finding | None = None  # the first error finding that asked to stop
         self.aborted_at: int | None = None  # the step at which the callback stopped training
         self.annotate: Callable[[Finding], None] | None = None  # adds run facts to a kept finding
-        self.seconds = 0.0
         self.timings: dict[str, float] = {}
         self._failed: set[str] = set()
 
@@ -140,12 +138,14 @@ class FindingSink:
         if self.is_main and self.output_dir is not None:
             self.report.write_json(self.output_dir / "report.json")
 
-    def stats(self, **counts: int) -> dict[str, Any]:
-        """The report's stats: the run's counts, and the seconds the checks took (the five costliest)."""
+    def stats(self, seconds: float, share: float | None, **counts: int) -> dict[str, Any]:
+        """The report's stats: the run's counts, the callback's own ``seconds`` and their ``share`` of the run
+        (:class:`hf_sanity.training.instrument.OwnClock`), and the seconds the checks took (the five costliest)."""
         timings = sorted(self.timings.items(), key=lambda kv: -kv[1])[:5]
         return {
             **counts,
-            "callback_seconds": round(self.seconds, 3),
+            "callback_seconds": round(seconds, 3),
+            "callback_share": None if share is None else round(share, 4),
             "callback_seconds_by_check": {k: round(v, 3) for k, v in timings},
             "world_size": self.world_size,
             "objective": self.objective.kind,
