@@ -58,6 +58,14 @@ def spread(items: Sequence[Any], n: int) -> list[Any]:
     return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)]
 
 
+def strided(tensor, most: int):
+    """``tensor`` itself, or an evenly strided view of at most ``most`` of its elements (a contiguous one)."""
+    n = tensor.numel()
+    if n <= most or not tensor.is_contiguous():
+        return tensor
+    return tensor.detach().view(-1)[:: -(-n // most)]
+
+
 def snapshot(parts: Sequence[Any]) -> list[Any]:
     return [t.clone() for t in parts]
 
@@ -177,6 +185,9 @@ SAMPLE_MAX_ELEMENTS = 1 << 24  # ... each at most 16M elements (cloned at measur
 LABEL_BATCHES = 64  # micro-batches' labels held at most before they are counted
 LABEL_ALL = 64  # the labels of the first 64 micro-batches are all counted ...
 LABEL_EVERY = 8  # ... then those of one micro-batch in 8 (a sample of the same distribution)
+UPDATE_SAMPLE_ELEMENTS = (
+    1 << 16
+)  # a larger tensor's update ratio is read on an evenly strided 64k of its elements
 EARLY_MEASURE_STEPS = 10  # the update ratio is measured at every one of the first steps, then every check
 
 
@@ -350,7 +361,7 @@ class StepSampler:
         def local():
             if before is None:
                 raise RuntimeError("no snapshot of the sampled weights was taken before the optimizer step")
-            sums = update_squares([local_tensor(p) for p in self.update_sample], before)
+            sums = update_squares(self._update_parts(), before)
             return sums * sums.new_tensor(weights).unsqueeze(1) if weights is not None else sums
 
         k = len(self.update_sample)
@@ -379,7 +390,16 @@ class StepSampler:
         self._measuring = self.measured(step)
         self._snapshot = None
         if self._measuring:
-            self._snapshot = snapshot([local_tensor(p) for p in self.update_sample])
+            self._snapshot = snapshot(self._update_parts())
+
+    def _update_parts(self) -> list[Any]:
+        """What the update ratio reads of each sampled tensor: the part this rank holds; of a whole tensor over
+        UPDATE_SAMPLE_ELEMENTS, an evenly strided view of that many elements (|Δw|/|w| of a uniform sample is
+        the tensor's, and the clone at each measured step stays small: issue 22)."""
+        parts = [local_tensor(p) for p in self.update_sample]
+        if self._reduces(self.update_sample):  # shards: every rank must read the same elements of the whole
+            return parts
+        return [strided(t, UPDATE_SAMPLE_ELEMENTS) for t in parts]
 
     def _reduces(self, params: Sequence[Any]) -> bool:
         """Some of ``params`` is sharded across more than one rank: its norm needs every rank's part."""
