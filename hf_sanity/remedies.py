@@ -69,6 +69,11 @@ class Remedy:
     def applicable(self) -> bool:
         return self.safety != "display"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy for another process (torchrun's ranks get rank 0's report) describes the remedy; ``apply``
+        edits this process's objects, so only the process that found it can apply it."""
+        return {k: v for k, v in vars(self).items() if k != "apply"}
+
     def to_dict(self) -> dict[str, Any]:
         from hf_sanity.findings import jsonable
 

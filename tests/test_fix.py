@@ -150,6 +150,24 @@ def test_each_remedy_fixes_its_planted_bug_on_a_copy(case):
     assert data.to_list() == rows
 
 
+def test_a_report_with_remedies_crosses_to_another_process():
+    """Under torchrun, preflight sends rank 0's report to every rank by pickling it: the remedies go as their
+    description (an ``apply`` edits this process's objects; it stays behind)."""
+    import pickle
+
+    from hf_sanity.drivers.preflight import preflight
+
+    model, tok, rows, _, options, _ = planted("data")
+    report = preflight(model=model, tokenizer=tok, dataset=datasets.Dataset.from_list(rows), use_config=False,
+                       **options)  # fmt: skip
+    remedied = [f for f in report.findings if f.remedy is not None]
+    assert remedied
+    copy = pickle.loads(pickle.dumps(report))
+    assert [f.remedy.to_dict() for f in copy.findings if f.remedy] == [f.remedy.to_dict() for f in remedied]
+    assert all(f.remedy.apply is None for f in copy.findings if f.remedy)
+    assert all(f.remedy.apply is not None for f in remedied)  # the original keeps its edit
+
+
 def test_what_each_remedy_changed():
     """The repaired objects carry exactly the change the remedy names."""
     import hf_sanity
