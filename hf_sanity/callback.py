@@ -38,7 +38,7 @@ from hf_sanity.training.values import StepHistory
 ABORT_CHOICES = ("error", "never")
 
 
-@clocked  # every event and instrument call on self.clock: stats.callback_seconds and callback_share
+@clocked  # its events on self.clock (the instruments clock their own calls): stats.callback_share
 class SanityCallback(TrainerCallback, ExportableState):
     """Watches a Trainer run; findings in :attr:`report` and in ``output_dir/hf-sanity/report.json``; a stop
     at an error in ``trainer.state.hf_sanity_aborted_at_step`` too (see :mod:`hf_sanity.training.outcome`).
