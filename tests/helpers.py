@@ -14,6 +14,37 @@ from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing.data import CAPITALS
 
 
+def trainer_args(tmp_path, **kwargs):
+    """TrainingArguments for a 2-step CPU run of a Trainer built to check its first batches."""
+    from transformers import TrainingArguments
+
+    base = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                save_strategy="no", seed=0, disable_tqdm=True)  # fmt: skip
+    return TrainingArguments(**{**base, **kwargs})
+
+
+def token_rows(tok, n: int = 16) -> datasets.Dataset:
+    """``n`` demo conversations rendered with ``tok``'s chat template, as ``input_ids`` only."""
+    from hf_sanity.testing import demo_conversations
+
+    return datasets.Dataset.from_list(
+        [{"input_ids": tok.apply_chat_template(r["messages"])["input_ids"]} for r in demo_conversations(n)]
+    )
+
+
+def sft_online_detectors() -> set[str]:
+    """The online detectors an SFT run builds: the step detectors and the curve detectors SanityCallback runs
+    of the SFT rules (the preference and RL monitors are for their own objectives)."""
+    from hf_sanity import catalog
+    from hf_sanity.selection import Selection
+
+    sft = Selection().for_objective("sft").enabled
+    return {
+        d.name
+        for d in catalog.detectors("step", enabled=sft) + catalog.detectors("curve", online=True, enabled=sft)
+    }
+
+
 def run(tokenizer, rows, *, select=None, **kwargs):
     data = rows if isinstance(rows, datasets.Dataset) else datasets.Dataset.from_list(rows)
     return preflight(tokenizer=tokenizer, dataset=data, select=select, use_config=False, **kwargs)

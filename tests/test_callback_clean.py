@@ -11,9 +11,9 @@ import pytest
 import torch
 from dist import tinytrain as tt
 
+from helpers import sft_online_detectors
 from hf_sanity import catalog
 from hf_sanity.callback import SanityCallback
-from hf_sanity.selection import Selection
 
 
 def watch(**kwargs) -> SanityCallback:
@@ -41,11 +41,7 @@ def test_clean_full_fine_tune_is_silent(tmp_path):
     assert cb.report.stats["steps"] == 30 and (tmp_path / "hf-sanity" / "report.json").is_file()
     # Every online detector of an SFT rule but the cross-rank one (2 processes: test_callback_dist) ran on its
     # inputs; the preference and RL ones were not even built.
-    sft = Selection().for_objective("sft").enabled
-    online = {
-        d.name
-        for d in catalog.detectors("step", enabled=sft) + catalog.detectors("curve", online=True, enabled=sft)
-    }
+    online = sft_online_detectors()
     assert not {d.name for d in catalog.detectors("step")} - online & cb.monitors.ran
     assert sorted(online - cb.monitors.ran) == ["hf_sanity.rules.training.ranks.RankMonitor"]
     losses = tt.step_losses(trainer)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import torchrun
+from helpers import sft_online_detectors, torchrun
 
 pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
 
@@ -54,20 +54,11 @@ def test_replicas_that_bypass_ddp_are_ranks_diverged(ddp_runs):
 
 @pytest.mark.clean("training", "curves", "tokens", "internal-error")
 def test_a_clean_two_process_run_is_silent_and_runs_every_online_detector(ddp_runs):
-    from hf_sanity import catalog
-    from hf_sanity.selection import Selection
-
     run = ddp_runs / "clean"
     assert findings(run / "hf-sanity" / "report.json") == []
     main = json.loads((run / "rank0.json").read_text())
     assert main["steps"] == 8 and main["findings"] == []
-    sft = (
-        Selection().for_objective("sft").enabled
-    )  # the preference and RL monitors are for their own objectives
-    online = {
-        d.name
-        for d in catalog.detectors("step", enabled=sft) + catalog.detectors("curve", online=True, enabled=sft)
-    }
+    online = sft_online_detectors()  # the preference and RL monitors are for their own objectives
     assert sorted(online - set(main["ran"])) == []  # every online detector was fed what it reads
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import torchrun
+from helpers import sft_online_detectors, torchrun
 
 pytestmark = pytest.mark.slow  # torchrun: `make test-fast` leaves it out
 
@@ -48,9 +48,6 @@ def close(a: dict[int, float], b: dict[int, float]) -> bool:
 
 @pytest.mark.clean("training", "curves", "tokens", "internal-error")
 def test_a_clean_fully_sharded_run_is_silent_and_states_what_it_skips(fsdp_runs):
-    from hf_sanity import catalog
-    from hf_sanity.selection import Selection
-
     run = fsdp_runs / "fsdp-clean"
     assert reported(run) == []
     main = seen(run)
@@ -59,13 +56,7 @@ def test_a_clean_fully_sharded_run_is_silent_and_states_what_it_skips(fsdp_runs)
     sharding = main["stats"]["sharding"]
     assert sharding["kind"] == "fsdp2" and sharding["parameters"] == {"dtensor": 21}
     assert set(sharding["skipped"]) == {"ranks-diverged", "nonfinite-loss replay"}
-    sft = (
-        Selection().for_objective("sft").enabled
-    )  # the preference and RL monitors are for their own objectives
-    online = {
-        d.name
-        for d in catalog.detectors("step", enabled=sft) + catalog.detectors("curve", online=True, enabled=sft)
-    }
+    online = sft_online_detectors()  # the preference and RL monitors are for their own objectives
     # Every online detector was fed what it reads (the step-0 and predictions probes ran on every rank), but
     # for ranks-diverged: no parameter is held in full by every rank.
     assert sorted(online - set(main["ran"])) == ["hf_sanity.rules.training.ranks.RankMonitor"]

@@ -5,26 +5,15 @@ import copy
 import datasets
 import pytest
 import torch
-from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+from transformers import DataCollatorForLanguageModeling, Trainer
 
 from conftest import real_tokenizer
+from helpers import token_rows, trainer_args
 from hf_sanity.callback import SanityCallback
 from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing import as_prompt_completion, demo_conversations, tiny_model_for, tiny_setup
 
 ATTENTION_RULES = ["padding-attended", "tokens-masked-out", "left-padding-shifts-positions"]
-
-
-def args(tmp_path, **kwargs):
-    base = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
-                save_strategy="no", seed=0, disable_tqdm=True)  # fmt: skip
-    return TrainingArguments(**{**base, **kwargs})
-
-
-def token_rows(tok, n=16):
-    return datasets.Dataset.from_list(
-        [{"input_ids": tok.apply_chat_template(r["messages"])["input_ids"]} for r in demo_conversations(n)]
-    )
 
 
 class Remasked:
@@ -56,7 +45,7 @@ def test_a_mask_of_ones_over_left_padding(tmp_path):
     model, tok = tiny_setup("chatml")
     collator = Remasked(lm_collator(tok, "left"), lambda b: torch.ones_like(b["input_ids"]))
     watch = SanityCallback(use_config=False, print_findings=False)
-    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=token_rows(tok), processing_class=tok, data_collator=collator,
+    trainer = Trainer(model=model, args=trainer_args(tmp_path), train_dataset=token_rows(tok), processing_class=tok, data_collator=collator,
                       callbacks=[watch])  # fmt: skip
     found = findings(preflight(trainer=trainer, use_config=False))
     assert set(found) == {"padding-attended"}
@@ -72,7 +61,7 @@ def test_a_mask_of_ones_over_right_padding_without_loss_is_harmless(tmp_path):
     collator = Remasked(lm_collator(tok), lambda b: torch.ones_like(b["input_ids"]))
     trainer = Trainer(
         model=model,
-        args=args(tmp_path),
+        args=trainer_args(tmp_path),
         train_dataset=token_rows(tok),
         processing_class=tok,
         data_collator=collator,
@@ -89,7 +78,7 @@ def test_a_mask_built_from_token_ids_when_pad_is_eos(tmp_path):
     collator = Remasked(lm_collator(tok), lambda b: (b["input_ids"] != pad).long())
     trainer = Trainer(
         model=model,
-        args=args(tmp_path),
+        args=trainer_args(tmp_path),
         train_dataset=token_rows(tok),
         processing_class=tok,
         data_collator=collator,
@@ -139,7 +128,7 @@ def test_labels_padded_with_the_pad_id_are_the_labels_fault_not_the_masks(tmp_pa
     tok = real_tokenizer(name)
     model = tiny_model_for(tok)
     watch = SanityCallback(use_config=False, print_findings=False, select=ATTENTION_RULES)
-    trainer = Trainer(model=model, args=args(tmp_path, remove_unused_columns=False), train_dataset=supervised_rows(tok),
+    trainer = Trainer(model=model, args=trainer_args(tmp_path, remove_unused_columns=False), train_dataset=supervised_rows(tok),
                       data_collator=pad_labels_with_pad_id(tok), processing_class=tok, callbacks=[watch])  # fmt: skip
     before = findings(preflight(trainer=trainer, use_config=False))
     trainer.train()
@@ -163,7 +152,7 @@ def test_left_padding_with_absolute_position_embeddings(tmp_path):
     config = GPT2Config(vocab_size=len(tok), n_positions=256, n_embd=32, n_layer=2, n_head=2,
                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
     gpt2 = GPT2LMHeadModel(config)
-    trainer = Trainer(model=gpt2, args=args(tmp_path), train_dataset=token_rows(tok), processing_class=tok,
+    trainer = Trainer(model=gpt2, args=trainer_args(tmp_path), train_dataset=token_rows(tok), processing_class=tok,
                       data_collator=lm_collator(tok, "left"))  # fmt: skip
     found = findings(preflight(trainer=trainer, use_config=False))
     assert set(found) == {"left-padding-shifts-positions"}
@@ -178,7 +167,7 @@ def test_left_padding_with_absolute_position_embeddings(tmp_path):
 def test_rotary_models_padded_on_either_side_are_silent(tmp_path, side):
     """Rotary embeddings are relative: left padding shifts nothing a Llama-style model computes."""
     model, tok = tiny_setup("chatml")
-    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=token_rows(tok), processing_class=tok,
+    trainer = Trainer(model=model, args=trainer_args(tmp_path), train_dataset=token_rows(tok), processing_class=tok,
                       data_collator=lm_collator(tok, side))  # fmt: skip
     report = preflight(trainer=trainer, use_config=False)
     assert findings(report) == {}

@@ -14,29 +14,16 @@ from transformers import (
     BertLMHeadModel,
     DataCollatorForLanguageModeling,
     Trainer,
-    TrainingArguments,
 )
 from transformers.modeling_outputs import CausalLMOutput
 
-from helpers import cli
+from helpers import cli, token_rows, trainer_args
 from hf_sanity.callback import SanityCallback
 from hf_sanity.drivers.preflight import preflight
 from hf_sanity.measure import causal
 from hf_sanity.testing import TinyConfig, demo_conversations, tiny_model_for, tiny_setup
 
 RULE = "future-token-leak"
-
-
-def args(tmp_path, **kwargs):
-    base = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
-                save_strategy="no", seed=0, disable_tqdm=True)  # fmt: skip
-    return TrainingArguments(**{**base, **kwargs})
-
-
-def token_rows(tok, n=16):
-    return datasets.Dataset.from_list(
-        [{"input_ids": tok.apply_chat_template(r["messages"])["input_ids"]} for r in demo_conversations(n)]
-    )
 
 
 def lm_collator(tok, side="right"):
@@ -137,7 +124,7 @@ def test_a_collator_that_builds_a_bidirectional_4d_mask(tmp_path):
     training with its cause (the mask, not the model), and at the first step of the run."""
     model, tok = tiny_setup("chatml")
     watch = SanityCallback(use_config=False, print_findings=False)
-    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=token_rows(tok), processing_class=tok,
+    trainer = Trainer(model=model, args=trainer_args(tmp_path), train_dataset=token_rows(tok), processing_class=tok,
                       data_collator=FourDimMask(lm_collator(tok), causal=False), callbacks=[watch])  # fmt: skip
     found = leak(preflight(trainer=trainer, select=RULE, use_config=False))
     assert found is not None and found.rule == RULE and found.severity == "error"
@@ -169,7 +156,7 @@ def test_a_custom_module_without_a_causal_mask(tmp_path):
     """A hand-written nn.Module trained by Trainer: its encoder gets no causal mask."""
     _, tok = tiny_setup("chatml")
     model = TinyEncoderLM(len(tok), causal=False)
-    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=token_rows(tok), processing_class=tok,
+    trainer = Trainer(model=model, args=trainer_args(tmp_path), train_dataset=token_rows(tok), processing_class=tok,
                       data_collator=lm_collator(tok))  # fmt: skip
     found = leak(preflight(trainer=trainer, select=RULE, use_config=False))
     assert found is not None and found.rule == RULE
@@ -200,7 +187,7 @@ def test_diagnose_stops_at_shapes_and_masks(tmp_path):
     from hf_sanity.protocol import diagnose
 
     model, tok = tiny_setup("chatml")
-    trainer = Trainer(model=model, args=args(tmp_path, learning_rate=1e-2), train_dataset=token_rows(tok),
+    trainer = Trainer(model=model, args=trainer_args(tmp_path, learning_rate=1e-2), train_dataset=token_rows(tok),
                       processing_class=tok, data_collator=FourDimMask(lm_collator(tok), causal=False))  # fmt: skip
     report = diagnose(trainer=trainer, write_repro=False, lr=1e-2, steps=100)
     assert report.stats["broken_layer"].startswith("3.") and report.stats["overfit"]["passed"]
@@ -236,7 +223,7 @@ def test_an_encoder_configured_as_a_decoder_is_silent(measured):
 @pytest.mark.clean("future-token-leak")
 def test_a_custom_module_with_its_causal_mask_is_silent(tmp_path, measured):
     _, tok = tiny_setup("chatml")
-    trainer = Trainer(model=TinyEncoderLM(len(tok), causal=True), args=args(tmp_path), train_dataset=token_rows(tok),
+    trainer = Trainer(model=TinyEncoderLM(len(tok), causal=True), args=trainer_args(tmp_path), train_dataset=token_rows(tok),
                       processing_class=tok, data_collator=lm_collator(tok))  # fmt: skip
     assert leak(preflight(trainer=trainer, select=RULE, use_config=False)) is None
     assert ran_and_unmoved(measured)
@@ -250,7 +237,7 @@ def test_padded_batches_with_causal_masks_are_silent(tmp_path, side, four_dim, m
     collator = lm_collator(tok, side)
     if four_dim:
         collator = FourDimMask(collator, causal=True)
-    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=token_rows(tok), processing_class=tok,
+    trainer = Trainer(model=model, args=trainer_args(tmp_path), train_dataset=token_rows(tok), processing_class=tok,
                       data_collator=collator)  # fmt: skip
     assert leak(preflight(trainer=trainer, select=RULE, use_config=False)) is None
     assert ran_and_unmoved(measured)
@@ -289,7 +276,7 @@ def test_a_clean_run_with_the_callback_is_silent_and_unchanged(tmp_path, measure
         (model, []),
         (watched, [SanityCallback(use_config=False, print_findings=False, select=RULE)]),
     ):
-        trainer = Trainer(model=m, args=args(tmp_path, max_steps=3, logging_steps=1), train_dataset=token_rows(tok),
+        trainer = Trainer(model=m, args=trainer_args(tmp_path, max_steps=3, logging_steps=1), train_dataset=token_rows(tok),
                           processing_class=tok, data_collator=lm_collator(tok), callbacks=callbacks)  # fmt: skip
         trainer.train()
         losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
