@@ -47,7 +47,9 @@ def parse_args(argv=None):
     )
     parser.add_argument("--output-dir", default="out/lora_sft")
     parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--max-steps", type=int, default=100)
+    # 200, not 100: at 100 steps the tiny default learned the new style on 8 to 12 of 12 held-out prompts
+    # depending on the CPU's thread count; at 200 on all 12 with 1 or 2 threads (about 20 s of CPU).
+    parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-2)
     parser.add_argument("--lora-r", type=int, default=8)
