@@ -207,7 +207,7 @@ class SanityCallback(TrainerCallback, ExportableState):
             self.held.hold(self._step or 1, batch)
             if self.sampler is not None:
                 self.sampler.batch(batch)
-            return self.first.labels_seen(batch, self.trainer, self.sink, self.monitors.feed)
+            return self.first.labels_seen(batch, self.trainer, self.sink, self.monitors.feed, self.clock)
 
     def after_micro(self, loss) -> None:
         with self.sink.guard("callback-loss"):

@@ -11,7 +11,7 @@ import pytest
 from dist import tinytrain as tt
 
 from hf_sanity.callback import SanityCallback
-from hf_sanity.training import outcome, replay, shards
+from hf_sanity.training import broadcast, outcome, replay, shards
 from hf_sanity.training.first_batch import FirstBatch
 from hf_sanity.training.instrument import OwnClock
 from hf_sanity.training.measures import StepSampler
@@ -27,6 +27,7 @@ PLANTED = {
     "gradient-norm wrapper": (shards, "plain"),
     "forward pre-hook": (StepSampler, "forward"),
     "forward hook": (FirstBatch, "logits_pending"),
+    "the first step's loss watch, on each torch operation": (broadcast.LossWatch, "observe"),
     "on_pre_optimizer_step": (StepSampler, "before_optimizer"),
     "on_optimizer_step": (StepSampler, "after_optimizer"),
     "on_step_end": (ObjectiveFeed, "step_end"),  # not inside any check's guard

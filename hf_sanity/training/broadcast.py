@@ -144,18 +144,20 @@ class LossWatch:
             )  # fmt: skip
 
 
-def _mode(watch: LossWatch):
+def _mode(watch: LossWatch, clock):
     from torch.overrides import TorchFunctionMode
 
     class Mode(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            result = func(*args, **kwargs)
-            try:
-                watch.observe(func, args, kwargs, result)
-            except Exception as exc:  # never into the user's step: reported after it (internal-error)
-                watch.error = watch.error or exc
-            return result
+            with clock:  # the mode's own work is the callback's, though it runs inside Trainer's step
+                kwargs = kwargs or {}
+                with clock.pause():
+                    result = func(*args, **kwargs)
+                try:
+                    watch.observe(func, args, kwargs, result)
+                except Exception as exc:  # never into the user's step: reported after it (internal-error)
+                    watch.error = watch.error or exc
+                return result
 
     return Mode()
 
@@ -177,14 +179,19 @@ def label_tensors(trainer, batch: Mapping[str, Any]) -> list[Any]:
 
 
 @contextlib.contextmanager
-def watched(watch: LossWatch, report: Callable[[LossWatch], None]):
+def watched(watch: LossWatch, report: Callable[[LossWatch], None], clock=None):
     """The first step under the watch: torch's warnings recorded on the way (and shown again, through the
-    user's filters, as they would have been), then ``report(watch)`` once the step returned."""
+    user's filters, as they would have been), then ``report(watch)`` once the step returned. ``clock`` (the
+    callback's :class:`~hf_sanity.training.instrument.OwnClock`) counts the mode's own work on every
+    operation, not the operation."""
+    from hf_sanity.training.instrument import OwnClock
+
+    clock = clock if clock is not None else OwnClock()
     caught: list = []
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with _mode(watch):
+            with _mode(watch, clock):
                 yield watch
     finally:
         for item in caught:

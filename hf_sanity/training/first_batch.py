@@ -79,7 +79,7 @@ class FirstBatch:
         # shards: there every rank must probe at the same steps, so only the fixed interval decides.
         self.budget = Budget(free=FROZEN_PROBES)
 
-    def labels_seen(self, batch: Mapping[str, Any], trainer=None, sink=None, feed=None):
+    def labels_seen(self, batch: Mapping[str, Any], trainer=None, sink=None, feed=None, clock=None):
         """A micro-batch begins: the first one's labels are kept (compute_loss may pop them before the forward),
         and the context it runs in is returned: the watch of what its loss is computed from (`broadcast`), a
         no-op context for every other one."""
@@ -104,7 +104,7 @@ class FirstBatch:
                 found = {"broadcasts": watched.broadcasts, "warnings": watched.warnings}
                 feed(1, {"loss_broadcast": found if watched.broadcasts or watched.warnings else None})
 
-        return broadcast.watched(watch, report)
+        return broadcast.watched(watch, report, clock)
 
     @property
     def loss_watch_stats(self) -> dict[str, Any] | str | None:
