@@ -4,8 +4,9 @@ the median step time, and the callback's own seconds, by hook and by check.
 Four setups: a 9.4M-parameter Llama (steps of ~0.55 s on a 2-core CPU), a small model with short steps
 (~15 ms on one CPU thread), where any per-step host work of the callback shows, and issue 22's setup at 100 and
 300 steps (a 2-layer Llama, hidden 128, vocabulary 4,096, batch 8 x 128 tokens, two threads, ~57 ms steps, a
-clean run whose loss falls to ~0.25), with 8 ABBA pairs each: the per-pair ratios' min, median and max and the
-callback's own share of the run (``stats.callback_share``) beside the wall ratio. After a
+clean run whose loss falls to ~0.25), with 16 ABBA pairs at 100 steps and 8 at 300: the per-pair ratios' min,
+median and max (of the wall clock and of the process's CPU time) and the callback's own share of the run
+(``stats.callback_share``) beside the wall ratio. After a
 warm-up run, runs alternate in ABBA order (same seed, same batches) so that drift and background load hit both
 alike; the wall clock covers the whole ``trainer.train()`` call, its first steps included, on both sides.
 CUDA and bf16 are picked automatically where present. :func:`feed_growth` times the per-step work of the
@@ -207,6 +208,9 @@ def compare(setup: Setup, *, repeats: int, device: str, dtype) -> tuple[dict, di
     wall = {w: statistics.median(r.wall for r in runs[w]) for w in runs}
     step = {w: statistics.median(statistics.median(r.steps[2:]) for r in runs[w]) for w in runs}
     wall_ratios = sorted(a.wall / b.wall for a, b in zip(runs[True], runs[False]))
+    # The process's CPU seconds in train(): the same work, less of the machine's neighbours' noise in it
+    # (a VM's stolen time is not the process's); both threads' seconds, idle spinning included, on both sides.
+    cpu_ratios = sorted(a.cpu / b.cpu for a, b in zip(runs[True], runs[False]) if b.cpu > 0)
     params = sum(p.numel() for p in bench_model(setup, build_tokenizer("chatml", "distinct")).parameters())
     steps = setup.steps
     own = statistics.median(r.stats.get("callback_seconds", 0.0) for r in runs[True])
@@ -226,6 +230,11 @@ def compare(setup: Setup, *, repeats: int, device: str, dtype) -> tuple[dict, di
             f"{wall_ratios[0]:.3f} / {statistics.median(wall_ratios):.3f} / {wall_ratios[-1]:.3f}"
         ),
         "callback_share": share,
+        "cpu_pair_ratios_min_median_max": (
+            f"{cpu_ratios[0]:.3f} / {statistics.median(cpu_ratios):.3f} / {cpu_ratios[-1]:.3f}"
+            if cpu_ratios
+            else "-"
+        ),
         "last_loss": statistics.median(r.last_loss for r in runs[True]),
         "step_ms_without": 1e3 * step[False],
         "step_ms_with": 1e3 * step[True],
@@ -311,7 +320,7 @@ def run(*, quick: bool = False, device: str | None = None, dtype=None, only: str
                 threads=2,
                 vocab=4096,
                 learning_rate=1e-3,
-                pairs=8,
+                pairs=16 if steps == 100 else 8,  # short runs: more pairs for the same ±7% per-pair noise
             )
             for steps in (100, 300)
         ),

@@ -581,6 +581,27 @@ def test_probes_keep_to_their_budget_alone_and_to_the_interval_under_sharded_par
     assert first.probe_due(250, 50, Sink())
 
 
+def test_the_strided_sample_of_a_large_tensor_reads_its_update_ratio():
+    """A tensor over UPDATE_SAMPLE_ELEMENTS is read on an evenly strided sample: the update ratio it gives is the
+    whole tensor's, for a dense AdamW-like update and for an embedding whose last rows alone moved (new tokens
+    trained: a sample of the first rows would read no update at all)."""
+    import torch
+
+    from hf_sanity.training.measures import UPDATE_SAMPLE_ELEMENTS, strided, update_ratio, update_squares
+
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.randn(1024, 256, generator=gen) * 0.02  # 8x the sample
+    dense = weights - 1e-3 * torch.sign(torch.randn(weights.shape, generator=gen))
+    rows = weights.clone()
+    rows[-64:] -= 1e-3 * torch.sign(torch.randn(rows[-64:].shape, generator=gen))
+    for after in (dense, rows):
+        whole, _ = update_ratio(update_squares([after], [weights]))
+        sample = [strided(after, UPDATE_SAMPLE_ELEMENTS)]
+        assert sample[0].numel() <= UPDATE_SAMPLE_ELEMENTS
+        sampled, _ = update_ratio(update_squares(sample, [strided(weights, UPDATE_SAMPLE_ELEMENTS)]))
+        assert sampled == pytest.approx(whole, rel=0.03), (sampled, whole)
+
+
 def test_update_squares_with_foreach_kernels_are_the_per_tensor_sums():
     """The update's and the old weights' sums of squares, computed per list with `foreach` kernels, equal the
     per-tensor computation (bf16 and empty parts included)."""
@@ -601,3 +622,10 @@ def test_update_squares_with_foreach_kernels_are_the_per_tensor_sums():
         [torch.stack([squares(now.float() - old.float()), squares(old)]) for now, old in zip(after, before)]
     )
     assert torch.allclose(update_squares(after, before), expected, rtol=1e-6, atol=0)
+    # Consuming a snapshot of ours (written into the last one's buffers): the same sums, no new buffers.
+    from hf_sanity.training.measures import snapshot
+
+    buffers = snapshot(before)
+    again = snapshot(before, into=buffers)
+    assert all(a is b for a, b in zip(again, buffers))
+    assert torch.allclose(update_squares(after, again, consume=True), expected, rtol=1e-6, atol=0)

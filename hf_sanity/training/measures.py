@@ -66,20 +66,35 @@ def strided(tensor, most: int):
     return tensor.detach().view(-1)[:: -(-n // most)]
 
 
-def snapshot(parts: Sequence[Any]) -> list[Any]:
+def snapshot(parts: Sequence[Any], into: Sequence[Any] | None = None) -> list[Any]:
+    """Copies of ``parts``: written into ``into`` (the last snapshot's buffers) when they match, so a measured
+    step allocates nothing: fresh memory costs page faults, on a busy VM milliseconds of them (issue 22)."""
+    import torch
+
+    if into is not None and len(into) == len(parts) and all(map(_same_layout, into, parts)):
+        torch._foreach_copy_(list(into), list(parts))
+        return list(into)
     return [t.clone() for t in parts]
 
 
-def update_squares(parts: Sequence[Any], before: Sequence[Any]):
+def _same_layout(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+
+
+def update_squares(parts: Sequence[Any], before: Sequence[Any], *, consume: bool = False):
     """Per sampled tensor, (sum of squared changes, sum of squared old weights) over the part this rank holds:
-    a (k, 2) float32 device tensor, to be summed over ranks when the parts are shards."""
+    a (k, 2) float32 device tensor, to be summed over ranks when the parts are shards. ``consume``: ``before``
+    is a snapshot of ours, overwritten with the change (no new tensor the size of the sample)."""
     import torch
 
     old = [t.float() for t in before]
-    change = torch._foreach_sub([t.float() for t in parts], old)  # one kernel launch per list, not per tensor
-    return torch.stack(
-        [torch.stack(torch._foreach_norm(change)), torch.stack(torch._foreach_norm(old))], 1
-    ).square()
+    old_norms = torch._foreach_norm(old)  # one kernel launch per list, not per tensor
+    if consume:
+        torch._foreach_sub_(old, [t.float() for t in parts])  # old - new: the change's norm
+        change = old
+    else:
+        change = torch._foreach_sub([t.float() for t in parts], old)
+    return torch.stack([torch.stack(torch._foreach_norm(change)), torch.stack(old_norms)], 1).square()
 
 
 def update_ratio(sums):
@@ -185,9 +200,10 @@ SAMPLE_MAX_ELEMENTS = 1 << 24  # ... each at most 16M elements (cloned at measur
 LABEL_BATCHES = 64  # micro-batches' labels held at most before they are counted
 LABEL_ALL = 64  # the labels of the first 64 micro-batches are all counted ...
 LABEL_EVERY = 8  # ... then those of one micro-batch in 8 (a sample of the same distribution)
-UPDATE_SAMPLE_ELEMENTS = (
-    1 << 16
-)  # a larger tensor's update ratio is read on an evenly strided 64k of its elements
+# A larger tensor's update ratio is read on an evenly strided 32k of its elements: at most torch's grain size
+# (32,768), so each operation on it runs on the calling thread. Above it, an operation of a few microseconds
+# wakes the intra-op threads and, on a loaded CPU, waited milliseconds for one (issue 22).
+UPDATE_SAMPLE_ELEMENTS = 1 << 15
 EARLY_MEASURE_STEPS = 10  # the update ratio is measured at every one of the first steps, then every check
 
 
@@ -263,6 +279,7 @@ class StepSampler:
         self._batches = 0  # micro-batches seen
         self._fresh = False  # labels were counted since the entropy was last recorded
         self._snapshot = None
+        self._buffers = None  # the snapshot's tensors, reused from one measured step to the next
         self._measuring = False
 
     sharded = property(
@@ -361,7 +378,7 @@ class StepSampler:
         def local():
             if before is None:
                 raise RuntimeError("no snapshot of the sampled weights was taken before the optimizer step")
-            sums = update_squares(self._update_parts(), before)
+            sums = update_squares(self._update_parts(), before, consume=True)
             return sums * sums.new_tensor(weights).unsqueeze(1) if weights is not None else sums
 
         k = len(self.update_sample)
@@ -390,11 +407,11 @@ class StepSampler:
         self._measuring = self.measured(step)
         self._snapshot = None
         if self._measuring:
-            self._snapshot = snapshot(self._update_parts())
+            self._snapshot = self._buffers = snapshot(self._update_parts(), into=self._buffers)
 
     def _update_parts(self) -> list[Any]:
         """What the update ratio reads of each sampled tensor: the part this rank holds; of a whole tensor over
-        UPDATE_SAMPLE_ELEMENTS, an evenly strided view of that many elements (|Δw|/|w| of a uniform sample is
+        UPDATE_SAMPLE_ELEMENTS, an evenly strided view of at most that many elements (|Δw|/|w| of a uniform sample is
         the tensor's, and the clone at each measured step stays small: issue 22)."""
         parts = [local_tensor(p) for p in self.update_sample]
         if self._reduces(self.update_sample):  # shards: every rank must read the same elements of the whole
