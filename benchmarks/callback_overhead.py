@@ -208,8 +208,9 @@ def compare(setup: Setup, *, repeats: int, device: str, dtype) -> tuple[dict, di
     wall = {w: statistics.median(r.wall for r in runs[w]) for w in runs}
     step = {w: statistics.median(statistics.median(r.steps[2:]) for r in runs[w]) for w in runs}
     wall_ratios = sorted(a.wall / b.wall for a, b in zip(runs[True], runs[False]))
-    # The process's CPU seconds in train(): the same work, less of the machine's neighbours' noise in it
-    # (a VM's stolen time is not the process's); both threads' seconds, idle spinning included, on both sides.
+    # The process's CPU seconds in train() (both threads', idle spinning included, on both sides): a VM's stolen
+    # time is not in them, yet on the 2-vCPU VM of docs/benchmarks.md they moved with the wall clock (the
+    # neighbours' load slows the process's own work too), so they are shown beside it, not instead of it.
     cpu_ratios = sorted(a.cpu / b.cpu for a, b in zip(runs[True], runs[False]) if b.cpu > 0)
     params = sum(p.numel() for p in bench_model(setup, build_tokenizer("chatml", "distinct")).parameters())
     steps = setup.steps
@@ -320,7 +321,7 @@ def run(*, quick: bool = False, device: str | None = None, dtype=None, only: str
                 threads=2,
                 vocab=4096,
                 learning_rate=1e-3,
-                pairs=16 if steps == 100 else 8,  # short runs: more pairs for the same ±7% per-pair noise
+                pairs=16 if steps == 100 else 8,  # short runs: more pairs for the same ±10% per-pair noise
             )
             for steps in (100, 300)
         ),

@@ -130,7 +130,7 @@ def run(out: Path, scenario: str) -> None:
         # sample. The run the sharded one is compared with reads whole tensors too, so both measure the same.
         from hf_sanity.training import measures
 
-        measures.UPDATE_SAMPLE_ELEMENTS = 1 << 24
+        measures.UPDATE_SAMPLE_ELEMENTS = measures.SAMPLE_MAX_ELEMENTS  # no sampled tensor is larger
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     folder = out / scenario
