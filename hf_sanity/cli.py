@@ -96,6 +96,18 @@ LrOpt = Annotated[
     ),
 ]
 
+# `hf-sanity run -- CMD` and `hf-sanity preflight -- CMD` (their block is below, before main).
+# Everything from CMD on is the command's, its options included: hf-sanity's options go before it.
+LAUNCH_CONTEXT = {"allow_interspersed_args": False}
+CommandArg = Annotated[
+    list[str] | None,
+    typer.Argument(
+        metavar="-- CMD ...",
+        help="Your training command, run unchanged: trl sft ..., accelerate launch / torchrun train.py, python "
+        "train.py, a framework's CLI.",
+    ),
+]
+
 
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -172,14 +184,14 @@ def explain_command(slug: Annotated[str, typer.Argument(help="A rule slug, e.g. 
     console.print(Markdown(catalog.get(slug).explain()))
 
 
-@app.command("preflight")
+@app.command("preflight", context_settings=LAUNCH_CONTEXT)
 def preflight_command(
     model: Annotated[
-        str, typer.Option(help="Model folder or hub id (its tokenizer is used unless --tokenizer).")
-    ],
+        str | None, typer.Option(help="Model folder or hub id (its tokenizer is used unless --tokenizer).")
+    ] = None,
     dataset: Annotated[
-        str, typer.Option(help="JSON/JSONL/CSV/Parquet file, save_to_disk folder, or hub id.")
-    ],
+        str | None, typer.Option(help="JSON/JSONL/CSV/Parquet file, save_to_disk folder, or hub id.")
+    ] = None,
     tokenizer: Annotated[
         str | None, typer.Option(help="Tokenizer folder or hub id (default: --model).")
     ] = None,
@@ -245,8 +257,18 @@ def preflight_command(
         bool, typer.Option(hidden=True)
     ] = False,  # `hf-sanity fix`: its outcomes, not the report
     fix_diff: Annotated[bool, typer.Option(hidden=True)] = False,  # `hf-sanity fix --diff`: nothing written
+    command: CommandArg = None,
 ) -> None:
-    """Inspect model, tokenizer, data and adapter before a single training step."""
+    """Inspect model, tokenizer, data and adapter before a single training step; or, with -- CMD, the trainer your
+    training command builds, stopped where its training would start."""
+    if command:  # `hf-sanity preflight -- CMD`: the trainer the command builds (hf_sanity/launch, below)
+        return _preflight_of_command(list(command), locals())
+    for flag, value in (("--model", model), ("--dataset", dataset)):
+        if value is None:
+            raise UserInputError(
+                f"Missing option '{flag}' (or check your training command's own trainer: `hf-sanity preflight -- "
+                "CMD`; see hf-sanity preflight --help)"
+            )
     from hf_sanity.drivers.preflight import check_options, reads_model
     from hf_sanity.selection import resolve
 
@@ -829,6 +851,159 @@ def diagnose_command(
 
     report = diagnose(pipeline=pipeline, options=options, repro=repro, with_plot=html is not None)
     _finish(report, json, html)
+
+
+# -- your own training command: `hf-sanity run -- CMD`, `hf-sanity preflight -- CMD` (hf_sanity/launch) -------
+
+
+@app.command("run", context_settings=LAUNCH_CONTEXT)
+def run_command(
+    command: CommandArg = None,
+    abort_on: Annotated[
+        str,
+        typer.Option(
+            help="error: stop training after the step of the first finding of severity error (warnings and info "
+            "never stop it); never: only report."
+        ),
+    ] = "never",
+    select: SelectOpt = None,
+    ignore: IgnoreOpt = None,
+    report: Annotated[
+        Path | None,
+        typer.Option(
+            "--report",
+            help="Also write the run where `hf-sanity doctor DIR` reads it: DIR/trainer_state.json and "
+            "DIR/hf-sanity/report.json (DIR/trainer-<i>/ for each of several trainers).",
+        ),
+    ] = None,
+    json: JsonOpt = None,
+    html: HtmlOpt = None,
+) -> None:
+    """Run your training command with SanityCallback on every Trainer it builds (TRL's and any subclass), in every
+    process it starts; then print the report (rank 0's). The exit code is the command's."""
+    from hf_sanity.launch.command import combined, stopping_rules, write_run_folder
+
+    command = _command_line(command, "run")
+    if abort_on not in ("error", "never"):
+        raise UserInputError(f"--abort-on must be error or never, got {abort_on!r}")
+    stops = stopping_rules(select, ignore)  # an unknown slug fails before the command starts
+    if abort_on == "error":  # say which findings stop the run before it starts: errors only
+        err_console.print(_abort_line(stops), highlight=False, soft_wrap=True, markup=False)
+    outcome = _launched(command, mode="run", abort_on=abort_on, select=select, ignore=ignore)
+    watched = combined(outcome, command)
+    if watched is None:
+        err_console.print(
+            f"hf-sanity run: {_nothing_checked(outcome, 'trained')}", highlight=False, soft_wrap=True
+        )
+        raise typer.Exit(outcome.code)
+    console.print(f"[dim]hf-sanity run: {_watched_line(outcome)}[/dim]", highlight=False)
+    if report is not None:
+        for folder in write_run_folder(report, outcome):
+            console.print(f"[dim]run written to {folder} (hf-sanity doctor {folder})[/dim]", highlight=False)
+    _finish(watched, json, html, exit=False)
+    raise typer.Exit(outcome.code)
+
+
+_EXAMPLE_STOPS = ("nonfinite-loss", "loss-diverged", "truncated-completion", "reward-function-broken")
+
+
+def _abort_line(stops: list[str]) -> str:
+    if not stops:
+        return "hf-sanity run: --abort-on error, but no rule of severity error is selected: nothing will stop the run"
+    examples = [s for s in _EXAMPLE_STOPS if s in stops] or stops[:4]
+    return (
+        "hf-sanity run: --abort-on error: training stops after the step of the first finding of severity error "
+        f"(e.g. {', '.join(examples)}; `hf-sanity rules` lists each rule's severity, [tool.hf-sanity] severity "
+        "changes it); warnings and info never stop it"
+    )
+
+
+def _command_line(command: list[str] | None, name: str) -> list[str]:
+    if not command:
+        raise UserInputError(
+            f"pass your training command after --, e.g. `hf-sanity {name} -- trl sft --model_name_or_path ...`"
+        )
+    return list(command)
+
+
+def _launched(command: list[str], **settings):
+    """The outcome of ``command`` run with hf-sanity in its processes; a command that cannot start is one line
+    and the shell's exit code for it (127: not found)."""
+    from hf_sanity.launch.command import CommandDidNotStart, launch
+
+    settings = {k: tuple(v) if k in ("select", "ignore") and v else v for k, v in settings.items()}
+    try:
+        return launch(command, settings)
+    except CommandDidNotStart as exc:
+        err_console.print(f"hf-sanity: {exc}", highlight=False, soft_wrap=True, markup=False)
+        raise typer.Exit(exc.code) from None
+
+
+def _watched_line(outcome) -> str:
+    trainers = [record.get("trainer") for record, _ in outcome.reports]
+    processes = len({a.get("pid") for a in outcome.attached}) or 1
+    ranks = sorted({a.get("rank") for a in outcome.attached if isinstance(a.get("rank"), int)})
+    where = f"{processes} processes (ranks {', '.join(map(str, ranks))}); the report is rank 0's" if len(ranks) > 1 \
+        else "1 process" if processes == 1 else f"{processes} processes"  # fmt: skip
+    what = trainers[0] if len(trainers) == 1 else f"{len(trainers)} trainers ({', '.join(trainers)})"
+    return f"checked {what} in {where}; the command exited with {outcome.code}"
+
+
+def _nothing_checked(outcome, verb: str) -> str:
+    built = sorted({a.get("trainer") for a in outcome.attached if a.get("trainer")})
+    if built:
+        return (
+            f"the command built {', '.join(built)} but exited (code {outcome.code}) before it {verb}: nothing was "
+            "checked"
+        )
+    return (
+        f"the command exited (code {outcome.code}) without building a transformers Trainer in a Python process "
+        "hf-sanity could reach: nothing was checked"
+    )
+
+
+# preflight's options that describe a setup to load, and their defaults: with -- CMD the trainer is read instead
+SETUP_OPTIONS = {"model": None, "dataset": None, "tokenizer": None, "split": "train", "eval_dataset": None,
+                 "eval_split": None, "max_len": None, "adapter": None, "inference_tokenizer": None,
+                 "loss_on": "completion", "format": None, "alpaca_template": None, "task": "generative",
+                 "num_proc": None, "trust_remote_code": False, "fix": False, "fix_out": None,
+                 "unsafe_fixes": False}  # fmt: skip
+COMMAND_OPTIONS = ("select", "ignore", "sample", "show", "json", "html", "rows_out")
+
+
+def _preflight_of_command(command: list[str], given: dict) -> None:
+    """`hf-sanity preflight -- CMD`: preflight on the trainer the command builds, where its train() would start
+    (``given``: preflight's options as parsed)."""
+    loads = [f"--{k.replace('_', '-')}" for k, default in SETUP_OPTIONS.items() if given[k] != default]
+    if loads:
+        raise UserInputError(
+            f"{', '.join(loads)} describe(s) a setup to load; with -- CMD the checks read the trainer your command "
+            "builds: pass one or the other"
+        )
+    options = {k: given[k] for k in COMMAND_OPTIONS}
+    json_path, html_path, rows_path = options.pop("json"), options.pop("html"), options.pop("rows_out")
+    if options["show"] is not None and options["show"] < 1:
+        raise UserInputError(f"--show takes a number of rows (1 or more), got {options['show']}")
+    if options["sample"] < 1:
+        raise UserInputError(f"--sample must be at least 1, got {options['sample']}")
+    from hf_sanity.selection import resolve
+
+    resolve(options["select"], options["ignore"])  # an unknown slug fails before the command starts
+    outcome = _launched(command, mode="preflight", **options)
+    if outcome.code == 130 and not outcome.reports:
+        err_console.print("aborted")
+        raise typer.Exit(130)
+    failed = next((f for f in outcome.failures if f.get("input")), None) or next(iter(outcome.failures), None)
+    if failed is not None and not outcome.reports:
+        raise UserInputError(
+            f"preflight could not check the command's {failed.get('trainer')}: {failed['message']}"
+        )
+    if not outcome.reports:
+        raise UserInputError(_nothing_checked(outcome, "started training"))
+    from hf_sanity.launch.command import combined
+
+    report = combined(outcome, command)
+    _finish(report, json_path, html_path, rows_path)
 
 
 def main() -> None:
