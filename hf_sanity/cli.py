@@ -946,7 +946,7 @@ def _watched_line(outcome) -> str:
     where = f"{processes} processes (ranks {', '.join(map(str, ranks))}); the report is rank 0's" if len(ranks) > 1 \
         else "1 process" if processes == 1 else f"{processes} processes"  # fmt: skip
     what = trainers[0] if len(trainers) == 1 else f"{len(trainers)} trainers ({', '.join(trainers)})"
-    return f"checked {what} in {where}; the command exited with {outcome.code}"
+    return f"SanityCallback watched {what} in {where}; the command exited with {outcome.code}"
 
 
 def _nothing_checked(outcome, verb: str) -> str:

@@ -304,7 +304,7 @@ def test_a_script_that_trains_twice_gets_both_reports_together(tmp_path):
     assert "the command trained 2 trainers" in report["notes"][0]
     diverged = [f for f in report["findings"] if f["rule"] == "loss-diverged"]
     assert diverged and {f["evidence"]["trainer"] for f in report["findings"]} == {"2: Trainer"}
-    assert "checked 2 trainers (Trainer, Trainer)" in result.stdout
+    assert "watched 2 trainers (Trainer, Trainer)" in result.stdout
     for i in (1, 2):  # each trainer a run doctor reads
         assert (tmp_path / "runs" / f"trainer-{i}" / "trainer_state.json").is_file()
         assert (tmp_path / "runs" / f"trainer-{i}" / "hf-sanity" / "report.json").is_file()
@@ -531,26 +531,28 @@ def trl(mode: str, trainer: str, case: tuple, files: Path, tmp_path: Path, *opti
 
 
 # Per trainer: the clean command's data folder and flags, then each mode's planted bug: its data and flags, and the
-# rule and cause it must be caught with. KTO's batches of one label (rows sorted by label) are a preflight rule;
-# its run gets answers the trainer's max_length cuts, caught on the first batch.
+# rule it must be caught with and the evidence that names its cause. KTO's batches of one label (rows sorted by
+# label) and a reward model's length-separable pairs are preflight rules; the runs get bugs a run shows: KTO's answers
+# cut by the trainer's max_length (the first batch), a learning rate of 0 for the reward model (its one cause).
 TRL_CASES = {
     "sft": {"clean": ("sft", "--max_length", 256),
-            "preflight": (("sft", "--max_length", 36), ("truncated-completion", "trainer-max-length")),
-            "run": (("sft", "--max_length", 36), ("truncated-completion", "trainer-max-length"))},
+            "preflight": (("sft", "--max_length", 36), ("truncated-completion", {"cause": "trainer-max-length"})),
+            "run": (("sft", "--max_length", 36), ("truncated-completion", {"cause": "trainer-max-length"}))},
     "dpo": {"clean": ("pairs", "--max_length", 256),
-            "preflight": (("shared-opening", "--max_length", 40), ("preference-pairs-identical", "truncation")),
-            "run": (("shared-opening", "--max_length", 40), ("truncated-completion", "trainer-max-length"))},
+            "preflight": (("shared-opening", "--max_length", 40), ("preference-pairs-identical", {"cause": "truncation"})),
+            "run": (("shared-opening", "--max_length", 40), ("truncated-completion", {"cause": "trainer-max-length"}))},
     "kto": {"clean": ("unpaired", "--max_length", 256),
-            "preflight": (("sorted-by-label", "--max_length", 256), ("preference-unmixed-batches", "sorted-by-label")),
-            "run": (("unpaired-long", "--max_length", 40), ("truncated-completion", "trainer-max-length"))},
+            "preflight": (("sorted-by-label", "--max_length", 256), ("preference-unmixed-batches", {"cause": "sorted-by-label"})),
+            "run": (("unpaired-long", "--max_length", 40), ("truncated-completion", {"cause": "trainer-max-length"}))},
     "reward": {"clean": ("pairs", "--max_length", 256),
-               "preflight": (("chosen-longer", "--max_length", 256), ("preference-trivially-separable", "length")),
-               "run": (("chosen-longer", "--max_length", 256), ("preference-trivially-separable", "length"))},
+               "preflight": (("chosen-longer", "--max_length", 256), ("preference-trivially-separable", {"cause": "length"})),
+               "run": (("pairs", "--max_length", 256, "--learning_rate", 0),
+                       ("lr-zero", {"lr": 0, "warmup_steps": 0}))},
     "grpo": {"clean": ("prompts", "--reward_funcs", "rewards.length_reward"),
              "preflight": (("prompts", "--reward_funcs", "rewards.contains_answer"),
-                           ("reward-function-broken", "completion-type")),
+                           ("reward-function-broken", {"cause": "completion-type"})),
              "run": (("prompts", "--reward_funcs", "rewards.contains_answer"),
-                     ("reward-function-broken", "completion-type"))},
+                     ("reward-function-broken", {"cause": "completion-type"}))},
 }  # fmt: skip
 TRAINER_CLASS = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer", "reward": "RewardTrainer",
                  "grpo": "GRPOTrainer"}  # fmt: skip
@@ -565,6 +567,14 @@ def planted(mode: str):
 
 def rules_and_causes(report: dict) -> list[tuple[str, str | None]]:
     return [(f["rule"], f["evidence"].get("cause")) for f in report["findings"]]
+
+
+def caught(report: dict, rule: str, evidence: dict) -> dict:
+    """The finding of ``rule``, with ``evidence`` among its evidence."""
+    found = [f for f in report["findings"] if f["rule"] == rule]
+    assert found, rules_and_causes(report)
+    assert {k: found[0]["evidence"].get(k) for k in evidence} == evidence, found[0]["evidence"]
+    return found[0]
 
 
 @pytest.mark.slow
@@ -588,13 +598,16 @@ def test_a_clean_trl_cli_run_is_silent_and_never_stopped(trl_files, tmp_path, tr
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", planted("run"))
 def test_a_planted_bug_in_a_trl_cli_run_is_caught_with_its_cause(trl_files, tmp_path, trainer):
-    case, (rule, cause) = TRL_CASES[trainer]["run"]
+    case, (rule, evidence) = TRL_CASES[trainer]["run"]
     result, report, _ = trl("run", trainer, case, trl_files, tmp_path, "--abort-on", "error")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (rule, cause) in rules_and_causes(report), rules_and_causes(report)
-    found = next(f for f in report["findings"] if f["rule"] == rule)
-    if found["severity"] == "error":  # stopped after the step it was found at
-        assert report["stats"]["aborted_by"] == rule and report["stats"]["steps"] == max(found["step"], 1)
+    found = caught(report, rule, evidence)
+    if (
+        found["severity"] == "error"
+    ):  # stopped at once (lr-zero waits one step: a warmup starts at 0), not at 6
+        stopped = report["stats"]["aborted_at_step"]
+        assert report["stats"]["aborted_by"] == rule and report["stats"]["steps"] == stopped
+        assert stopped <= max(found["step"], 1) + 1
 
 
 @pytest.mark.slow
@@ -611,8 +624,8 @@ def test_preflight_of_a_clean_trl_cli_command_is_silent_and_trains_nothing(trl_f
 @pytest.mark.slow
 @pytest.mark.parametrize("trainer", planted("preflight"))
 def test_preflight_of_a_trl_cli_command_catches_its_planted_bug(trl_files, tmp_path, trainer):
-    case, (rule, cause) = TRL_CASES[trainer]["preflight"]
+    case, (rule, evidence) = TRL_CASES[trainer]["preflight"]
     result, report, out = trl("preflight", trainer, case, trl_files, tmp_path)
-    assert (rule, cause) in rules_and_causes(report), rules_and_causes(report)
+    caught(report, rule, evidence)
     assert result.returncode == (1 if any(f["severity"] == "error" for f in report["findings"]) else 0)
     assert "Training completed" not in result.stdout and not out.exists()
