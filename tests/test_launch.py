@@ -288,16 +288,8 @@ def test_a_signal_sent_to_hf_sanity_reaches_the_command_once(tmp_path, signum):
 @pytest.mark.slow
 @pytest.mark.planted("loss-diverged")
 def test_a_script_that_trains_twice_gets_both_reports_together(tmp_path):
-    result = launch(
-        "run",
-        "--json",
-        tmp_path / "r.json",
-        "--report",
-        tmp_path / "runs",
-        "--",
-        *script("twice", tmp_path / "out"),
-        cwd=tmp_path,
-    )
+    runs, command = tmp_path / "runs", script("twice", tmp_path / "out")
+    result = launch("run", "--json", tmp_path / "r.json", "--report", runs, "--", *command, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = report_of(tmp_path / "r.json")
     assert [t["trainer"] for t in report["stats"]["launch"]["trainers"]] == ["Trainer", "Trainer"]
@@ -394,15 +386,9 @@ def torchrun(*args) -> list[str]:
 @pytest.mark.clean("training", "curves", "tokens")
 def test_run_under_torchrun_attaches_on_both_ranks_and_reports_once(tmp_path):
     out = tmp_path / "out"
+    command = torchrun(SCRIPT, "clean", out)
     result = launch(
-        "run",
-        "--json",
-        tmp_path / "r.json",
-        "--report",
-        tmp_path / "run",
-        "--",
-        *torchrun(SCRIPT, "clean", out),
-        cwd=tmp_path,
+        "run", "--json", tmp_path / "r.json", "--report", tmp_path / "run", "--", *command, cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):  # each rank's trainer had one SanityCallback, after DefaultFlowCallback
