@@ -98,7 +98,8 @@ def test_stray_markers_of_a_model_saved_with_another_tokenizer(held_out, tmp_pat
     fixed = tmp_path / "fixed"
     shutil.copytree(trained_model_dir("wrong-template"), fixed)
     config = json.loads((fixed / "generation_config.json").read_text())
-    assert config["eos_token_id"] == stop["evidence"]["stop_ids"][0]  # <|eot_id|>, as the Llama-3 folder ships it
+    # <|eot_id|>, as the Llama-3 folder ships it
+    assert config["eos_token_id"] == stop["evidence"]["stop_ids"][0]
     config["eos_token_id"] = [config["eos_token_id"], stop["evidence"]["end_of_turn_id"]]
     (fixed / "generation_config.json").write_text(json.dumps(config))
     clean = cli(

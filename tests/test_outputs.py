@@ -133,10 +133,8 @@ def test_a_model_served_with_another_chat_template_writes_its_markers_and_never_
     _, own = trained_setup("clean")
     served = copy.deepcopy(model.generation_config)
     served.eos_token_id = [own.eos_token_id]
-    assert (
-        check(model, tok, held_out, inference_tokenizer=own, generation_config=served, max_new_tokens=96).findings
-        == []
-    )
+    report = check(model, tok, held_out, inference_tokenizer=own, generation_config=served, max_new_tokens=96)
+    assert report.findings == []
 
 
 @pytest.mark.slow
