@@ -12,13 +12,15 @@ import random
 
 @contextlib.contextmanager
 def preserved_rng():
-    """Restore Python's, NumPy's and torch's (CPU and CUDA) global RNG states on exit."""
+    """Restore Python's, NumPy's and torch's (CPU and, where initialised, CUDA) global RNG states on exit. CUDA's
+    only where initialised: reading a device's state would initialise it (a context on every GPU of a process
+    that uses none, and one a forked child can no longer use)."""
     import numpy as np
     import torch
 
     py_state = random.getstate()
     np_state = np.random.get_state()
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
         try:
             yield

@@ -8,13 +8,26 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
+import random
+import sys
+import time
 
+import numpy as np
 import pytest
 import torch
 import trl_setups as setups
-from test_rules_rl import base_model_stops, changed_after_loading, constant, contains_answer, one_thread  # noqa: F401 - autouse
+from test_rules_rl import (  # noqa: F401 - one_thread is autouse
+    base_model_stops,
+    boxed_answer,
+    changed_after_loading,
+    constant,
+    contains_answer,
+    one_thread,
+)
 from transformers import AutoModelForCausalLM, TrainerCallback
 
+import hf_sanity
 from hf_sanity import SanityCallback, catalog
 from hf_sanity.rules.rl import RewardFunctionMonitor, TruncationMonitor
 from hf_sanity.rules.training.preference import ReferenceMonitor
@@ -205,6 +218,39 @@ def test_zero_advantage_causes_from_numbers():
     assert zero_advantage_cause(logs, prompt_only, {}, 1.0, 4)[0] == "reward-prompt-only"
 
 
+@pytest.mark.planted("reward-zero-advantage")
+@pytest.mark.clean("reward-function-broken")
+def test_a_sparse_reward_at_rloo_default_groups_is_named_group_too_small(tmp_path):
+    """RLOO's G=2 with a correct reward the policy never passes: no group varies. The dry run saw the function read
+    its completions, so it is not broken: the message gives the rate seen and the group size that would help."""
+    cb = watch(["reward-zero-advantage", "reward-function-broken"])
+    setups.rloo(tmp_path, rows(), [boxed_answer], callbacks=[cb]).train()
+    assert found(cb, "reward-function-broken") == []
+    assert cb.report.stats["reward_dry_run"]["functions"]["boxed_answer"]["sparse"] is True
+    (zero,) = found(cb, "reward-zero-advantage")
+    evidence = zero.evidence
+    assert (evidence["cause"], evidence["pass_rate"], evidence["expected_zero_std"]) == (
+        "group-too-small",
+        0.0,
+        1.0,
+    )
+    seen, needed = evidence["completions_seen"], evidence["group_size_for_signal_at_bound"]
+    assert seen == 3 * 4 and needed > 2  # the rollouts of the 3 logged steps, 4 completions each
+    assert f"none of the {seen} completions seen passed" in zero.message and f"G={needed}" in zero.message
+    assert f"(to {needed} or more)" in zero.fix
+
+
+@pytest.mark.clean("reward-function-broken")
+def test_a_sparse_reward_beside_a_graded_one_is_not_broken(tmp_path):
+    """Flat for every logged step while the graded one varies: the dry run saw it read its completions."""
+    cb = watch("reward-function-broken")
+    setups.grpo(tmp_path, rows(), [setups.length_reward, boxed_answer], callbacks=[cb]).train()
+    silent(cb)
+    ran(cb, RewardFunctionMonitor)
+    (monitor,) = [m for m in cb.monitors.monitors if isinstance(m, RewardFunctionMonitor)]
+    assert monitor.flat["boxed_answer"] == [1, 2, 3, 4, 5, 6]  # flat at every logged step, and not flagged
+
+
 # -- completions-truncated ------------------------------------------------------------------------------------------
 @pytest.mark.planted("completions-truncated")
 def test_completions_that_never_end_because_the_trainer_does_not_stop_on_the_end_of_turn(tmp_path):
@@ -216,6 +262,28 @@ def test_completions_that_never_end_because_the_trainer_does_not_stop_on_the_end
     (truncated,) = found(cb, "completions-truncated")
     assert truncated.severity == "error" and truncated.evidence["cause"] == "stop-token-mismatch"
     assert set(logged(trainer, "completions/mean_terminated_length")) == {0.0}
+
+
+@pytest.mark.planted("completions-truncated")
+def test_a_policy_writing_random_tokens_is_not_blamed_on_the_cap(tmp_path):
+    """The random tiny model: its logged entropy is ln(V); a completion that ends, ends by chance."""
+    model = AutoModelForCausalLM.from_pretrained(setups.folder())
+    cb = watch("completions-truncated")
+    setups.grpo(tmp_path, rows(), [setups.length_reward], callbacks=[cb], model=model, tok=setups.tokenizer(),
+                max_steps=3).train()  # fmt: skip
+    (truncated,) = found(cb, "completions-truncated")
+    assert truncated.evidence["cause"] == "no-end-of-turn", truncated.message
+    assert truncated.evidence["entropy"] > 0.75 * math.log(len(setups.tokenizer()))
+    assert "a longer cap would not help" in truncated.fix
+
+
+@pytest.mark.planted("completions-truncated")
+def test_answers_longer_than_the_cap_are_the_budget(tmp_path):
+    cb = watch("completions-truncated")
+    setups.grpo(tmp_path, rows(), [setups.length_reward], callbacks=[cb], max_completion_length=3,
+                max_steps=3).train()  # fmt: skip
+    (truncated,) = found(cb, "completions-truncated")
+    assert truncated.evidence["cause"] == "budget" and "Raise `max_completion_length`" in truncated.fix
 
 
 def test_truncation_monitor_warns_on_a_mean_and_errs_when_nothing_ends():
@@ -431,3 +499,94 @@ def test_rl_monitors_resume_from_their_saved_state():
     resumed = ZeroAdvantageMonitor(1.0, 4)
     resumed.restore(json.loads(json.dumps(monitor.state())))
     assert resumed.update(3, {"logs": {"frac_reward_zero_std": 1.0, "grad_norm": 0.0}})[0].step == 3
+
+
+# -- the reward dry run changes nothing ------------------------------------------------------------------------------
+def drawing_reward(completions, **kwargs):
+    """A graded reward with a tie-break drawn from Python's, NumPy's and torch's generators, as users write them: the
+    dry run must not move any of them, or TRL's own calls draw other numbers and the run ends elsewhere."""
+    noise = [random.random() + float(np.random.rand()) + float(torch.rand(())) for _ in completions]
+    return [r + 0.05 * n for r, n in zip(setups.length_reward(completions), noise)]
+
+
+def final_weights(trainer) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+
+def rng_states():
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+
+
+def test_a_grpo_run_whose_reward_draws_random_numbers_is_bit_for_bit_the_run_without(tmp_path):
+    """With the callback, and with preflight(trainer=...) run before training too: the same weights, rewards and
+    RNG states at the end as the run without hf-sanity (the dry run called the function, and it drew)."""
+    runs = {}
+    for name in ("without", "callback", "preflight"):
+        cb = watch(abort_on="error") if name != "without" else None
+        trainer = setups.grpo(
+            tmp_path / name, rows(), [drawing_reward], callbacks=[cb] if cb else [], max_steps=3
+        )
+        if name == "preflight":
+            report = hf_sanity.preflight(trainer=trainer, use_config=False)
+            assert report.stats["reward_dry_run"]["functions"]["drawing_reward"]["cause"] is None
+        trainer.train()
+        if cb is not None:
+            silent(cb)
+            assert cb.report.stats["reward_dry_run"]["completions"] == {"synthetic": 16}  # it did call it
+        runs[name] = (final_weights(trainer), logged(trainer, "reward"), rng_states())
+    weights, rewards, rng = runs["without"]
+    for name in ("callback", "preflight"):
+        other_weights, other_rewards, other_rng = runs[name]
+        assert other_rewards == rewards, name
+        assert all(torch.equal(weights[k], other_weights[k]) for k in weights), name
+        assert (
+            torch.equal(rng[0], other_rng[0])
+            and rng[1] == other_rng[1]
+            and np.array_equal(rng[2], other_rng[2])
+        )
+
+
+def test_a_dpo_run_with_the_callback_is_bit_for_bit_the_run_without(tmp_path):
+    from hf_sanity.testing import demo_preference_pairs
+
+    runs = {}
+    for name in ("without", "callback"):
+        cb = watch(abort_on="error") if name == "callback" else None
+        trainer = setups.dpo(
+            tmp_path / name, demo_preference_pairs(16), callbacks=[cb] if cb else [], max_steps=4
+        )
+        trainer.train()
+        if cb is not None:
+            silent(cb)
+            ran(cb, ReferenceMonitor)
+        runs[name] = (final_weights(trainer), logged(trainer, "loss"), rng_states())
+    (weights, losses, rng), (weights_cb, losses_cb, rng_cb) = runs["without"], runs["callback"]
+    assert losses_cb == losses and all(torch.equal(weights[k], weights_cb[k]) for k in weights)
+    assert torch.equal(rng[0], rng_cb[0]) and rng[1] == rng_cb[1] and np.array_equal(rng[2], rng_cb[2])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc for the state of the processes")
+def test_a_dry_run_call_that_outlives_its_limit_is_stopped_before_the_first_step(tmp_path, monkeypatch):
+    """The callback's dry run at train begin: the call that hangs (only there: TRL's own calls return) is killed at
+    its limit, the report says it was not judged, and the run trains as it would have."""
+    from test_rules_rl import running
+
+    from hf_sanity.measure import rl
+
+    main, pids = os.getpid(), tmp_path / "pid"
+
+    def hangs_in_the_dry_run(completions, **kwargs):
+        if os.getpid() != main:  # the dry run's child process
+            pids.write_text(str(os.getpid()))
+            time.sleep(60)
+        return setups.length_reward(completions)
+
+    monkeypatch.setattr(rl, "REWARD_TIMEOUT", 1.0)
+    cb = watch(abort_on="error")
+    trainer = setups.grpo(tmp_path, rows(), [hangs_in_the_dry_run], callbacks=[cb], max_steps=2)
+    trainer.train()
+    silent(cb)  # a timeout is not a verdict
+    assert trainer.state.global_step == 2
+    verdict = cb.report.stats["reward_dry_run"]["functions"]["hangs_in_the_dry_run"]
+    assert verdict["cause"] == "timeout" and verdict["errors"] == {"synthetic": "did not return within 1 s"}
+    assert not running(int(pids.read_text()))

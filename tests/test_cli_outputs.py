@@ -4,6 +4,7 @@ errors for bad input. The models are the cached fine-tuned fixtures of `hf_sanit
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -84,10 +85,26 @@ def test_stray_markers_of_a_model_saved_with_another_tokenizer(held_out, tmp_pat
     # It writes the end of turn of the template it was trained with (ChatML), not of the served one (Llama-3).
     never = next(f for f in json.loads(out.read_text())["findings"] if f["rule"] == "never-stops")
     assert never["evidence"]["cause"] == "template-mismatch" and "'<|im_end|>'" in never["fix"]
-    # Rendered with the tokenizer it was trained with, it answers and stops.
-    clean = cli(
+    # Rendered with the tokenizer it was trained with, it answers and ends its turns; but the folder's
+    # generation_config.json stops on <|eot_id|> only, and generate does not read the tokenizer: stop-token-mismatch.
+    own = cli(
         "outputs", "--model", trained_model_dir("wrong-template"), "--dataset", held_out,
-        "--inference-tokenizer", trained_model_dir("clean"), "--max-new-tokens", "48",
+        "--inference-tokenizer", trained_model_dir("clean"), "--max-new-tokens", "48", "--json", out,
+    )  # fmt: skip
+    assert own.returncode == 1, own.stdout + own.stderr
+    (stop,) = json.loads(out.read_text())["findings"]
+    assert stop["rule"] == "stop-token-mismatch" and stop["evidence"]["ended_on_end_of_turn"] == 16
+    # With a generation config that stops on it too, the same weights are clean.
+    fixed = tmp_path / "fixed"
+    shutil.copytree(trained_model_dir("wrong-template"), fixed)
+    config = json.loads((fixed / "generation_config.json").read_text())
+    # <|eot_id|>, as the Llama-3 folder ships it
+    assert config["eos_token_id"] == stop["evidence"]["stop_ids"][0]
+    config["eos_token_id"] = [config["eos_token_id"], stop["evidence"]["end_of_turn_id"]]
+    (fixed / "generation_config.json").write_text(json.dumps(config))
+    clean = cli(
+        "outputs", "--model", fixed, "--dataset", held_out, "--inference-tokenizer", trained_model_dir("clean"),
+        "--max-new-tokens", "48",
     )  # fmt: skip
     assert clean.returncode == 0, clean.stdout + clean.stderr
 

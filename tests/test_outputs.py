@@ -128,9 +128,13 @@ def test_a_model_served_with_another_chat_template_writes_its_markers_and_never_
     assert "<|im_end|>" in stray.example.examples[0].marks
     never = report.by_rule("never-stops")[0]
     assert never.evidence["cause"] == "template-mismatch" and never.evidence["expected_stop"] == "<|eot_id|>"
-    # Served with the tokenizer it was trained with, the same weights are clean.
+    # Served with the tokenizer it was trained with, and a generation config that stops on that template's end of
+    # turn (the folder's stops on <|eot_id|> only, and generate does not read the tokenizer), the weights are clean.
     _, own = trained_setup("clean")
-    assert check(model, tok, held_out, inference_tokenizer=own, max_new_tokens=96).findings == []
+    served = copy.deepcopy(model.generation_config)
+    served.eos_token_id = [own.eos_token_id]
+    report = check(model, tok, held_out, inference_tokenizer=own, generation_config=served, max_new_tokens=96)
+    assert report.findings == []
 
 
 @pytest.mark.slow

@@ -6,7 +6,11 @@ and the clean setups silent, with no SFT rule read into their prompts."""
 from __future__ import annotations
 
 import copy
+import os
 import random
+import re
+import sys
+import threading
 import time
 
 import pytest
@@ -75,6 +79,27 @@ def mostly_none(completions, **kwargs):
 
 def constant(completions, **kwargs):
     return [0.5 for _ in completions]
+
+
+def boxed_answer(completions, answer, **kwargs):
+    """A correct but sparse reward: the final answer in \\boxed{}, as math graders want it (the model never writes
+    it, nor do the dry run's completions built from the answers)."""
+    return [
+        float("\\boxed{" + a.split()[-1].rstrip(".") + "}" in setups.text_of(c))
+        for c, a in zip(completions, answer)
+    ]
+
+
+def guarded_grader(completions, answer, **kwargs):
+    """The same sparse reward as robust graders write it: the parse inside a try, 0 when it fails."""
+    out = []
+    for c, a in zip(completions, answer):
+        try:
+            boxed = re.search(r"\\boxed\{([^}]*)\}", c[0]["content"] if isinstance(c, list) else c)
+            out.append(float(boxed is not None and boxed.group(1) == a.split()[-1].rstrip(".")))
+        except Exception:
+            out.append(0.0)
+    return out
 
 
 def even_length(completions, **kwargs):
@@ -155,6 +180,80 @@ def test_the_dry_run_is_safe(tmp_path):
     assert run.checks[0].cause == "timeout" and run.checks[0].calls["synthetic"].timed_out
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc for the state of the processes")
+def test_a_reward_function_that_outlives_its_time_limit_is_stopped(tmp_path, monkeypatch):
+    """Killed at the deadline with what it started: nothing keeps running (or billing) beside the trainer, and the
+    report says it was not judged."""
+    import subprocess
+
+    pids = tmp_path / "pids"
+
+    def hangs(completions, **kwargs):
+        started = subprocess.Popen(["sleep", "60"])  # a helper process of its own, as a sandbox or server
+        pids.write_text(f"{os.getpid()} {started.pid}")
+        time.sleep(60)
+        return [0.0 for _ in completions]
+
+    monkeypatch.setattr(rl, "REWARD_TIMEOUT", 1.0)
+    started = time.perf_counter()
+    report = check(setups.grpo(tmp_path, rows(), [hangs]))
+    assert time.perf_counter() - started < 30
+    (finding,) = found(report, "reward-function-broken")
+    assert (finding.evidence["cause"], finding.severity) == ("timeout", "warning")
+    assert "did not return within 1 s: not judged" in finding.evidence["why"]
+    assert report.stats["reward_dry_run"]["functions"]["hangs"]["cause"] == "timeout"
+    child, helper = map(int, pids.read_text().split())
+    assert child != os.getpid() and not running(child) and not running(helper)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child, os.WNOHANG)  # reaped by the dry run: not even a zombie of ours
+    assert not [t for t in threading.enumerate() if "reward" in t.name]
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (one the system has yet to reap is not running)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_what_a_reward_function_returns_comes_back_from_its_process():
+    """Values are made plain in the child (numbers, None, or the type of what is not one); what it writes stays
+    there; what ends its process is said, not raised."""
+    import numpy as np
+
+    kwargs = {"completions": ["a", "bb"], "answer": ["x", "y"]}
+    counter = {"calls": 0}
+
+    def writes(completions, answer, **kwargs):
+        counter["calls"] += 1
+        answer.clear()
+        return (float(len(c)) for c in completions)  # a generator
+
+    assert rl.call_reward(writes, kwargs).values == [1.0, 2.0]
+    assert kwargs["answer"] == ["x", "y"] and counter["calls"] == 0  # its writes stayed in the child
+    scalars = rl.call_reward(lambda completions, **k: [np.float32(1.5), torch.tensor(2.0)], kwargs)
+    assert scalars.values == [1.5, 2.0]
+    odd = rl.call_reward(lambda completions, **k: [lambda: 1.0, None], kwargs)  # a lambda cannot be pickled
+    assert odd.error is None and odd.values[0] == rl.NotANumber("function") and odd.values[1] is None
+    assert rl.call_reward(raises, kwargs).error == "ValueError: the grader is down"
+    assert rl.call_reward(lambda completions, **k: sys.exit(3), kwargs).error == "SystemExit: 3"
+    ended = rl.call_reward(lambda completions, **k: os._exit(3), kwargs)
+    assert ended.values is None and "ended its process (exit status 3)" in ended.skipped
+
+
+def returns_a_function(completions, **kwargs):
+    return [len for _ in completions]
+
+
+@pytest.mark.planted("reward-function-broken")
+def test_a_reward_that_returns_what_is_not_a_number(tmp_path):
+    (finding,) = found(check(setups.grpo(tmp_path, rows(), [returns_a_function])), "reward-function-broken")
+    assert finding.evidence["cause"] == "raises"
+    assert "it returned a builtin_function_or_method, not a number" in finding.message
+
+
 def test_reward_dry_run_false_calls_nothing_and_says_so(tmp_path):
     calls = []
 
@@ -168,28 +267,34 @@ def test_reward_dry_run_false_calls_nothing_and_says_so(tmp_path):
 
 
 def test_the_completions_are_passed_as_trl_passes_them(tmp_path):
-    """Messages for conversational prompts, strings for text ones, special tokens stripped, columns as keywords."""
-    seen = {}
+    """Messages for conversational prompts, strings for text ones, special tokens stripped, columns as keywords.
+    Each call runs in a child process: what the spy saw comes back through a file."""
+    import json
+
+    seen = tmp_path / "seen.jsonl"
 
     def spy(prompts, completions, completion_ids, trainer_state, answer, **kwargs):
-        seen.setdefault("calls", []).append(
-            (prompts[0], completions[0], completion_ids[0], answer[0], kwargs)
-        )
-        seen["state"] = trainer_state
+        with seen.open("a") as out:
+            out.write(json.dumps({"call": [prompts[0], completions[0], completion_ids[0], answer[0], sorted(kwargs)],
+                                  "state": trainer_state is not None}) + "\n")  # fmt: skip
         return [float(len(setups.text_of(c))) for c in completions]
+
+    def calls():
+        return [json.loads(line) for line in seen.read_text().splitlines()]
 
     tok = AutoTokenizer.from_pretrained(setups.trained_folder())
     check(setups.grpo(tmp_path, rows(), [spy]))
-    prompt, completion, ids, answer, extra = seen["calls"][-1]  # the model's own completions
+    last = calls()[-1]  # the model's own completions
+    prompt, completion, ids, answer, extra = last["call"]
     assert prompt[-1]["role"] == "user" and completion[0]["role"] == "assistant"
     assert completion[0]["content"] == tok.decode(ids, skip_special_tokens=True) and "<|im_end|>" not in str(
         completion
     )
     assert ids[-1] == tok.convert_tokens_to_ids("<|im_end|>") and answer.endswith(".")
-    assert {"log_extra", "log_metric"} <= set(extra) and seen["state"] is not None
-    seen.clear()
+    assert {"log_extra", "log_metric"} <= set(extra) and last["state"]
+    seen.unlink()
     check(setups.grpo(tmp_path, setups.rendered(rows(), tok), [spy]))
-    assert isinstance(seen["calls"][-1][1], str)
+    assert isinstance(calls()[-1]["call"][1], str)
 
 
 @pytest.mark.clean("reward-function-broken", "completions-truncated", "group-too-small", "stop-token-mismatch",
@@ -217,6 +322,10 @@ def test_completions_cut_by_a_short_budget(tmp_path):
     (finding,) = found(report, "completions-truncated")
     assert finding.evidence["cause"] == "budget" and finding.severity == "error"
     assert finding.evidence["clipped_share"] == 1.0 and finding.evidence["max_completion_length"] == 4
+    # Continued past the cap, the answers end: the fix names the length they need.
+    assert finding.evidence["continued_ended"] == finding.evidence["continued"] == 8
+    needed = max(finding.evidence["continued_lengths"])
+    assert 4 < needed <= 16 and f"`max_completion_length` to at least {needed}" in finding.fix
     assert found(report, "group-too-small") == []  # truncated completions say nothing of a pass rate
 
 
@@ -240,13 +349,135 @@ def test_completions_run_past_an_end_of_turn_the_trainer_does_not_stop_on(tmp_pa
     assert "GRPOTrainer stops its completions only on" in stop.message
 
 
+def ends_turns_with_end(special: bool, writes: bool = True):
+    """The fine-tuned model with its template's end of turn renamed: assistant turns end with a new `<|end|>` (a
+    special token, or a plain added one that decoding keeps), which the model writes where it wrote <|im_end|>
+    (its embedding and output rows copied, <|im_end|>'s output row negated; with ``writes=False`` the new row is
+    left as initialised: it never writes it); EOS is a new `</s>`, the only id the generation config stops on."""
+    tok = AutoTokenizer.from_pretrained(setups.trained_folder())
+    if special:
+        tok.add_special_tokens({"additional_special_tokens": ["<|end|>"]})
+    else:
+        tok.add_tokens(["<|end|>"])
+    tok.add_special_tokens({"eos_token": "</s>"})
+    tok.chat_template = tok.chat_template.replace("<|im_end|>", "<|end|>")
+    model = AutoModelForCausalLM.from_pretrained(setups.trained_folder())
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    end, im_end = tok.convert_tokens_to_ids(["<|end|>", "<|im_end|>"])
+    with torch.no_grad():
+        for weights in (model.get_input_embeddings().weight, model.get_output_embeddings().weight)[
+            : 2 * writes
+        ]:
+            weights[end] = weights[im_end]
+        if writes:
+            model.get_output_embeddings().weight[im_end] *= -1
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model, tok
+
+
+@pytest.mark.planted("stop-token-mismatch", "completions-truncated")
+@pytest.mark.parametrize(
+    ("special", "writes"),
+    [(True, True), (False, True), (True, False)],
+    ids=["special", "plain-token", "unwritten"],
+)
+def test_an_end_of_turn_the_trainer_does_not_stop_on_is_named_not_the_cap(tmp_path, special, writes):
+    """The template ends turns with `<|end|>`, generation stops on `</s>`: the completions write `<|end|>` and run
+    on to the cap (or, from a model not yet taught it, never write it). Whether decoding strips `<|end|>`
+    (special) or keeps it, the rule reads the ids; the cap is not the cause either way."""
+    model, tok = ends_turns_with_end(special, writes)
+    trainer = setups.grpo(tmp_path, rows(), [setups.length_reward], model=model, tok=tok)
+    end = tok.convert_tokens_to_ids("<|end|>")
+    assert (
+        trainer.eos_token_ids == [tok.eos_token_id] and end not in trainer.eos_token_ids
+    )  # TRL's own stop ids
+    report = check(trainer, select=["stop-token-mismatch", "completions-truncated"])
+    (stop,) = found(report, "stop-token-mismatch")
+    assert (stop.evidence["end_of_turn"], stop.evidence["end_of_turn_id"], stop.evidence["stop_tokens"]) == (
+        "<|end|>", end, ["</s>"]
+    )  # fmt: skip
+    (truncated,) = found(report, "completions-truncated")
+    assert truncated.evidence["cause"] == "stop-token-mismatch", truncated.message
+    written = truncated.evidence["end_of_turn_written"]
+    assert truncated.evidence["end_of_turn"] == "<|end|>" and (written >= 8 if writes else written == 0)
+    assert "<|end|>" in truncated.message and "eos_token_id" in truncated.fix
+
+
+@pytest.mark.clean("stop-token-mismatch", "completions-truncated")
+def test_the_same_end_of_turn_among_the_stop_ids_ends_the_completions(tmp_path):
+    model, tok = ends_turns_with_end(True)
+    model.generation_config.eos_token_id = [tok.eos_token_id, tok.convert_tokens_to_ids("<|end|>")]
+    report = check(setups.grpo(tmp_path, rows(), [setups.length_reward], model=model, tok=tok),
+                   select=["stop-token-mismatch", "completions-truncated"])  # fmt: skip
+    silent(report)
+    assert report.stats["sampled_completions"]["clipped_share"] == 0.0
+
+
+@pytest.mark.planted("completions-truncated")
+def test_a_policy_that_never_ends_its_completions_is_not_blamed_on_the_cap(tmp_path):
+    """The random tiny model writes random tokens: continued to 4x the cap its completions still do not end."""
+    model = AutoModelForCausalLM.from_pretrained(setups.folder())
+    report = check(setups.grpo(tmp_path, rows(), [setups.length_reward], model=model, tok=setups.tokenizer()),
+                   select="completions-truncated")  # fmt: skip
+    (truncated,) = found(report, "completions-truncated")
+    evidence = truncated.evidence
+    assert evidence["cause"] == "no-end-of-turn", truncated.message
+    assert (
+        evidence["continued"] == 8 and 2 * evidence["continued_ended"] < 8 and evidence["continued_to"] == 96
+    )
+    assert "a longer cap would not help" in truncated.fix and "max_completion_length" not in truncated.fix
+
+
 # -- group-too-small ----------------------------------------------------------------------------------------------
 @pytest.mark.planted("group-too-small")
 def test_rloo_default_groups_of_two_with_a_binary_reward(tmp_path):
     report = check(setups.rloo(tmp_path, rows(), [even_length]))
     (finding,) = found(report, "group-too-small")
     assert finding.evidence["group_size"] == 2 and finding.evidence["expected_uninformative"] >= 0.5
-    assert 0 < finding.evidence["pass_rate"] < 1
+    assert 0 < finding.evidence["pass_rate"] < 1 and finding.evidence["cause"] == "binary-reward"
+    needed = finding.evidence["group_size_for_signal"]
+    assert needed > 2 and 1 - rl.uninformative_share(finding.evidence["pass_rate"], needed) > 0.5
+    assert f"G={needed} would give more than half of them a spread" in finding.message
+
+
+@pytest.mark.planted("group-too-small")
+@pytest.mark.clean("reward-function-broken")
+@pytest.mark.parametrize("func", [boxed_answer, guarded_grader])
+def test_a_sparse_reward_at_rloo_default_groups_is_too_small_not_broken(tmp_path, func):
+    """It gave 0 to every completion it was given (24): not constant by construction, since it reads them. What is
+    wrong is the group: at RLOO's G=2 a reward that almost never passes almost never varies within a group."""
+    report = check(setups.rloo(tmp_path, rows(), [func]))
+    assert found(report, "reward-function-broken") == []
+    verdict = report.stats["reward_dry_run"]["functions"][func.__name__]
+    assert (
+        verdict["sparse"]
+        and verdict["reads_completions"]
+        and verdict["values"] == [0.0]
+        and not verdict["cause"]
+    )
+    (small,) = found(report, "group-too-small")
+    evidence = small.evidence
+    assert (evidence["cause"], evidence["group_size"], evidence["passed"], evidence["pass_rate"]) == (
+        "sparse-reward", 2, 0, 0.0
+    )  # fmt: skip
+    assert evidence["expected_uninformative"] == 1.0
+    assert (
+        evidence["completions"] == 2 * 4 + 8 * 8
+    )  # the model's group of 2 for 4 prompts, then 8 prompts x 8
+    assert evidence["pass_rate_bound"] < 0.05 and evidence["group_size_for_signal_at_bound"] == 17
+    assert "G=17" in small.message and "(to 17 or more)" in small.fix
+
+
+@pytest.mark.planted("reward-function-broken")
+def test_a_constant_reward_is_told_from_a_sparse_one_by_what_it_reads(tmp_path):
+    """The sparse reward's twin: one value everywhere, and it never looks at a completion."""
+    report = check(setups.rloo(tmp_path, rows(), [constant]))
+    (broken,) = found(report, "reward-function-broken")
+    assert (broken.evidence["cause"], broken.severity, broken.evidence["reads_completions"]) == (
+        "constant", "error", False
+    )  # fmt: skip
+    assert "does not read them" in broken.evidence["why"]
+    assert found(report, "group-too-small") == []  # not a pass rate: a bug
 
 
 @pytest.mark.clean("group-too-small")

@@ -150,6 +150,75 @@ def test_a_generation_config_that_does_not_stop_on_the_end_of_turn(conversations
     assert run(llama, conversations[:8], model=model, select="stop-token-mismatch").findings == []
 
 
+SMALL = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
+)
+
+
+def llama3_served_as_base():
+    """Llama-3's instruct tokenizer (EOS <|eot_id|>, as shipped) on a tiny model whose generation config stops on
+    <|end_of_text|> only (the base checkpoint's): (model, tokenizer, <|eot_id|>, <|end_of_text|>)."""
+    from hf_sanity.testing import TinyConfig, tiny_model_for
+
+    llama = real_tokenizer("llama3-instruct")
+    model = tiny_model_for(llama, TinyConfig(**SMALL))
+    eot, end_of_text = llama.convert_tokens_to_ids(["<|eot_id|>", "<|end_of_text|>"])
+    assert llama.eos_token_id == eot
+    model.generation_config.eos_token_id = end_of_text
+    return model, llama, eot, end_of_text
+
+
+def forced_end_of_turn(model, tok, messages, eot: int) -> list[int]:
+    """What ``model.generate`` writes after the prompt with <|eot_id|> forced at every step (8 tokens at most)."""
+    prompt = tok.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    out = model.generate(**prompt, max_new_tokens=8, do_sample=False, sequence_bias={(eot,): 100.0},
+                         pad_token_id=tok.convert_tokens_to_ids("<|finetune_right_pad_id|>"))  # fmt: skip
+    return out[0, prompt["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.planted("stop-token-mismatch")
+def test_the_tokenizers_eos_is_no_stop_id_unless_the_generation_config_names_it(conversations):
+    """The stop ids are what generate stops on: the generation config's eos_token_id. The premise, with the real
+    generate: <|eot_id|> forced at every step, it writes 8 of 8 tokens; with both ids it stops at the first."""
+    model, llama, eot, end_of_text = llama3_served_as_base()
+    prompt = conversations[0]["messages"][:-1]
+    assert forced_end_of_turn(model, llama, prompt, eot) == [eot] * 8
+    (finding,) = run(llama, conversations[:8], model=model, select="stop-token-mismatch").findings
+    assert (finding.evidence["end_of_turn_id"], finding.evidence["stop_ids"]) == (eot, [end_of_text])
+    assert finding.evidence["stop_tokens"] == ["<|end_of_text|>"] and f"[{end_of_text}, {eot}]" in finding.fix
+    model.generation_config.eos_token_id = [end_of_text, eot]  # as the instruct checkpoint ships it
+    assert forced_end_of_turn(model, llama, prompt, eot) == [eot]
+    assert run(llama, conversations[:8], model=model, select="stop-token-mismatch").findings == []
+
+
+@pytest.mark.slow
+@pytest.mark.planted("stop-token-mismatch")
+@pytest.mark.clean("stop-token-mismatch")
+def test_the_cli_reads_the_stop_ids_from_the_folders_generation_config(conversations, tmp_path):
+    import json
+
+    from helpers import cli
+
+    model, llama, eot, end_of_text = llama3_served_as_base()
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in conversations[:8]))
+    for name, stops, code in (("base", end_of_text, 1), ("instruct", [end_of_text, eot], 0)):
+        folder = tmp_path / name
+        model.generation_config.eos_token_id = stops
+        model.save_pretrained(folder)
+        llama.save_pretrained(folder)
+        out = tmp_path / f"{name}.json"
+        result = cli("preflight", "--model", folder, "--dataset", data, "--select", "stop-token-mismatch",
+                     "--json", out)  # fmt: skip
+        assert result.returncode == code, result.stdout + result.stderr
+        findings = json.loads(out.read_text())["findings"]
+        assert [(f["rule"], f["evidence"]["stop_ids"]) for f in findings] == (
+            [("stop-token-mismatch", [end_of_text])] if code else []
+        )
+
+
 @pytest.mark.parametrize("name", ["tinyllama-chat", "phi3-instruct", "qwen2.5-instruct", "llama3-instruct"])
 @pytest.mark.clean("stop-token-mismatch", "markers-not-atomic")
 def test_native_templates_stop_and_their_markers_are_what_the_family_trained_on(name, conversations):

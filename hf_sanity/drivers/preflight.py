@@ -172,6 +172,8 @@ def preflight(
         report.stats.update(_preference_stats(ctx))
     elif ctx.rl is not None:
         report.stats.update(_rl_stats(ctx.rl))
+        if vars(ctx.rl).get("dry_run") is not None:  # what did not run, said (measured only if a rule asked)
+            report.notes.extend(ctx.rl.dry_run.notes())
     elif trainer is None:
         report.stats.update(ctx.encoder.layout.describe(ctx.dataset))
         if task != "generative":

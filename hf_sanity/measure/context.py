@@ -428,8 +428,9 @@ class Context:
     @cached_property
     def generation_stop_ids(self) -> frozenset[int] | None:
         """The token ids that end generation at serving time: the generation config's ``eos_token_id`` (given,
-        or the model object's) and the tokenizer's EOS; None when no generation config is known. With an RL
-        trainer, the ids its rollouts stop on (``trainer.eos_token_ids``)."""
+        or the model object's), what ``model.generate`` stops on (not the tokenizer's EOS: generate does not read
+        the tokenizer); None when no generation config is known. With an RL trainer, the ids its rollouts stop
+        on (`measure.rl.stop_ids`)."""
         if self.objective.kind == "rl" and self.trainer is not None:  # what the trainer's rollouts stop on
             from hf_sanity.measure.rl import stop_ids
 
@@ -437,7 +438,7 @@ class Context:
         config = self._generation_config
         if config is None and self._model is not None:
             config = getattr(self._model, "generation_config", None)
-        return served_stop_ids(config, self.tokenizer)
+        return served_stop_ids(config)
 
     @cached_property
     def embedding_rows(self) -> int | None:

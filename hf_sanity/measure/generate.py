@@ -239,9 +239,7 @@ class Generations:
     samples: tuple[Sample, ...]
     max_new_tokens: int
     stop_ids: frozenset[int]  # generation stopped on these: the served stops plus the template's end of turn
-    served_stop_ids: (
-        frozenset[int] | None
-    )  # the served generation config's and the tokenizer's EOS (None: unknown)
+    served_stop_ids: frozenset[int] | None  # the served generation config's eos_token_id (None: unknown)
     end_of_turn_ids: tuple[int, ...] = ()  # the chat template's end of turn (empty: no template)
     end_of_turn: str = ""
     token_names: Mapping[int, str] = field(default_factory=dict)  # stop and end-of-turn ids, as tokens
@@ -280,13 +278,15 @@ class Generations:
         }
 
 
-def served_stop_ids(generation_config, tokenizer) -> frozenset[int] | None:
-    """The token ids that end generation when served: the generation config's ``eos_token_id`` and the
-    tokenizer's EOS; None when no generation config is known."""
+def served_stop_ids(generation_config) -> frozenset[int] | None:
+    """The token ids that end generation when served: the generation config's ``eos_token_id``, what
+    ``model.generate`` stops on (the tokenizer's EOS is not among them unless the config names it: a Llama-3
+    tokenizer whose EOS is ``<|eot_id|>`` with a config that names ``<|end_of_text|>`` only runs past every
+    ``<|eot_id|>``); empty when the config names none; None when no generation config is known."""
     if generation_config is None:
         return None
     eos = getattr(generation_config, "eos_token_id", None)
-    ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) | {tokenizer.eos_token_id}
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
     return frozenset(int(i) for i in ids if i is not None)
 
 
@@ -374,10 +374,14 @@ def generate(
     """
     if not hasattr(model, "generate"):
         raise UserInputError(f"the model ({type(model).__name__}) has no generate(); pass a causal LM")
-    served = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    own = getattr(model, "generation_config", None)
+    served = generation_config if generation_config is not None else own
     markers = derive_markers(tokenizer)
     eot = tuple(markers.end_of_turn)
-    serve_stops = served_stop_ids(served, tokenizer)
+    serve_stops = served_stop_ids(served)
+    # generate() fills in what a given config leaves unset from the model's own.
+    if not serve_stops and served is not own:
+        serve_stops = served_stop_ids(own) if own is not None else serve_stops
     stops = set(serve_stops or {tokenizer.eos_token_id} - {None})
     if eot:
         stops.add(eot[-1])

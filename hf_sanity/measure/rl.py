@@ -17,9 +17,16 @@ What TRL 1.16 does (``grpo_trainer.py``; ``rloo_trainer.py`` alike), and what is
 * groups: ``num_generations`` consecutive completions share a prompt; under ``scale_rewards="group"`` each
   advantage is (r - mean of its group) / (std of its group + 1e-4); a group whose std is 0 carries no gradient.
 
-The dry run is safe: each reward function is called on deep copies of its inputs, in a daemon thread with a
-time limit (a function that outlives it is left running there and its result ignored: Python cannot stop a
-thread); the model generates under :func:`hf_sanity.untouched.untouched` (modes, grads and RNG restored).
+The dry run changes nothing: each call of a reward function runs in a forked child process on copies of its
+inputs, killed at its time limit (:mod:`hf_sanity.measure.user_code`: what it draws from the random generators,
+writes or starts stays in the child; where no fork exists nothing is called and the report says why); under
+torch.distributed only the main process calls them (a paid judge is billed once) and every rank gets its verdict;
+the model generates under :func:`hf_sanity.untouched.untouched` (modes, grads and RNG restored).
+
+A function that gives every completion tried one value is broken only when that value is constant by
+construction: it is called once more with completions that fail on any use (and their ids alike), and one that
+returns the same without touching them does not read its completions. One that reads them and gave one value is
+sparse (zero on these samples): its pass rate is the group rules' to judge, not reward-function-broken's.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import inspect
 import math
 import numbers
 import re
-import threading
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +48,7 @@ from hf_sanity.measure.formats import is_conversational
 
 SAMPLE_PROMPTS = 4  # prompts the preflight estimate generates a group for
 SYNTHETIC_PROMPTS = 4  # rows the dry run builds completions for (4 completions each)
-REWARD_TIMEOUT = 20.0  # seconds a reward function may take on one dry-run batch
+REWARD_TIMEOUT = 20.0  # seconds a reward function may take on one dry-run batch (read at each call)
 NONE_SHARE = 0.10  # more None rewards than this is an error
 # What TRL passes every reward function beside the dataset's columns.
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
@@ -60,11 +67,18 @@ def trainer_tokenizer(trainer):
 
 
 def stop_ids(trainer) -> list[int]:
-    """The ids the trainer's generation stops on: ``trainer.eos_token_ids`` (TRL 1.16), else what it builds it
-    from (the model's generation config's EOS, then the tokenizer's)."""
-    ids = getattr(trainer, "eos_token_ids", None)
-    if ids is not None:
-        return [int(i) for i in ids]
+    """The ids the trainer's generation stops on: the ``eos_token_id`` of the generation config it passes
+    ``generate`` (TRL 1.16: ``trainer.eos_token_ids``, the model's generation config's EOS and the tokenizer's,
+    unless ``generation_kwargs`` overrides it), else ``trainer.eos_token_ids`` (vLLM, which stops on both), else
+    what TRL builds it from."""
+    configured = getattr(getattr(trainer, "generation_config", None), "eos_token_id", None)
+    if configured is None:
+        configured = getattr(
+            trainer, "eos_token_ids", None
+        )  # (a tokenizer without an EOS id leaves None in it)
+    if configured is not None:
+        listed = [configured] if isinstance(configured, int) else list(configured)
+        return [int(i) for i in listed if i is not None]
     configured = getattr(getattr(trainer.model, "generation_config", None), "eos_token_id", None)
     out = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
     eos = getattr(trainer_tokenizer(trainer), "eos_token_id", None)
@@ -262,12 +276,9 @@ def sample(trainer, *, prompts: int = SAMPLE_PROMPTS, group_size: int | None = N
            config=None) -> Sampled | None:  # fmt: skip
     """``group_size`` (the trainer's ``num_generations``) completions for each of the first ``prompts`` rows, from the
     model as it is, with the trainer's generation settings (``config``: others). None without prompts."""
-    import torch
-
     from hf_sanity.measure.generate import repeated_run
     from hf_sanity.measure.markers import derive_markers
-    from hf_sanity.measure.tensors import model_device, pad_id
-    from hf_sanity.untouched import untouched
+    from hf_sanity.measure.tensors import pad_id
 
     tokenizer = trainer_tokenizer(trainer)
     rows = dataset_rows(trainer, prompts)
@@ -280,22 +291,9 @@ def sample(trainer, *, prompts: int = SAMPLE_PROMPTS, group_size: int | None = N
     pad = pad_id(tokenizer)
     template_kwargs = getattr(trainer, "chat_template_kwargs", None) or {}
     encoded = [prompt_ids(tokenizer, row["prompt"], template_kwargs) for row in rows for _ in range(group)]
-    width = max(len(ids) for ids in encoded)
-    device = model_device(model)
-    input_ids = torch.full((len(encoded), width), pad, dtype=torch.long, device=device)
-    mask = torch.zeros_like(input_ids)
-    for i, ids in enumerate(encoded):  # left padding, as TRL pads prompts
-        input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long, device=device)
-        mask[i, width - len(ids) :] = 1
     started = time.perf_counter()
-    with untouched(model):
-        torch.manual_seed(seed)
-        generated = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+    completion_ids = _generate(model, encoded, config, pad, stops, seed)
     seconds = time.perf_counter() - started
-    completion_ids = []
-    for row in generated[:, width:].tolist():
-        cut = next((i for i, t in enumerate(row) if t in stops), None)
-        completion_ids.append(row[: cut + 1] if cut is not None else row[: config.max_new_tokens])
     ends = set(stops) | {pad}
     clipped = [not ids or ids[-1] not in ends for ids in completion_ids]
     eot = derive_markers(tokenizer).end_of_turn
@@ -325,46 +323,120 @@ def sample(trainer, *, prompts: int = SAMPLE_PROMPTS, group_size: int | None = N
     )
 
 
+def _generate(
+    model, encoded: Sequence[list[int]], config, pad: int, stops: Sequence[int], seed: int
+) -> list[list[int]]:
+    """What ``model`` generates after each of ``encoded`` (left-padded, as TRL pads prompts) with ``config``, cut
+    after the first of ``stops`` (inclusive), the model and the RNG untouched."""
+    import torch
+
+    from hf_sanity.measure.tensors import model_device
+    from hf_sanity.untouched import untouched
+
+    width = max(len(ids) for ids in encoded)
+    device = model_device(model)
+    input_ids = torch.full((len(encoded), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros_like(input_ids)
+    for i, ids in enumerate(encoded):
+        input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long, device=device)
+        mask[i, width - len(ids) :] = 1
+    with untouched(model):
+        torch.manual_seed(seed)
+        generated = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=config)
+    out = []
+    for row in generated[:, width:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in stops), None)
+        out.append(row[: cut + 1] if cut is not None else row[: config.max_new_tokens])
+    return out
+
+
+CONTINUED = 8  # clipped completions continued past the cap
+CONTINUE_FACTOR = 4  # ... to this many times the cap
+CONTINUE_MAX_TOKENS = 2048  # ... at most this many tokens past it
+
+
+@dataclass(frozen=True)
+class Continued:
+    """Clipped completions generated on past the cap: do they end later (the cap is short), or never (the policy
+    does not end its turns)?"""
+
+    completions: int  # the clipped completions continued
+    ended: int  # those that reached a stop id by ``max_tokens``
+    lengths: list[int]  # the whole length of each of those that ended
+    max_tokens: int  # the length they were continued to (the cap included)
+    seconds: float
+
+
+def continue_clipped(trainer, sampled: Sampled, *, count: int = CONTINUED, factor: int = CONTINUE_FACTOR,
+                     seed: int = 0) -> Continued | None:  # fmt: skip
+    """Up to ``count`` of ``sampled``'s clipped completions generated on, with the trainer's settings, until
+    ``factor`` times the cap: which of them end, and how long they are then."""
+    from hf_sanity.measure.tensors import pad_id
+
+    tokenizer = trainer_tokenizer(trainer)
+    picked = [i for i, c in enumerate(sampled.clipped) if c][:count]
+    if not picked or tokenizer is None:
+        return None
+    cap = sampled.max_new_tokens
+    extra = min((factor - 1) * cap, CONTINUE_MAX_TOKENS)
+    config = generation_config(trainer)
+    config.max_new_tokens = extra
+    template_kwargs = getattr(trainer, "chat_template_kwargs", None) or {}
+    rows, ids = sampled.completions.rows, sampled.completions.ids
+    encoded = [prompt_ids(tokenizer, rows[i]["prompt"], template_kwargs) + list(ids[i]) for i in picked]
+    started = time.perf_counter()
+    more = _generate(trainer.model, encoded, config, pad_id(tokenizer), sampled.stop_ids, seed)
+    seconds = time.perf_counter() - started
+    stops = set(sampled.stop_ids)
+    ended = [len(ids[i]) + len(m) for i, m in zip(picked, more) if m and m[-1] in stops]
+    return Continued(len(picked), len(ended), ended, cap + extra, seconds)
+
+
 # -- calling a reward function safely ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Call:
     """One call of a reward function on one batch of completions."""
 
-    values: list[float | None] | None  # None when it raised or ran out of time
+    # Floats, None or NotANumber; None when it raised, ran out of time or was skipped.
+    values: list[Any] | None
     error: str | None = None  # "TypeError: ..."
     timed_out: bool = False
     seconds: float = 0.0
+    skipped: str | None = None  # why it was not called or not judged (see `user_code.Outcome.skipped`)
 
     def finite(self) -> list[float]:
         return [float(v) for v in self.values or () if _number(v) and math.isfinite(float(v))]
 
 
+@dataclass(frozen=True)
+class NotANumber:
+    """What a reward function returned where a number belongs, as its type's name (it crosses processes)."""
+
+    type_name: str
+
+
 def _number(value) -> bool:
-    return isinstance(value, numbers.Real) or hasattr(value, "__float__")  # numpy and torch scalars too
+    return isinstance(value, numbers.Real) or (
+        hasattr(value, "__float__") and not isinstance(value, NotANumber)
+    )  # numpy and torch scalars too
 
 
-def call_reward(func: Callable, kwargs: dict[str, Any], timeout: float = REWARD_TIMEOUT) -> Call:
-    """``func(**kwargs)`` on a deep copy of ``kwargs``, in a daemon thread, at most ``timeout`` seconds."""
-    result: dict[str, Any] = {}
+def call_reward(func: Callable, kwargs: dict[str, Any], timeout: float | None = None) -> Call:
+    """``func(**kwargs)`` on a copy of ``kwargs`` in a child process, at most ``timeout`` seconds (default
+    :data:`REWARD_TIMEOUT`), abandoned there at the deadline (:func:`hf_sanity.measure.user_code.run_isolated`)."""
+    from hf_sanity.measure.user_code import run_isolated
 
-    def target() -> None:
-        try:
-            copied = copy.deepcopy(kwargs)
-            out = func(**copied)
-            if inspect.isawaitable(out):
-                out = asyncio.run(_awaited(out))
-            result["values"] = [None if v is None else _as_float(v) for v in out]
-        except Exception as exc:  # the user's function: anything it raises is the finding
-            result["error"] = f"{type(exc).__name__}: {exc}"
+    outcome = run_isolated(lambda: _rewards(func, kwargs), REWARD_TIMEOUT if timeout is None else timeout)
+    return Call(outcome.value, outcome.error, outcome.timed_out, outcome.seconds, outcome.skipped)
 
-    started = time.perf_counter()
-    thread = threading.Thread(target=target, name="hf-sanity-reward-dry-run", daemon=True)
-    thread.start()
-    thread.join(timeout)
-    seconds = time.perf_counter() - started
-    if thread.is_alive():
-        return Call(None, f"did not return within {timeout:g} s", timed_out=True, seconds=seconds)
-    return Call(result.get("values"), result.get("error"), seconds=seconds)
+
+def _rewards(func: Callable, kwargs: dict[str, Any]) -> list[Any]:
+    """In the child: what ``func`` returns for a copy of ``kwargs``, each reward as a float, None or
+    :class:`NotANumber`."""
+    out = func(**copy.deepcopy(kwargs))
+    if inspect.isawaitable(out):
+        out = asyncio.run(_awaited(out))
+    return [None if v is None else _as_float(v) for v in out]
 
 
 async def _awaited(awaitable):
@@ -375,7 +447,87 @@ def _as_float(value):
     try:
         return float(value)
     except (TypeError, ValueError):
-        return value  # not a number: the finding names it
+        return NotANumber(type(value).__name__)  # not a number: the finding names it
+
+
+class Unread:
+    """Stands in for a completion (or its ids) in :func:`reads_completions`: any use of it is recorded, and fails."""
+
+    used = False  # in the child process that runs the probe
+
+    def _use(self, *args, **kwargs):
+        Unread.used = True
+        raise TypeError("hf-sanity's probe: a completion was read")
+
+    def __getattr__(self, name):
+        Unread.used = True
+        raise AttributeError(name)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    __str__ = __repr__ = __format__ = __bytes__ = __len__ = __iter__ = __getitem__ = __contains__ = _use
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = __bool__ = _use
+    __add__ = __radd__ = __mul__ = __rmul__ = __mod__ = __int__ = __float__ = __index__ = __fspath__ = _use
+
+
+def reads_completions(func: Callable, kwargs: dict[str, Any], timeout: float | None = None) -> bool | None:
+    """Whether ``func`` reads the completions it scores: called on ``kwargs`` and again with every completion
+    and its ids replaced by :class:`Unread` objects, it reads them when the second call fails, returns other
+    rewards, uses one of them, or raises (and catches) an exception where the first did not (a regex or a parser
+    handed a non-string, inside a ``try``). None when that could not be told (the calls failed or timed out)."""
+    from hf_sanity.measure.user_code import run_isolated
+
+    outcome = run_isolated(lambda: _probe(func, kwargs), REWARD_TIMEOUT if timeout is None else timeout)
+    return outcome.value if outcome.error is None and not outcome.timed_out and not outcome.skipped else None
+
+
+def _probe(func: Callable, kwargs: dict[str, Any]) -> bool | None:
+    """In the child: :func:`reads_completions`."""
+    n = len(kwargs["completions"])
+    unread = {
+        **kwargs,
+        "completions": [Unread() for _ in range(n)],
+        "completion_ids": [Unread() for _ in range(n)],
+    }
+    baseline, seen = _traced(func, kwargs)
+    if baseline[0] != "ok":
+        return None  # it fails on the real completions: nothing to compare with
+    Unread.used = False
+    probed, seen_probed = _traced(func, unread)
+    same = probed[0] == "ok" and _same(probed[1], baseline[1])
+    return not same or Unread.used or bool(seen_probed - seen)
+
+
+def _traced(func: Callable, kwargs: dict[str, Any]) -> tuple[tuple[str, Any], set]:
+    """(("ok", rewards) or ("raised", None), the places where an exception was raised during the call)."""
+    places: set = set()
+
+    def local(frame, event, arg):
+        if event == "exception":
+            places.add((frame.f_code.co_filename, frame.f_lineno, arg[0].__name__))
+        return local
+
+    def calls(frame, event, arg):
+        frame.f_trace_lines = False  # exceptions only: the call runs at its own speed otherwise
+        return local
+
+    sys.settrace(calls)
+    try:
+        result: tuple[str, Any] = ("ok", _rewards(func, kwargs))
+    except Exception:
+        result = ("raised", None)
+    finally:
+        sys.settrace(None)
+    return result, places
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    if len(a) != len(b):
+        return False
+    return all(
+        x == y or (isinstance(x, float) and isinstance(y, float) and x != x and y != y) for x, y in zip(a, b)
+    )
 
 
 # -- the dry run ------------------------------------------------------------------------------------------------
@@ -386,12 +538,20 @@ class RewardCheck:
     name: str
     calls: dict[str, Call]  # by completions source ("synthetic", "sampled")
     cause: str | None = None  # why it is broken: raises, wrong-length, none-values, completion-type,
-    # special-tokens-stripped, missing-column, constant; timeout (not judged); None: it works
+    # special-tokens-stripped, missing-column, constant; timeout (not judged); None: it works (or is sparse)
     why: str = ""
     constant: bool = False  # one value on every completion it scored, though they differ
     stripped_tokens: tuple[str, ...] = ()  # special tokens its source looks for, which TRL's decode strips
     missing_columns: tuple[str, ...] = ()
     values: tuple[float, ...] = ()  # its finite values, every batch
+    # Whether it reads its completions (`reads_completions`; None: not asked, or not told): asked of a constant one.
+    reads_completions: bool | None = None
+    skipped: str | None = None  # not judged, and why (it needs CUDA, ...)
+
+    @property
+    def sparse(self) -> bool:
+        """One value on every completion tried, though it reads them: zero on these samples, not broken."""
+        return self.constant and self.cause is None and self.reads_completions is True
 
     def describe(self) -> dict[str, Any]:
         """As plain data (what the callback feeds its monitors, the report shows)."""
@@ -399,10 +559,13 @@ class RewardCheck:
             "cause": self.cause,
             "why": self.why,
             "constant": self.constant,
+            "sparse": self.sparse,
+            "reads_completions": self.reads_completions,
             "distinct": len(set(self.values)),
             "values": sorted(set(self.values))[:8],
             "stripped_tokens": list(self.stripped_tokens),
             "missing_columns": list(self.missing_columns),
+            "skipped": self.skipped,
             "seconds": round(sum(c.seconds for c in self.calls.values()), 3),
             "errors": {k: c.error for k, c in self.calls.items() if c.error},
         }
@@ -414,16 +577,26 @@ class DryRun:
 
     checks: list[RewardCheck] = field(default_factory=list)
     batches: dict[str, int] = field(default_factory=dict)  # completions per source
-    skipped: list[str] = field(default_factory=list)  # reward functions not called, and why
+    skipped: list[str] = field(default_factory=list)  # reward functions not called or not judged, and why
     seconds: float = 0.0
+    reason: str | None = None  # why nothing was called (no checks then)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, Any] | str:
+        """As plain data; a line saying why when nothing was called."""
+        if self.reason is not None:
+            return f"skipped: {self.reason}"
         return {
             "functions": {c.name: c.describe() for c in self.checks},
             "completions": dict(self.batches),
             "skipped": list(self.skipped),
             "seconds": round(self.seconds, 3),
         }
+
+    def notes(self) -> list[str]:
+        """What the report says of the checks that did not run."""
+        if self.reason is not None:
+            return [f"the reward dry run was skipped: {self.reason} (reward-function-broken did not run)"]
+        return [f"reward dry run: {line}" for line in self.skipped if "reward model" not in line]
 
 
 def source_of(func) -> str:
@@ -465,10 +638,16 @@ def stripped_tokens(func, tokenizer) -> tuple[str, ...]:
     return tuple(t for t in special if len(t) > 2 and t in source)
 
 
-def dry_run(trainer, batches: Sequence[Completions], *, timeout: float = REWARD_TIMEOUT) -> DryRun:
+def dry_run(trainer, batches: Sequence[Completions], *, timeout: float | None = None) -> DryRun:
     """Call each reward function of ``trainer`` on each of ``batches`` (and, when it gives one value on
     conversational completions, on the same completions as plain strings) and judge what it returned."""
+    from hf_sanity.measure.user_code import can_isolate
+
     started = time.perf_counter()
+    if not can_isolate():
+        from hf_sanity.measure.user_code import NO_FORK
+
+        return DryRun(reason=NO_FORK)
     batches = [b for b in batches if b is not None and len(b)]
     tokenizer = trainer_tokenizer(trainer)
     state = copy.deepcopy(getattr(trainer, "state", None))
@@ -479,8 +658,33 @@ def dry_run(trainer, batches: Sequence[Completions], *, timeout: float = REWARD_
             skipped.append(f"{name}: a reward model (not dry-run: it is a model, not code)")
             continue
         calls = {b.source: call_reward(func, b.kwargs(state), timeout) for b in batches}
-        checks.append(judge(name, func, calls, batches, state, tokenizer, dataset_columns, timeout))
+        check = judge(name, func, calls, batches, state, tokenizer, dataset_columns, timeout)
+        if check.skipped:
+            skipped.append(f"{name}: {check.skipped}")
+        checks.append(check)
     return DryRun(checks, {b.source: len(b) for b in batches}, skipped, time.perf_counter() - started)
+
+
+def on_main_process(compute: Callable[[], Any]) -> Any:
+    """``compute()`` on the main process only when torch.distributed runs a group of several (rank 0: a reward
+    function that calls a paid service is billed once), its result broadcast to every rank (each reports the
+    same verdict). Every rank must call it at the same point; what rank 0 raised is raised on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return compute()
+    from hf_sanity.measure.distributed import broadcast
+
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = compute()
+        except Exception as exc:  # every rank must reach the broadcast
+            error = f"{type(exc).__name__}: {exc}"
+    result, error = broadcast((result, error))
+    if error is not None:
+        raise RuntimeError(f"on the main process: {error}")
+    return result
 
 
 def _is_module(func) -> bool:
@@ -503,6 +707,10 @@ def judge(
     values = tuple(v for c in calls.values() for v in c.finite())
     base = dict(name=name, calls=calls, stripped_tokens=stripped, missing_columns=missing, values=values)
     for source, call in calls.items():
+        if call.skipped:
+            return RewardCheck(
+                **base, skipped=call.skipped, why=f"on the {source} completions: {call.skipped}"
+            )
         if call.timed_out:
             return RewardCheck(**base, cause="timeout", why=f"on the {source} completions it {call.error}: not judged "
                                "(a function that calls a service: reward_dry_run=False)")  # fmt: skip
@@ -521,14 +729,16 @@ def judge(
                                why=f"it returned {len(call.values)} rewards for {sizes[source]} completions")  # fmt: skip
         odd = [v for v in call.values if v is not None and not _number(v)]
         if odd:
-            return RewardCheck(
-                **base, cause="raises", why=f"it returned a {type(odd[0]).__name__}, not a number"
-            )
+            kind = odd[0].type_name if isinstance(odd[0], NotANumber) else type(odd[0]).__name__
+            return RewardCheck(**base, cause="raises", why=f"it returned a {kind}, not a number")
         nones = sum(v is None for v in call.values) / max(1, len(call.values))
         if nones > NONE_SHARE:
             return RewardCheck(**base, cause="none-values",
                                why=f"it returned None for {nones:.0%} of the {source} completions (TRL counts "
                                "them as NaN: those completions get no advantage)")  # fmt: skip
+    if not values:
+        return RewardCheck(**base, cause="none-values", why="it returned no finite reward (NaN or None for every "
+                           "completion: TRL gives those completions no advantage)")  # fmt: skip
     differ = len({t for b in batches for t in b.texts}) > 1
     if not differ or len(set(values)) > 1:
         if stripped:
@@ -553,8 +763,20 @@ def judge(
         return RewardCheck(**constant, cause="missing-column",
                            why=f"it reads {', '.join(map(repr, missing))}, which TRL does not pass it")  # fmt: skip
     shown = ", ".join(f"{sizes[s]} {s}" for s in sizes)
-    return RewardCheck(**constant, cause="constant", why=f"it returned {values[0]:g} for all {shown} completions, "
-                       "which differ in content")  # fmt: skip
+    # Constant by construction, or zero on these samples? A function that never reads its completions is the first.
+    reads = reads_completions(func, batches[0].kwargs(state), timeout)
+    constant = dict(constant, reads_completions=reads)
+    said = f"it returned {values[0]:g} for all {shown} completions, which differ in content"
+    if reads:
+        return RewardCheck(**constant, why=f"{said}, but it reads them: zero on these samples (a sparse reward), "
+                           "not constant by construction")  # fmt: skip
+    how = (
+        "and it does not read them (given completions that fail on any use, it returned the same without touching "
+        "them)"
+        if reads is False
+        else "(whether it reads them could not be told)"
+    )
+    return RewardCheck(**constant, cause="constant", why=f"{said} {how}")
 
 
 def _stripped_why(tokens: Sequence[str]) -> str:
@@ -589,6 +811,24 @@ def uninformative_share(pass_rate: float, group_size: int) -> float:
     """The share of groups expected to hold one reward value for a binary reward passing at ``pass_rate``:
     p^G + (1-p)^G."""
     return pass_rate**group_size + (1 - pass_rate) ** group_size
+
+
+SIGNAL_SHARE = 0.5  # a group size "gives signal" when more than this share of its groups vary
+MAX_GROUP = 1024
+
+
+def group_size_for_signal(rate: float, share: float = SIGNAL_SHARE) -> int | None:
+    """The smallest G whose groups vary with probability above ``share`` for a binary reward passing at ``rate``:
+    1 - p^G - (1-p)^G > share (None: none up to :data:`MAX_GROUP`, or a rate of 0 or 1)."""
+    if not 0 < rate < 1:
+        return None
+    return next((g for g in range(2, MAX_GROUP + 1) if 1 - uninformative_share(rate, g) > share), None)
+
+
+def rate_upper_bound(n: int, confidence: float = 0.95) -> float:
+    """The highest pass rate that leaves all of ``n`` independent samples failing with probability
+    ``1 - confidence`` (Clopper-Pearson at 0 successes: 1 - (1 - confidence)^(1/n); about 3/n)."""
+    return 1 - (1 - confidence) ** (1 / n) if n else 1.0
 
 
 def pass_rate(rewards: Sequence[float]) -> tuple[bool, float | None]:
@@ -651,6 +891,43 @@ def rollout_summary(trainer) -> dict[str, Any]:
     }
 
 
+RATE_PROMPTS, RATE_GROUP = 8, 8  # the larger sample a pass rate is measured on when the first gave one value
+
+
+@dataclass(frozen=True)
+class PassRate:
+    """How often a binary reward gives the model's own completions its higher value."""
+
+    passed: int
+    completions: int
+    values: tuple[float, ...]  # the values seen (one: a sparse reward that never passed)
+    sparse: bool = False
+
+    @property
+    def rate(self) -> float:
+        return self.passed / self.completions if self.completions else 0.0
+
+
+def scored_sample(trainer) -> list[float] | None:
+    """The total reward of :data:`RATE_PROMPTS` x :data:`RATE_GROUP` completions of the model, each reward function
+    called in a child process (None when one could not score them all)."""
+    drawn = sample(trainer, prompts=RATE_PROMPTS, group_size=RATE_GROUP, seed=1)
+    if drawn is None:
+        return None
+    state = copy.deepcopy(getattr(trainer, "state", None))
+    per = []
+    for _, func in reward_funcs(trainer):
+        if _is_module(func):
+            return None
+        call = call_reward(func, drawn.completions.kwargs(state))
+        if call.values is None or len(call.values) != len(drawn.completions):
+            return None
+        per.append([v if v is None or _number(v) else None for v in call.values])
+    weights = getattr(trainer, "reward_weights", None)
+    weights = [float(w) for w in weights.tolist()] if weights is not None else [1.0] * len(per)
+    return total_rewards(per, weights[: len(per)])
+
+
 class Rollouts:
     """What preflight measures of an RL trainer, each part once and only when a rule asks for it: the model's own
     completions for a few prompts (:func:`sample`), the dry run's completions (:func:`synthetic`), and every
@@ -674,10 +951,43 @@ class Rollouts:
 
     @cached_property
     def dry_run(self) -> DryRun | None:
+        """Every reward function called on the synthetic and the sampled completions, on the main process only
+        (:func:`on_main_process`: every rank reaches here through the same rules, in the same order)."""
         if not self.dry_run_enabled or not reward_funcs(self.trainer):
             return None
-        sampled = self.sampled.completions if self.sampled is not None else None
-        return dry_run(self.trainer, [self.synthetic, sampled])
+        try:
+            sampled = self.sampled.completions if self.sampled is not None else None
+        except Exception:  # this rank's generation failed: its rule says so; the collective must still happen
+            sampled = None
+        return on_main_process(lambda: dry_run(self.trainer, [self.synthetic, sampled]))
+
+    @cached_property
+    def continued(self) -> Continued | None:
+        """The model's clipped completions generated on past the cap (measured only when a rule asks)."""
+        return continue_clipped(self.trainer, self.sampled) if self.sampled is not None else None
+
+    @cached_property
+    def measured_pass_rate(self) -> PassRate | None:
+        """The pass rate of a binary (or sparse) total reward on the model's own completions. When the dry run's
+        ``sampled`` group gave every completion one value, a larger sample is drawn (:data:`RATE_PROMPTS` prompts x
+        :data:`RATE_GROUP`) and scored, on the main process only. None: not a binary reward, or not scored."""
+        rewards = self.sampled_rewards
+        if rewards is None or self.dry_run is None:
+            return None
+        seen = sorted({r for r in [*rewards, *(self.rewards("synthetic") or ())] if math.isfinite(r)})
+        sparse = len(seen) == 1 and any(c.sparse for c in self.dry_run.checks)
+        if len(seen) != 2 and not sparse:
+            return None
+        if len({r for r in rewards if math.isfinite(r)}) == 1:  # all one value: too few to tell a rate by
+            larger = on_main_process(lambda: scored_sample(self.trainer))
+            if larger is not None:
+                rewards = [*rewards, *larger]
+                seen = sorted({*seen, *(r for r in larger if math.isfinite(r))})
+        if len(seen) > 2:
+            return None
+        finite = [r for r in rewards if math.isfinite(r)]
+        passed = sum(r == seen[1] for r in finite) if len(seen) == 2 else 0
+        return PassRate(passed, len(finite), tuple(seen), sparse=len(seen) == 1)
 
     @cached_property
     def sampled_rewards(self) -> list[float] | None:
@@ -706,7 +1016,7 @@ LAST_SHARE = 0.10  # the training reward: the mean over the last 10% of the logg
 
 
 def held_out_reward(
-    samples, dataset, funcs: Sequence[Callable], *, timeout: float = REWARD_TIMEOUT
+    samples, dataset, funcs: Sequence[Callable], *, timeout: float | None = None
 ) -> dict[str, Any]:
     """Each reward function called as TRL calls it (on copies, with a time limit) on the completions generated for
     held-out rows (``samples``: `measure.generate.Sample`, their ``row`` an index into ``dataset``): the mean total
@@ -724,6 +1034,9 @@ def held_out_reward(
     for func in funcs:
         name = getattr(func, "__name__", type(func).__name__)
         call = call_reward(func, batch.kwargs(None), timeout)
+        if call.skipped:
+            errors[name] = f"not called: {call.skipped}"
+            continue
         if call.values is None or len(call.values) != len(batch):
             errors[name] = (
                 call.error or f"returned {len(call.values or ())} rewards for {len(batch)} completions"

@@ -346,12 +346,15 @@ STOP_TOKEN_MISMATCH = define(
     objectives=ANY,
     symptom="Model never stops at inference although training taught it to end its turns: generation runs past "
     "the answer into a new turn (the early Llama-3 endless-generation bug).",
-    detects="The token that closes an assistant turn in the training renders (derived from the chat template) is "
-    "not among the ids that stop generation: `generation_config.eos_token_id` (from the model, or its folder's "
-    "generation_config.json) and the tokenizer's EOS. Not judged when no generation config is known. `outputs` "
-    "runs the same check on the generation config it generates with, and counts the generations that ended on "
-    "the end-of-turn token (served, they would not have stopped). With an RL trainer (GRPO, RLOO): the ids its "
-    "rollouts stop on (`trainer.eos_token_ids`: the model's generation config's EOS and the tokenizer's).",
+    detects="The token that closes an assistant turn in the training renders (derived from the chat template, as "
+    "token ids: a special end of turn that decoding strips counts as a plain one) is not among the ids that stop "
+    "generation: `generation_config.eos_token_id` (from the model, or its folder's generation_config.json), what "
+    "`model.generate` stops on; the tokenizer's EOS is not one unless the config names it (a Llama-3 tokenizer "
+    "whose EOS is `<|eot_id|>` with a config naming `<|end_of_text|>` only never stops). Not judged when no "
+    "generation config is known. `outputs` runs the same check on the generation config it generates with, and "
+    "counts the generations that ended on the end-of-turn token (served, they would not have stopped). With an RL "
+    "trainer (GRPO, RLOO): the ids its rollouts stop on (the `eos_token_id` of the generation config it passes "
+    "`generate`: TRL's `eos_token_ids`, the model's generation config's EOS and the tokenizer's).",
     fix="Add the end-of-turn token to `generation_config.eos_token_id` (and save it with the model), or serve with "
     "`eos_token_id=[...]` including it.",
     remedy=RemedyDoc("safe", "Adds the end-of-turn id to `eos_token_id` in generation_config.json."),
@@ -428,12 +431,16 @@ def _stop_token_mismatch(
     ``ended``: (generations that ended on it, generations) where the model was run; ``rollouts``: the RL trainer
     whose generation stops on ``stops``."""
     stop_names = [names[i] for i in sorted(stops)]
+    stopping = (
+        f"only on {', '.join(map(repr, stop_names))}" if stop_names else "on no token (no eos_token_id)"
+    )
     message = (
-        f"assistant turns end with {turn_end!r} in training, but generation stops only on "
-        f"{', '.join(map(repr, stop_names))}: the model will write its end of turn and go on"
+        f"assistant turns end with {turn_end!r} in training, but generation stops {stopping} "
+        "(the generation config's eos_token_id, what generate stops on): the model will write its end of turn and "
+        "go on"
         if rollouts is None
-        else f"the chat template ends a turn with {turn_end!r}, but {rollouts} stops its completions only on "
-        f"{', '.join(map(repr, stop_names))} (the generation config's EOS and the tokenizer's): each completion "
+        else f"the chat template ends a turn with {turn_end!r}, but {rollouts} stops its completions {stopping} "
+        "(the eos_token_id it generates with: the generation config's EOS and the tokenizer's): each completion "
         "runs past its end of turn to max_completion_length and is scored as truncated"
     )
     evidence = {

@@ -52,7 +52,8 @@ class ObjectiveFeed:
 
     def rl_begin(self) -> dict[str, Any]:
         """An RL run at train begin: the stop ids against the template's end of turn; the reward functions called on
-        the dry run's completions (unless ``reward_dry_run=False``); with beta = 0, the KL probe."""
+        the dry run's completions (unless ``reward_dry_run=False``), each call in a child process, on the main
+        process only (the same verdict on every rank); with beta = 0, the KL probe."""
         from hf_sanity.measure import rl
 
         values: dict[str, Any] = {"rl_setup": {"stop_mismatch": rl.stop_mismatch(self.trainer)}}
@@ -60,9 +61,12 @@ class ObjectiveFeed:
         if not self.reward_dry_run:
             self.dry_run = "skipped: reward_dry_run=False (no reward function was called)"
         elif wants("reward-function-broken", "reward-zero-advantage"):
-            with self.sink.guard("reward-dry-run"):
-                run = rl.dry_run(self.trainer, [rl.synthetic(self.trainer)])
-                values["reward_dry_run"] = self.dry_run = run.describe()
+            with self.sink.guard("reward-dry-run"):  # on the main process only: every rank gets its verdict
+                run = rl.on_main_process(lambda: rl.dry_run(self.trainer, [rl.synthetic(self.trainer)]))
+                self.dry_run = run.describe()
+                if isinstance(self.dry_run, dict):
+                    values["reward_dry_run"] = self.dry_run
+                self.sink.report.notes.extend(run.notes())
         if not self.objective.beta and wants("kl-spike", "reward-hacking") and self.sink.world_size == 1:
             self.drift = PolicyDrift(self.trainer)  # its baseline: at the first update (before_update)
         return values

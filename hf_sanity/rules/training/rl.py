@@ -20,7 +20,7 @@ from typing import Any
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
 from hf_sanity.measure.objective import RL
-from hf_sanity.measure.rl import uninformative_share
+from hf_sanity.measure.rl import group_size_for_signal, rate_upper_bound, uninformative_share
 from hf_sanity.numbers import fmt, median
 from hf_sanity.rules.training.base import Monitor, TrainingSetup
 
@@ -39,7 +39,9 @@ REWARD_ZERO_ADVANTAGE = define(
     "`reward-constant` (every function's `rewards/<f>/std` is 0 over the batch although the completions differ), "
     "`reward-prompt-only` (the batch's rewards vary, the rewards within each group do not, though its "
     "completions differ: read from the per-completion rewards in group order), `group-too-small` (a binary "
-    "reward whose measured pass rate p makes p^G + (1-p)^G about the share observed), `unknown`.",
+    "reward whose measured pass rate p makes p^G + (1-p)^G about the share observed, or a sparse one that the dry "
+    "run saw read its completions and that gave the whole batch one value: the message gives the rate and the "
+    "group size that would give signal), `unknown`.",
     fix="Follow evidence.cause: raise `max_completion_length` or set `mask_truncated_completions=True` "
     "(completions-truncated); fix the reward function (completion-type, reward-constant, reward-prompt-only: see "
     "reward-function-broken); temperature >= 0.7 (sampling-cold); raise `num_generations`, use prompts the model "
@@ -122,7 +124,8 @@ ZERO_GRAD = 1e-8
 ERROR_LOGS, WARN_LOGS = 3, 10
 COLD_TEMPERATURE, COLD_ENTROPY = 0.5, 0.1
 TRUNCATED = 0.9
-GROUP_TOLERANCE = 0.15  # observed zero-std share within this of p^G + (1-p)^G: statistics, not a bug
+GROUP_TOLERANCE = 0.15
+ALL_IDENTICAL = 0.999  # every group's completions identical (a share of groups)  # observed zero-std share within this of p^G + (1-p)^G: statistics, not a bug
 
 ZERO_ADVANTAGE_FIX = {
     "completions-truncated": "Raise max_completion_length (the completions are cut before they are scored), or set "
@@ -175,6 +178,18 @@ def zero_advantage_cause(
             f"temperature={fmt(temperature)}: the completions of a group barely differ",
             numbers,
         )
+    if (
+        identical is not None and identical >= ALL_IDENTICAL
+    ):  # nothing the reward does can give a group a spread
+        return (
+            "sampling-cold",
+            f"the {group_size} completions are identical in {identical:.0%} of the groups: no reward can tell them apart",
+            numbers,
+        )
+    if stds and all(
+        v == 0 for v in stds.values()
+    ):  # one value for the whole batch, whose groups differ: the reward's
+        return _batch_constant(dry, rollouts, mean("reward"), group_size, numbers)
     if identical is not None and zero and identical >= 0.5 * zero:
         return (
             "sampling-cold",
@@ -188,31 +203,6 @@ def zero_advantage_cause(
         return (
             "sampling-cold",
             f"entropy {fmt(entropy)} nat/token: the completions of a group barely differ",
-            numbers,
-        )
-    if stds and all(v == 0 for v in stds.values()):
-        seen = [check.get("values") or [] for check in dry.values()]
-        reward = mean("reward")
-        if len(seen) == 1 and len(seen[0]) == 2 and reward is not None:  # a binary reward that works
-            lo, hi = seen[0]
-            p = (reward - lo) / (hi - lo)
-            numbers.update(
-                pass_rate=p, expected_zero_std=uninformative_share(min(max(p, 0.0), 1.0), group_size or 2)
-            )
-            if p <= 0.05 or p >= 0.95:
-                return (
-                    "group-too-small",
-                    (
-                        f"the reward takes two values ({fmt(lo)}, {fmt(hi)}: it varied on the dry run's completions) and "
-                        f"gave {'every' if p >= 0.95 else 'no'} completion the higher one: at a pass rate of {p:.0%} no "
-                        f"group of G={group_size} has a spread"
-                    ),
-                    numbers,
-                )
-        return (
-            "reward-constant",
-            "every reward function gives the whole batch one value (rewards/<f>/std = 0) "
-            "although its completions differ",
             numbers,
         )
     if batch_std and differing is not None and differing >= 0.5:
@@ -232,15 +222,92 @@ def zero_advantage_cause(
         observed = mean("frac_reward_zero_std") or 0.0
         numbers["frac_reward_zero_std"] = observed
         if abs(expected - observed) <= GROUP_TOLERANCE or expected >= observed:
+            needed = group_size_for_signal(p)
+            numbers["group_size_for_signal"] = needed
             return (
                 "group-too-small",
                 (
                     f"a binary reward passing {p:.0%} leaves p^G + (1-p)^G = {expected:.0%} of groups of G={group_size} "
                     "with one value: statistics, not a bug"
+                    + (f"; G={needed} would give more than half of them a spread" if needed else "")
                 ),
                 numbers,
             )
     return "unknown", "no measured cause: see the completions (log_completions=True)", numbers
+
+
+def _batch_constant(dry, rollouts, reward, group_size, numbers) -> tuple[str, str, dict[str, Any]]:
+    """(cause, why, numbers) of a batch whose every reward function gave every completion one value: a binary reward
+    that (almost) never or always passes, a sparse one the dry run saw read its completions (both: the group is too
+    small for its pass rate), or a constant one."""
+    seen = [check.get("values") or [] for check in dry.values()]
+    completions = int(sum(r.get("groups", 0) * r.get("group_size", 0) for r in rollouts))
+    if len(seen) == 1 and len(seen[0]) == 2 and reward is not None:  # a binary reward that works
+        lo, hi = seen[0]
+        p = (reward - lo) / (hi - lo)
+        numbers.update(
+            pass_rate=p, expected_zero_std=uninformative_share(min(max(p, 0.0), 1.0), group_size or 2)
+        )
+        if p <= 0.05 or p >= 0.95:
+            return (
+                "group-too-small",
+                (
+                    f"the reward takes two values ({fmt(lo)}, {fmt(hi)}: it varied on the dry run's completions) and "
+                    f"gave {'every' if p >= 0.95 else 'no'} completion the higher one: at a pass rate of {p:.0%} no "
+                    f"group of G={group_size} has a spread"
+                    + _bounded(completions, "passed" if p <= 0.05 else "failed")
+                ),
+                {**numbers, **_bound_numbers(completions)},
+            )
+    if dry and all(check.get("reads_completions") and not check.get("cause") for check in dry.values()):
+        # Sparse, not constant: the dry run saw every function read its completions.
+        value = fmt(seen[0][0]) if len(seen) == 1 and seen[0] else "one value"
+        numbers.update(pass_rate=0.0, expected_zero_std=1.0, **_bound_numbers(completions))
+        return (
+            "group-too-small",
+            (
+                f"the reward reads its completions (the dry run at train begin) but gave every completion the "
+                f"same reward ({value}): a sparse reward that none of the policy's completions passed, so no group "
+                f"of G={group_size} has a spread" + _bounded(completions, "passed")
+            ),
+            numbers,
+        )
+    told = bool(dry) and all(check.get("reads_completions") is False for check in dry.values())
+    return (
+        "reward-constant",
+        "every reward function gives the whole batch one value (rewards/<f>/std = 0) although its completions "
+        "differ"
+        + (
+            ""
+            if told
+            else " (not told from a reward that none of them passes: no dry run said whether "
+            "it reads its completions)"
+        ),
+        numbers,
+    )
+
+
+def _bound_numbers(completions: int) -> dict[str, Any]:
+    """A pass rate of 0 on ``completions`` samples, bounded: the highest rate it leaves likely (95%), and the
+    group size that would give half of the groups a spread at that rate."""
+    if not completions:
+        return {}
+    bound = rate_upper_bound(completions)
+    return {"completions_seen": completions, "pass_rate_bound": bound,
+            "group_size_for_signal_at_bound": group_size_for_signal(bound)}  # fmt: skip
+
+
+def _bounded(completions: int, side: str) -> str:
+    """What a rate of 0 (or 1) on ``completions`` samples means for the group size (``side``: "passed" or
+    "failed", the outcome none of them had)."""
+    numbers = _bound_numbers(completions)
+    if not numbers or numbers["group_size_for_signal_at_bound"] is None:
+        return ""
+    return (
+        f" (none of the {completions} completions seen {side}: that rate is under {numbers['pass_rate_bound']:.0%} "
+        f"at 95% confidence, where more than half of the groups would vary only from "
+        f"G={numbers['group_size_for_signal_at_bound']})"
+    )
 
 
 @monitor
@@ -265,7 +332,7 @@ class ZeroAdvantageMonitor(Monitor):
         dry = values.get("reward_dry_run")
         if dry:
             self.dry = {
-                name: {"cause": check.get("cause"), "why": check.get("why"), "values": check.get("values")}
+                name: {key: check.get(key) for key in ("cause", "why", "values", "reads_completions")}
                 for name, check in dry.get("functions", {}).items()
             }
         if values.get("rollouts"):
@@ -304,6 +371,12 @@ class ZeroAdvantageMonitor(Monitor):
         cause, why, numbers = zero_advantage_cause(
             window, self.seen[-len(window) :], self.dry, self.temperature, self.group_size
         )
+        fix = ZERO_ADVANTAGE_FIX.get(cause)
+        needed = numbers.get("group_size_for_signal") or numbers.get("group_size_for_signal_at_bound")
+        if cause == "group-too-small":  # the measured rate and the group size that would give signal, said
+            said += f"; {why}"
+            if needed:
+                fix = fix.replace("Raise num_generations", f"Raise num_generations (to {needed} or more)")
         return self.fire(
             REWARD_ZERO_ADVANTAGE,
             f"every completion of a group gets the same reward, so the advantages are 0 and nothing trains: {said} "
@@ -317,7 +390,7 @@ class ZeroAdvantageMonitor(Monitor):
                 **numbers,
             },
             severity=severity,
-            fix=ZERO_ADVANTAGE_FIX.get(cause),
+            fix=fix,
         )
 
 
