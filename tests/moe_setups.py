@@ -4,9 +4,22 @@ TRL's `SFTTrainer`, as a user builds them: loaded from its folder, a few steps o
 from __future__ import annotations
 
 import datasets
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_sanity.testing.moe import tiny_moe_dir
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny MoE is overhead-bound: one thread runs it several times faster on a shared machine (autouse in
+    the test modules that import it)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def folder():

@@ -9,7 +9,13 @@ import warnings
 
 import pytest
 import torch
-from moe_setups import BiasRouter, load, plain_trainer, sft_trainer
+from moe_setups import (
+    BiasRouter,
+    load,
+    one_thread,  # noqa: F401 - autouse
+    plain_trainer,
+    sft_trainer,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_sanity.callback import SanityCallback
@@ -17,17 +23,6 @@ from hf_sanity.rules.training.moe import RouterMonitor
 from hf_sanity.testing.moe import trained_moe_dir
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny MoE is overhead-bound: one thread runs it several times faster on a shared machine."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 MOE_RULES = ("moe-aux-loss-off", "expert-collapse")
@@ -65,6 +60,25 @@ def test_a_plain_trainer_run_is_told_at_its_first_step(tmp_path):
     assert finding.evidence["trainer_class"] == "Trainer" and finding.evidence[
         "coefficient"
     ] == pytest.approx(1e-3)
+
+
+@pytest.mark.planted("moe-aux-loss-off")
+def test_a_grpo_run_told_router_aux_loss_coef_0_is_told_at_its_first_step(tmp_path):
+    """An RL run: its first forward generates (no load-balancing loss in any case); GRPOTrainer decided when it
+    was built, and that is what is judged."""
+    from trl_setups import grpo, length_reward
+
+    from hf_sanity.testing import demo_rl_prompts
+
+    model, tok = trained()
+    cb = watch()
+    trainer = grpo(tmp_path, demo_rl_prompts(16, seed=3), [length_reward], model=model, tok=tok, callbacks=[cb],
+                   max_steps=2, router_aux_loss_coef=0.0)  # fmt: skip
+    trainer.train()
+    (finding,) = cb.report.by_rule("moe-aux-loss-off")
+    assert finding.step == 1 and finding.evidence["cause"] == "coefficient-zero"
+    assert finding.evidence["decided_by"] == "trainer" and finding.evidence["trainer_class"] == "GRPOTrainer"
+    assert cb.report.by_rule("expert-collapse") == []  # not judged on RL runs: no probe batch of sequences
 
 
 @pytest.mark.planted("expert-collapse")

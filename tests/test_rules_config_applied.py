@@ -7,24 +7,17 @@ import warnings
 import pytest
 import torch
 from moe_setups import load as load_moe
-from moe_setups import plain_trainer, sft_trainer
+from moe_setups import (
+    one_thread,  # noqa: F401 - autouse
+    plain_trainer,
+    sft_trainer,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing import demo_conversations, tiny_model_dir
 
 SLUG = "config-not-applied"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny MoE is overhead-bound: one thread runs it several times faster on a shared machine."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 LINEAR = {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}

@@ -8,23 +8,17 @@ import math
 import warnings
 
 import pytest
-from moe_setups import load, plain_trainer, sft_trainer
+from moe_setups import (
+    load,
+    one_thread,  # noqa: F401 - autouse
+    plain_trainer,
+    sft_trainer,
+)
 
 from hf_sanity.drivers.preflight import preflight
 from hf_sanity.measure import moe
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tiny MoE is overhead-bound: one thread runs it several times faster on a shared machine."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 EXPERT_TARGETS = ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
@@ -126,6 +120,29 @@ def test_moe_trainers_with_the_load_balancing_loss_are_silent(tmp_path, setup):
     step = trainer_step(trainer, trainer_context(trainer).first_batch)
     facts = moe.aux_term(trainer, trainer.model, step.aux_loss)  # what the rule read: on, and weighed
     assert facts["enabled"] is True and facts["coefficient"] > 0 and step.aux_loss > 0
+
+
+@pytest.mark.planted("moe-aux-loss-off")
+@pytest.mark.parametrize("coefficient", [0.0, None], ids=["coefficient-0", "default"])
+def test_a_grpo_trainer_on_a_moe_adds_the_load_balancing_loss_unless_told_0(tmp_path, coefficient):
+    """An RL run: TRL's GRPOTrainer decides when built (`aux_loss_enabled`), from the config's coefficient unless
+    its own `router_aux_loss_coef` is given (0 turns it off)."""
+    from trl_setups import grpo, length_reward
+
+    from hf_sanity.testing import demo_rl_prompts
+
+    model, tok = load()
+    config = {} if coefficient is None else {"router_aux_loss_coef": coefficient}
+    trainer = grpo(tmp_path, demo_rl_prompts(16, seed=3), [length_reward], model=model, tok=tok, **config)
+    report = preflight(trainer=trainer, use_config=False, select=["moe-aux-loss-off"], reward_dry_run=False)
+    assert report.stats["objective"] == "rl"
+    if coefficient is None:  # the clean twin
+        assert report.findings == [] and trainer.aux_loss_enabled
+        return
+    (finding,) = findings(report, "moe-aux-loss-off")
+    assert (
+        finding.evidence["cause"] == "coefficient-zero" and finding.evidence["trainer_class"] == "GRPOTrainer"
+    )
 
 
 @pytest.mark.clean("moe-aux-loss-off", "moe-experts-untouched", "config-not-applied")

@@ -190,7 +190,6 @@ class AdapterReach:
     router_layers: tuple[str, ...]  # routers that carry an adapter tensor
     target_modules: Any
     target_parameters: Any
-    source: str  # "model" (an adapter attached to the model object) or "saved" (an adapter folder)
 
     @property
     def total(self) -> int:
@@ -209,12 +208,12 @@ def model_reach(model, route: Routing) -> AdapterReach | None:
         for name, param in base.named_parameters()
         if is_adapter_tensor(name) or param.requires_grad
     ]
-    return _reach(names, route, config, "model")
+    return _reach(names, route, config)
 
 
 def saved_reach(state: Mapping[str, Any], config: Mapping[str, Any], route: Routing) -> AdapterReach:
     """What a saved adapter's tensors (``adapter_model.safetensors``) reach on the model it is attached to."""
-    return _reach([plain_name(key) for key in state], route, config, "saved")
+    return _reach([plain_name(key) for key in state], route, config)
 
 
 def peft_config_of(model) -> Any:
@@ -229,7 +228,7 @@ def peft_config_of(model) -> Any:
     )
 
 
-def _reach(names: list[str], route: Routing, config, source: str) -> AdapterReach:
+def _reach(names: list[str], route: Routing, config) -> AdapterReach:
     on_experts = on_routers = elsewhere = 0
     routers: set[str] = set()
     for name in names:
@@ -248,7 +247,6 @@ def _reach(names: list[str], route: Routing, config, source: str) -> AdapterReac
         tuple(r for r in route.routers if r in routers),
         _listed(field("target_modules")),
         _listed(field("target_parameters")),
-        source,
     )
 
 

@@ -83,8 +83,10 @@ def has_routed_trainer(ctx) -> bool:
 
 @MOE_AUX_LOSS_OFF.check(applies=has_routed_trainer)
 def check_moe_aux_loss_off(ctx):
-    from hf_sanity.measure.moe import aux_term
+    from hf_sanity.measure.moe import aux_term, routers_of
 
+    if routers_of(ctx.model) is None:
+        return  # a dense model: its trainer's compute_loss need not run for this
     step = ctx.trainer_step
     facts = aux_term(ctx.trainer, ctx.model, step.aux_loss if step is not None else "unknown")
     finding = aux_loss_off(facts)
