@@ -1,6 +1,6 @@
 """`make bench`: every benchmark of hf-sanity, printed as tables (figures go to docs/benchmarks.md).
 
-python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference|rl]
+python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference|rl|moe]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat (a smoke run)")
     parser.add_argument(
         "--only",
-        choices=["preflight", "model", "callback", "overfit", "outputs", "preference", "rl"],
+        choices=["preflight", "model", "callback", "overfit", "outputs", "preference", "rl", "moe"],
         default=None,
     )
     args = parser.parse_args()
@@ -93,6 +93,12 @@ def main() -> None:
         print(table([compared]), "\n")
         print("preflight(trainer=GRPOTrainer): the model's own completions and the reward dry run")
         print(table([preflight]), "\n")
+    if args.only in (None, "moe"):
+        from benchmarks import moe_overhead
+
+        row = moe_overhead.run(quick=args.quick)
+        print("SanityCallback on a mixture-of-experts SFT run: the router probe against the run's wall time")
+        print(table([row]), "\n")
     if args.only in (None, "overfit"):
         from benchmarks import protocol_speed
 

@@ -537,15 +537,20 @@ class Context:
         return self._given_init_loss is not None
 
     @cached_property
-    def trainer_loss(self) -> float | None:
-        """What the trainer's own compute_loss returns on its first batch (``forwards.trainer_loss``); None
-        without a trainer and a batch with labels."""
-        from hf_sanity.measure.forwards import trainer_loss
+    def trainer_step(self):
+        """What the trainer's own compute_loss makes of its first batch: the loss, and what the model's forward
+        returned inside it (``forwards.trainer_step``); None without a trainer and a batch with labels."""
+        from hf_sanity.measure.forwards import trainer_step
 
         trainer, batch = self.trainer, self.first_batch
         if trainer is None or batch is None or "labels" not in batch or not hasattr(trainer, "compute_loss"):
             return None
-        return trainer_loss(trainer, batch)
+        return trainer_step(trainer, batch)
+
+    @property
+    def trainer_loss(self) -> float | None:
+        """What the trainer's own compute_loss returns on its first batch (``trainer_step``)."""
+        return self.trainer_step.loss if self.trainer_step is not None else None
 
     @property
     def step0_measured(self) -> dict[str, Any] | None:

@@ -4,7 +4,10 @@ RNG, modes and grads as they were); the context calls them once and keeps the re
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -119,13 +122,52 @@ def answer_in_prompt(ids: Sequence[int], labels: Sequence[int]) -> float:
     return sum(pair in prompt for pair in pairs) / len(pairs)
 
 
-def trainer_loss(trainer, batch: dict[str, Any]) -> float:
+@dataclass(frozen=True)
+class TrainerStep:
+    """What the trainer's own ``compute_loss`` made of one batch: the loss that trains, and the ``aux_loss`` of
+    the output the model's forward returned inside it (the router's load-balancing loss of a mixture of experts;
+    None when the forward returned none)."""
+
+    loss: float
+    aux_loss: float | None
+
+
+# Set by transformers' training loop only (the micro-batches of the step being run): TRL 1.16's compute_loss reads
+# it to spread a mixture of experts' load-balancing loss over them.
+ACCUMULATION_STEPS = "current_gradient_accumulation_steps"
+# What TRL's compute_loss appends to on each call (the metrics it logs next, the tokens it counts).
+TRAINER_TALLIES = ("_metrics", "_total_train_tokens")
+
+
+@contextlib.contextmanager
+def as_in_a_step(trainer):
+    """The trainer as its training loop has it when it calls ``compute_loss``, for a call made outside the loop:
+    ``current_gradient_accumulation_steps`` is 1 (the batch measured stands for a whole step, its
+    ``num_items_in_batch`` counts its own tokens), and what compute_loss tallies on the trainer is put back after,
+    so the metrics the run logs hold none of hf-sanity's calls."""
+    missing = object()
+    saved = {name: vars(trainer).get(name, missing) for name in (ACCUMULATION_STEPS, *TRAINER_TALLIES)}
+    kept = {name: copy.deepcopy(value) for name, value in saved.items() if value is not missing}
+    setattr(trainer, ACCUMULATION_STEPS, 1)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                vars(trainer).pop(name, None)
+            else:
+                setattr(trainer, name, kept[name])
+
+
+def trainer_step(trainer, batch: dict[str, Any]) -> TrainerStep:
     """What the trainer's own ``compute_loss`` returns on ``batch`` (with ``num_items_in_batch``, as Trainer
-    passes it): the loss that trains, which a custom compute_loss may scale or replace."""
+    passes it): the loss that trains, which a custom compute_loss may scale or replace; and what the model's
+    forward returned inside it."""
     import inspect
 
     import torch
 
+    from hf_sanity.measure.moe import as_number, returned_aux
     from hf_sanity.measure.tensors import model_device, to_device
     from hf_sanity.untouched import untouched
 
@@ -140,7 +182,12 @@ def trainer_loss(trainer, batch: dict[str, Any]) -> float:
         if getattr(getattr(trainer, "args", None), "average_tokens_across_devices", False):
             items *= int(getattr(getattr(trainer, "accelerator", None), "num_processes", 1) or 1)
         extra["num_items_in_batch"] = torch.tensor(items, device=device)
-    with untouched(model), torch.no_grad():
-        loss = trainer.compute_loss(model, dict(inputs), **extra)
+    returned: list[Any] = []
+    hook = model.register_forward_hook(lambda module, args, output: returned.append(returned_aux(output)))
+    try:
+        with untouched(model), torch.no_grad(), as_in_a_step(trainer):
+            loss = trainer.compute_loss(model, dict(inputs), **extra)
+    finally:
+        hook.remove()
     loss = loss[0] if isinstance(loss, tuple) else loss
-    return float(loss.detach().float().mean())
+    return TrainerStep(float(loss.detach().float().mean()), as_number(returned[-1]) if returned else None)

@@ -152,7 +152,9 @@ def check_grad_accum(ctx):
     if not takes_items:
         ignores = True
     else:
-        with untouched(model):
+        from hf_sanity.measure.forwards import as_in_a_step
+
+        with untouched(model), as_in_a_step(trainer):  # transformers' loop sets what compute_loss reads
             one = float(
                 trainer.compute_loss(
                     model, dict(inputs), num_items_in_batch=torch.tensor(items, device=model_device(model))

@@ -16,6 +16,7 @@ from hf_sanity.findings import Finding
 from hf_sanity.rules.training.predictions import FROZEN_PROBES
 from hf_sanity.selection import Selection
 from hf_sanity.training.budget import Budget
+from hf_sanity.training.routing import COLLAPSE_RULE, RouterWatch
 
 ALIGNED = ("input_ids", "labels", "attention_mask", "inputs_embeds")
 TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -78,6 +79,8 @@ class FirstBatch:
         # predictions-frozen needs to fire). Under sharded parameters the probe's forward gathers every rank's
         # shards: there every rank must probe at the same steps, so only the fixed interval decides.
         self.budget = Budget(free=FROZEN_PROBES)
+        # A mixture of experts: where its routers send the probe batch, counted in the probes' own forwards.
+        self.experts = RouterWatch()
 
     def labels_seen(self, batch: Mapping[str, Any], trainer=None, sink=None, feed=None, clock=None):
         """A micro-batch begins: the first one's labels are kept (compute_loss may pop them before the forward),
@@ -146,10 +149,11 @@ class FirstBatch:
                 self._probe_batch = probe.probe_batch(batch, min(chosen, probe.PROBE_ROWS))
                 self._probe_kind = "likelihood"
                 chosen = probe.chosen_logp(module, self._probe_batch)
-        elif probe and sink.wants(STEP0_RULE, "predictions-frozen", "grad-accum-loss-scaling"):
+        elif probe and sink.wants(STEP0_RULE, "predictions-frozen", "grad-accum-loss-scaling", COLLAPSE_RULE):
             with sink.guard("callback-probe"):
                 self._probe_batch = probe.probe_batch(batch)
-                measured = probe.probe(module, self._probe_batch, stats=True)
+                with self.experts.counted(module, self._probe_batch, sink):
+                    measured = probe.probe(module, self._probe_batch, stats=True)
                 self._probe_prev = measured.get("argmax")
                 step0 = measured.get("stats")
         tokenizer = getattr(trainer, "processing_class", None)
@@ -171,6 +175,7 @@ class FirstBatch:
                 )
             )  # fmt: skip
         values = {"shapes": dict(self._shapes), "step0": step0}
+        values.update(self.experts.first_values(module, trainer, sink, rl=sink.objective.kind == "rl"))
         if chosen is not None:  # read once, at the first step
             values["chosen_logp"] = float(chosen)
         return values
@@ -196,12 +201,17 @@ class FirstBatch:
             return None
         shapes, self._shapes = self._shapes, None
         logits = getattr(output, "logits", None)
-        return {"shapes": shapes, "logits_shape": tuple(logits.shape) if logits is not None else None}
+        return {
+            "shapes": shapes,
+            "logits_shape": tuple(logits.shape) if logits is not None else None,
+            **self.experts.after_first_forward(output),  # what a mixture of experts' forward returned
+        }
 
     def probe_due(self, step: int, every: int | None, sink, *, sharded: bool = False) -> bool:
         """A probe (`predictions-frozen`; on a preference run, the chosen answers' likelihood) runs at the end of
         this step: every ``every`` steps, within its time budget unless the parameters are ``sharded``."""
-        due = bool(every) and step % every == 0 and sink.wants("predictions-frozen", LIKELIHOOD_RULE)
+        wanted = sink.wants("predictions-frozen", LIKELIHOOD_RULE, COLLAPSE_RULE)
+        due = bool(every) and step % every == 0 and wanted
         return due and self._probe_batch is not None and (sharded or self.budget.due())
 
     def probe(self, model, recorder, step: int) -> None:
@@ -216,8 +226,9 @@ class FirstBatch:
             if measured is not None:
                 recorder.push(step, "chosen_logp", measured)
             return
-        with self.budget.spend():
+        with self.budget.spend(), self.experts.counted(model, self._probe_batch):
             current = probe.probe(model, self._probe_batch).get("argmax")
+        self.experts.push(recorder, step)
         if current is None:
             return
         if self._probe_prev is not None and self._probe_prev.shape == current.shape:

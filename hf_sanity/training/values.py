@@ -47,6 +47,8 @@ class StepHistory:
             values["training"] = all(raw["training"])
             if not values["training"]:
                 values["after_eval"] = max((s for s in self.evaluations if s < step), default=None)
+        if "router_peak" in raw:  # a probe's load of each MoE layer, in layer order (training.routing)
+            values["router_load"] = {"peak": raw["router_peak"], "dead": raw.get("router_dead", [])}
         if "probe_changed" in raw:
             level = [v for _, v in self.losses[-LEVEL_POINTS:]]
             start = [v for _, v in self.losses[:LEVEL_POINTS]]
