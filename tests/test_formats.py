@@ -71,7 +71,9 @@ def test_an_unknown_layout_names_every_format():
 @pytest.mark.clean("data", "tokens", "template")
 def test_sharegpt_is_read_as_the_same_conversations(chatml, conversations):
     rows = as_sharegpt(conversations[:24])
-    report = run(chatml, rows, select=["data", "tokens", "template"])
+    # Loss on the answers, as Axolotl and LLaMA-Factory train ShareGPT rows (TRL: every token); "completion", as
+    # the template stage's generation-markers-missing holds TRL's assistant_only_loss to its markers.
+    report = run(chatml, rows, select=["data", "tokens", "template"], loss_on="completion")
     assert report.findings == []
     assert report.stats["format"] == "sharegpt" and report.stats["read_as"] == "messages"
     assert report.stats["roles"] == {"gpt": "assistant", "human": "user", "system": "system"}
@@ -121,7 +123,7 @@ def test_sharegpt_tool_calls_as_llama_factory_writes_them(name):
             ],
             "tools": json.dumps([WEATHER_TOOL]),
         })  # fmt: skip
-    report = run(tok, rows, select=["data", "tokens"])
+    report = run(tok, rows, select=["data", "tokens"], loss_on="assistant")  # LLaMA-Factory's loss mask
     assert [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"] == []
     assert report.stats["template_columns"] == ["tools"]
     roles = report.stats["roles"]
@@ -182,7 +184,7 @@ def test_alpaca_rows_without_output_are_named(chatml, conversations):
 @pytest.mark.clean("data", "tokens", "template")
 def test_json_string_messages_are_decoded(chatml, conversations):
     rows = [{"messages": json.dumps(r["messages"])} for r in conversations[:24]]
-    report = run(chatml, rows, select=["data", "tokens", "template"])
+    report = run(chatml, rows, select=["data", "tokens", "template"], loss_on="completion")
     assert report.findings == []
     assert report.stats["json_columns"] == ["messages"]
     assert encoded(chatml, "messages", rows[0]) == encoded(chatml, "messages", conversations[0])
@@ -225,7 +227,7 @@ def test_tool_conversations_from_a_csv_are_rendered_with_their_tools():
     tok = real_tokenizer("qwen2.5-instruct")
     rows = tool_conversations(6, tools_as_json=True)
     as_csv = [{"messages": json.dumps(r["messages"]), "tools": r["tools"]} for r in rows]
-    report = run(tok, as_csv, select=["data", "tokens"])
+    report = run(tok, as_csv, select=["data", "tokens"], loss_on="assistant")
     assert [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"] == []
     assert report.stats["json_columns"] == ["messages"] and report.stats["template_columns"] == ["tools"]
     for row, original in zip(as_csv, rows):
