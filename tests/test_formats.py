@@ -11,7 +11,7 @@ from helpers import run
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.encode import EncodeOptions, Encoder
 from hf_sanity.measure.formats import detect_format
-from hf_sanity.testing import build_tokenizer, tool_conversations
+from hf_sanity.testing import as_prompt_completion, build_tokenizer, demo_conversations, tool_conversations
 from hf_sanity.testing.data import WEATHER_TOOL
 
 SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -245,3 +245,37 @@ def test_inference_parity_renders_the_rows_tools():
     tok = real_tokenizer("qwen2.5-instruct")
     for rows in (tool_conversations(8), tool_conversations(8, tools_as_json=True)):
         assert run(tok, rows, select="template-mismatch", inference_tokenizer=tok).findings == []
+
+
+# -- a `label` column: KTO's only where it is boolean ----------------------------------------------------------
+def labelled_rows(label) -> list[dict]:
+    """24 prompt/completion rows with a `label` column; every completion opens with its prompt (a planted SFT
+    bug: answer-repeats-prompt)."""
+    rows = []
+    for i, row in enumerate(as_prompt_completion(demo_conversations(24))):
+        prompt = f"Classify the sentiment of this review, number {i}: the food was lovely."
+        rows.append({"prompt": prompt, "completion": f"{prompt} {row['completion']}", "label": label(i)})
+    return rows
+
+
+@pytest.mark.planted("answer-repeats-prompt")
+def test_a_string_label_column_is_sft_data(chatml):
+    """Classification-style SFT: `label` holds strings, so the rows are SFT prompt-completion rows, not KTO's
+    (TRL's KTOTrainer needs a boolean label): the SFT rules run and find the planted bug, and the notes say
+    how the rows were read."""
+    report = run(chatml, labelled_rows(lambda i: "positive" if i % 2 else "negative"), select="data")
+    assert report.stats["objective"] == "sft" and report.stats["format"] == "prompt-completion"
+    (finding,) = report.findings
+    assert finding.rule == "answer-repeats-prompt" and finding.evidence["rows"][:3] == [0, 1, 2]
+    (note,) = report.notes
+    assert "`label` column holds string values, not booleans: read as SFT prompt-completion data" in note
+    assert "--format preference-unpaired" in note
+
+
+def test_a_boolean_label_column_is_kto_data(chatml):
+    report = run(chatml, labelled_rows(lambda i: i % 2 == 0), select="data")
+    assert report.stats["objective"] == "preference-unpaired" and report.notes == []
+    assert report.by_rule("answer-repeats-prompt") == []  # an SFT rule: not run on KTO rows
+    assert (
+        detect_format(["prompt", "completion", "label"]) == "preference-unpaired"
+    )  # no types: KTO's columns
