@@ -348,8 +348,10 @@ def shown_rows(ctx, count: int, dataset=None) -> BatchView | None:
     [batch] = pad_batches(seqs, pad_id(ctx.tokenizer))
     source = (
         f"{_listed(valid)} of the dataset as the checks read them (tokenized as TRL's SFTTrainer "
-        "does), right-padded into one batch as its collator pads"
+        f"does; {ctx.loss_mask.line()}), right-padded into one batch as its collator pads"
     )
-    return BatchView.from_batch(
+    view = BatchView.from_batch(
         ctx.tokenizer, batch, source=source, names=[f"dataset row {r}" for r in valid]
     )
+    view.loss_mask = ctx.loss_mask.describe()
+    return view
