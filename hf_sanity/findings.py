@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from hf_sanity.jsonvalues import jsonable
 
 if TYPE_CHECKING:
     from hf_sanity.outputview import OutputView
@@ -58,23 +59,3 @@ class Finding:
         if self.remedy is not None:
             out["remedy"] = self.remedy.to_dict()
         return out
-
-
-def jsonable(value: Any) -> Any:
-    """Turn numpy/torch scalars, tuples, sets and non-finite floats into plain JSON values."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
-        return [jsonable(v) for v in items]
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # numpy / torch scalar
-        return jsonable(value.item())
-    if hasattr(value, "tolist"):
-        return jsonable(value.tolist())
-    return str(value)

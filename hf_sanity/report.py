@@ -15,7 +15,8 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.padding import Padding
 from rich.text import Text
 
-from hf_sanity.findings import SEVERITY_RANK, Finding, jsonable
+from hf_sanity.findings import SEVERITY_RANK, Finding
+from hf_sanity.jsonvalues import jsonable
 from hf_sanity.numbers import fmt
 
 if TYPE_CHECKING:

@@ -24,7 +24,8 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.text import Text
 
 from hf_sanity.errors import UserInputError
-from hf_sanity.findings import Finding, jsonable
+from hf_sanity.findings import Finding
+from hf_sanity.jsonvalues import jsonable
 from hf_sanity.remedies import Remedy, Repair
 from hf_sanity.report import SEVERITY_STYLE, Report, _umask, version
 
