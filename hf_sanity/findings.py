@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from hf_sanity.jsonvalues import jsonable
+from hf_sanity.report_schema import SEVERITIES, FindingRecord, Severity
 
 if TYPE_CHECKING:
     from hf_sanity.outputview import OutputView
     from hf_sanity.remedies import Remedy
     from hf_sanity.tokenview import TokenView
 
-Severity = Literal["error", "warning", "info"]
-SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
 SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
 
 
@@ -44,18 +43,5 @@ class Finding:
         self.evidence = jsonable(self.evidence)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "rule": self.rule,
-            "severity": self.severity,
-            "message": self.message,
-            "evidence": self.evidence,
-            "fix": self.fix,
-            "step": self.step,
-        }
-        if self.example is not None:
-            out["example"] = self.example.plain()
-            if hasattr(self.example, "data"):  # a side-by-side view: its columns as fields too
-                out["side_by_side"] = self.example.data()
-        if self.remedy is not None:
-            out["remedy"] = self.remedy.to_dict()
-        return out
+        """The finding as the report file has it (hf_sanity.report_schema.FindingRecord)."""
+        return FindingRecord.from_finding(self).to_dict()
