@@ -166,8 +166,8 @@ def _read_version_0(data: dict[str, Any], source: str) -> ReportRecord:
     if not isinstance(findings, list):
         raise _malformed(source, "findings", "is not a list")
     kept: list[FindingRecord] = []
+    known = {f.name for f in dataclasses.fields(FindingRecord)}
     for raw in findings:
-        known = {f.name for f in dataclasses.fields(FindingRecord)}
         try:
             if not isinstance(raw, dict):
                 raise UserInputError("not an object")
