@@ -179,7 +179,9 @@ def test_tool_call_turns_are_supervised_and_tools_reach_the_template():
     tok = real_tokenizer("qwen2.5-instruct")
     rows = tool_conversations(4)
     ctx = Context(
-        tokenizer=tok, dataset=datasets.Dataset.from_list(rows), options=EncodeOptions(fmt="messages")
+        tokenizer=tok,
+        dataset=datasets.Dataset.from_list(rows),
+        options=EncodeOptions(fmt="messages", loss_on="assistant"),
     )
     row = ctx.row(0)
     text = tok.decode(row["input_ids"])
