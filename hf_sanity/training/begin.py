@@ -59,3 +59,5 @@ def watch(callback, args, state, model=None, optimizer=None) -> None:
     with sink.guard("callback-instruments"):
         callback.instruments.install(callback.trainer, callback.model, callback)
         move_before_reporters(callback.trainer, callback)
+    with sink.guard("memory-growth"):
+        callback._memory_check(0)  # the baseline the growth is measured from
