@@ -23,7 +23,6 @@ TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 SHAPE_RULE = "shape-mismatch"
 STEP0_RULE = "init-loss-off-chance"
 LEAK_RULE = "future-token-leak"  # the model on the batch with its future changed: two extra forwards, a probe
-LIKELIHOOD_RULE = "likelihood-displacement"
 # What the probe of the first batch measures: the step-0 numbers, the first predictions the later probes compare
 # with (`changed`), where a mixture of experts routes it. It runs when an enabled step detector reads one.
 PROBED = ("step0", "changed", "router_load")
