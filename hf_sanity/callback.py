@@ -166,10 +166,8 @@ class SanityCallback(TrainerCallback, ExportableState):
         return control
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        with self.sink.guard("callback-read"):
-            self.history.evaluations.append(
-                state.global_step
-            )  # later training forwards must be in train mode
+        with self.sink.guard("callback-read"):  # later training forwards must be in train mode:
+            self.history.evaluations.append(state.global_step)
             self._read(now=state.global_step, control=control)
         with self.sink.guard("curves"):
             self.monitors.curves(self.history, state, model=self.model, final=False)
@@ -224,11 +222,11 @@ class SanityCallback(TrainerCallback, ExportableState):
             self.recorder.push(self._step or 1, "grad_norm", shards.plain(norm))
 
     def pre_forward(self, module, args, kwargs) -> None:
-        with self.sink.guard("train-mode-off"):
-            if self.sampler is not None and self.sampler.watch_mode:
+        if self.sampler is not None and self.sampler.watch_mode:  # every forward: a guard only where work is
+            with self.sink.guard("train-mode-off"):
                 self.sampler.forward(self.recorder, self._step or 1, module)
-        with self.sink.guard("callback-precision"):
-            if self._autocast is None:
+        if self._autocast is None:
+            with self.sink.guard("callback-precision"):
                 self._autocast = replay.autocast_state(module) or False
         if not self.first.done:
             with self.sink.guard("first-batch"), self.instruments.quiet():
