@@ -1,0 +1,187 @@
+"""Measurements for agent and reasoning data (the rules: `hf_sanity.rules.agents`): tool calls rendered as
+serving engines render them, tool schemas the template would show, think blocks that truncation leaves open,
+reasoning fields the template ignores, and templates that re-render earlier turns differently.
+
+Each reads the conversations as TRL renders them: the rows of a preflight on a dataset, or the columns a TRL
+trainer keeps beside its tokens (`SFTTrainer` keeps ``messages`` and ``tools``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+RENDERED_SAMPLE = 16  # rows rendered twice (each way) by the render comparisons
+PREFIX_SAMPLE = 32  # multi-turn rows whose turns are rendered one prefix at a time
+
+
+@dataclass
+class Conversation:
+    index: int  # the row of the dataset as given (a trainer's: of its train_dataset)
+    messages: list[dict[str, Any]]
+    first: int  # the first trained message (prompt-completion rows: the completion's)
+    kwargs: dict[str, Any]  # what TRL passes the template besides the messages (tools, chat_template_kwargs)
+
+
+def conversations(ctx, indices=None) -> Iterator[Conversation]:
+    """The conversations of ``ctx`` as TRL renders them (every row, or ``indices``); nothing for plain-text
+    or token rows, or a trainer that kept no conversation column."""
+    from hf_sanity.measure.encode import template_kwargs
+
+    source = _source(ctx)
+    if source is None:
+        return
+    data, to_trl = source
+    wanted = range(len(data)) if indices is None else [int(i) for i in indices]
+    for i in wanted:
+        row = to_trl(data[i])
+        if not isinstance(row, dict):
+            continue
+        first = 0
+        if isinstance(row.get("messages"), list):
+            messages = row["messages"]
+        elif isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
+            messages, first = row["prompt"] + row["completion"], len(row["prompt"])
+        else:
+            continue
+        if not all(isinstance(m, dict) for m in messages):
+            continue
+        kwargs = template_kwargs(row)
+        yield Conversation(i, list(messages), first, kwargs if isinstance(kwargs, dict) else {})
+
+
+def _source(ctx):
+    """(rows, their conversion to TRL's format) of the context, or None."""
+    if ctx.dataset is not None and ctx.fmt in ("messages", "prompt-completion"):
+        return ctx.dataset, ctx.encoder.layout.to_trl
+    data = getattr(ctx.trainer, "train_dataset", None)
+    columns = set(getattr(data, "column_names", None) or ())
+    if data is None or not ("messages" in columns or {"prompt", "completion"} <= columns):
+        return None
+    return data, lambda row: row
+
+
+def has_conversations(ctx) -> bool:
+    return bool(getattr(ctx.tokenizer, "chat_template", None)) and _source(ctx) is not None
+
+
+def render(tok, messages, kwargs, **extra) -> str | None:
+    """The template's text for ``messages``; None when the template rejects them."""
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, **{**kwargs, **extra})
+    except (
+        Exception
+    ):  # a template that rejects one form (a dict concatenated to a string) has no opinion on it
+        return None
+
+
+def text_diff(tok, left: str, right: str, context: int = 40) -> dict[str, Any]:
+    """Where two renders part, in characters and in tokens, with the text of each around it."""
+    at = next((k for k, (a, b) in enumerate(zip(left, right)) if a != b), min(len(left), len(right)))
+    left_ids = tok(left, add_special_tokens=False)["input_ids"]
+    right_ids = tok(right, add_special_tokens=False)["input_ids"]
+    token = next(
+        (k for k, (a, b) in enumerate(zip(left_ids, right_ids)) if a != b), min(len(left_ids), len(right_ids))
+    )
+    return {
+        "char": at,
+        "token": token,
+        "tokens": [len(left_ids), len(right_ids)],
+        "texts": [left[max(0, at - 10) : at + context], right[max(0, at - 10) : at + context]],
+    }
+
+
+# -- tool calls -----------------------------------------------------------------------------------------------
+def _calls(message: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+
+
+def _function(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function", call)
+    return function if isinstance(function, dict) else {}
+
+
+def _parsed(arguments) -> dict | None:
+    """The object a string of arguments holds (None: not a string, or not a JSON object)."""
+    if not isinstance(arguments, str):
+        return None
+    try:
+        value = json.loads(arguments)
+    except (json.JSONDecodeError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def with_parsed_arguments(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The messages with every tool call's string arguments that hold a JSON object parsed into it, as serving
+    engines parse them before rendering; and how many calls changed."""
+    out, changed = [], 0
+    for message in messages:
+        calls = _calls(message)
+        if not calls or not isinstance(message, dict):
+            out.append(message)
+            continue
+        new_calls = []
+        for call in calls:
+            function = _function(call)
+            value = _parsed(function.get("arguments"))
+            if value is None:
+                new_calls.append(call)
+                continue
+            changed += 1
+            if "function" in call:
+                new_calls.append({**call, "function": {**function, "arguments": value}})
+            else:
+                new_calls.append({**call, "arguments": value})
+        out.append({**message, "tool_calls": new_calls})
+    return out, changed
+
+
+def tool_args_serialization(ctx) -> dict[str, Any] | None:
+    """Rows whose tool calls carry their arguments as JSON strings, and how the template renders a sample of
+    them against the object form (None when no row has string arguments that hold an object)."""
+    tok = ctx.tokenizer
+    rows, with_calls = [], 0
+    for conv in conversations(ctx):
+        calls = [c for m in conv.messages for c in _calls(m)]
+        if not calls:
+            continue
+        with_calls += 1
+        if any(_parsed(_function(c).get("arguments")) is not None for c in calls):
+            rows.append(conv.index)
+    if not rows:
+        return None
+    differ, rendered, example = [], 0, None
+    for conv in conversations(ctx, rows[:RENDERED_SAMPLE]):
+        as_objects, _ = with_parsed_arguments(conv.messages)
+        as_strings = render(tok, conv.messages, conv.kwargs)
+        served = render(tok, as_objects, conv.kwargs)
+        if as_strings is None or served is None:
+            continue
+        rendered += 1
+        if as_strings != served:
+            differ.append(conv.index)
+            if example is None:
+                diff = text_diff(tok, as_strings, served)
+                call = next(
+                    c for m in conv.messages for c in _calls(m) if _parsed(_function(c).get("arguments"))
+                )
+                example = {
+                    "row": conv.index,
+                    "arguments": _function(call).get("arguments"),
+                    "trained": diff["texts"][0],
+                    "served": diff["texts"][1],
+                    "first_token_differing": diff["token"],
+                    "tokens": {"trained": diff["tokens"][0], "served": diff["tokens"][1]},
+                    "double_encoded": '\\"' in diff["texts"][0] and '\\"' not in diff["texts"][1],
+                }
+    return {
+        "rows": rows,
+        "rows_with_calls": with_calls,
+        "rendered": rendered,
+        "rendered_differently": differ,
+        "example": example,
+    }

@@ -1,0 +1,101 @@
+"""Agents and reasoners: tool calls trained as servers render them, tool schemas the template shows, think
+blocks that close, reasoning fields that are rendered, and templates that keep earlier turns as they were
+(the measurements: `hf_sanity.measure.agents`)."""
+
+from __future__ import annotations
+
+from hf_sanity.catalog import define
+from hf_sanity.measure.objective import SFT
+from hf_sanity.remedies import Remedy, RemedyDoc
+
+
+def _has_conversations(ctx) -> bool:
+    from hf_sanity.measure.agents import has_conversations
+
+    return has_conversations(ctx)
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part} of {whole} rows ({part / max(whole, 1):.0%})"
+
+
+TOOL_ARGS_SERIALIZATION = define(
+    "tool-args-serialization",
+    severity="error",
+    stage="template",
+    objectives=SFT,
+    symptom="The model learns to write tool-call arguments as an escaped JSON string "
+    '(`"{\\"city\\": \\"SF\\"}"`) that no server produces: the data stores `function.arguments` as a string '
+    "(as OpenAI-format exports do), the chat template applies `tojson` to it, and serving engines parse the "
+    "arguments into an object before rendering.",
+    detects="Rows whose tool calls carry `arguments` as a string that parses to a JSON object; a sample of them "
+    "is rendered as it is and with the arguments parsed (as vLLM and TGI render them): any difference is an "
+    "error, with the token where they part; escaped quotes in the training text say `double-encoded`. A "
+    "template that prints string arguments as they are (Qwen3's) renders both the same: silent.",
+    fix="Parse the arguments into objects before training: `call['function']['arguments'] = "
+    "json.loads(call['function']['arguments'])` for every tool call (datasets' `map`).",
+    remedy=RemedyDoc(
+        "unsafe", "Parses each tool call's string arguments into the object they hold (dataset.jsonl)."
+    ),
+)
+
+
+@TOOL_ARGS_SERIALIZATION.check(applies=_has_conversations)
+def check_tool_args_serialization(ctx):
+    from hf_sanity.measure.agents import tool_args_serialization
+
+    measured = tool_args_serialization(ctx)
+    if not measured or not measured["rendered_differently"]:
+        return
+    rows, example = measured["rows"], measured["example"]
+    double = example["double_encoded"]
+    yield TOOL_ARGS_SERIALIZATION.finding(
+        f"{_share(len(rows), measured['rows_with_calls'])} with tool calls store their arguments as JSON strings, "
+        f"and the chat template renders them {'double-encoded' if double else 'differently'} from the object a "
+        f"server renders ({len(measured['rendered_differently'])} of {measured['rendered']} rendered): trained "
+        f"{example['trained']!r}, served {example['served']!r}",
+        evidence={
+            "rows_string_arguments": len(rows),
+            "rows_with_tool_calls": measured["rows_with_calls"],
+            "fraction": round(len(rows) / max(measured["rows_with_calls"], 1), 4),
+            "rendered": measured["rendered"],
+            "rendered_differently": len(measured["rendered_differently"]),
+            "example": example,
+            "rows": rows[:10],
+            "cause": "double-encoded" if double else "string-arguments",
+        },
+        rows=rows if ctx.rows_are_dataset else None,
+        remedy=_parse_arguments(ctx, rows),
+    )
+
+
+def _parse_arguments(ctx, rows) -> Remedy | None:
+    """The rows' string arguments parsed into objects (unsafe: the training text changes)."""
+    if not ctx.rows_are_dataset or ctx.source_format not in ("messages", "prompt-completion"):
+        return None
+    keys = ("messages",) if ctx.source_format == "messages" else ("prompt", "completion")
+    indices = sorted(int(i) for i in rows)
+
+    def apply(repair) -> None:
+        import json
+
+        from hf_sanity.measure.agents import with_parsed_arguments
+
+        for i in indices:
+            row = dict(repair.rows()[i])
+            for key in keys:
+                value = row.get(key)
+                messages = json.loads(value) if isinstance(value, str) else value
+                if isinstance(messages, list):
+                    parsed, _ = with_parsed_arguments(messages)
+                    row[key] = json.dumps(parsed, ensure_ascii=False) if isinstance(value, str) else parsed
+            repair.replace(i, row, TOOL_ARGS_SERIALIZATION.slug)
+
+    n = len(indices)
+    return Remedy(
+        f"parse the tool-call arguments of the {n} row{'s' if n != 1 else ''} that store them as JSON strings",
+        "unsafe",
+        ("dataset",),
+        apply,
+        detail={"rows_edited": n},
+    )
