@@ -13,6 +13,7 @@ import trl
 
 from conftest import real_tokenizer
 from helpers import cli, run
+from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing import TinyConfig, tiny_model_for, tool_conversations
 
 pytestmark = pytest.mark.slow  # real vocabularies of up to 152k tokens
@@ -160,3 +161,53 @@ def test_a_template_that_prints_string_arguments_as_they_are_is_silent(qwen, mea
     assert run(tok, rows, select="tool-args-serialization").findings == []
     ((seen,),) = [calls]
     assert len(seen["rows"]) == 16 and seen["rendered"] == 16 and seen["rendered_differently"] == []
+
+
+# -- tools-schema-missing ---------------------------------------------------------------------------------------
+@pytest.mark.planted("tools-schema-missing")
+def test_tool_calls_without_a_schema_where_the_template_renders_one(qwen, qwen_model, tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    rows = [{"messages": r["messages"]} for r in tool_conversations(16)]
+    config = SFTConfig(output_dir=str(tmp_path / "out"), max_length=512, per_device_train_batch_size=4,
+                       report_to=[], use_cpu=True)  # fmt: skip
+    trainer = SFTTrainer(
+        model=qwen_model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=qwen
+    )
+    report = preflight(trainer=trainer, select=["tools-schema-missing"], use_config=False)
+    (finding,) = report.by_rule("tools-schema-missing")
+    evidence = finding.evidence
+    assert finding.severity == "warning" and evidence["cause"] == "no-tools-schema"
+    assert evidence["rows_without_schema"] == 16 and evidence["functions"] == ["get_weather"]
+    assert "# Tools" in evidence["template_block"]["schema_block"]
+
+
+@pytest.mark.clean("tools-schema-missing")
+def test_tool_calls_with_their_schema_are_silent(qwen, qwen_model, tmp_path, measured):
+    from trl import SFTConfig, SFTTrainer
+
+    rows = tool_conversations(16, tools_as_json=True)
+    config = SFTConfig(output_dir=str(tmp_path / "out"), max_length=512, per_device_train_batch_size=4,
+                       report_to=[], use_cpu=True)  # fmt: skip
+    trainer = SFTTrainer(
+        model=qwen_model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=qwen
+    )
+    conversations = measured("conversations")
+    report = preflight(
+        trainer=trainer, select=["tools-schema-missing", "tool-args-serialization"], use_config=False
+    )
+    assert report.findings == []
+    assert len(conversations) == 2  # each rule read the trainer's conversations (generators: one record each)
+
+
+@pytest.mark.clean("tools-schema-missing")
+def test_a_template_without_a_tools_block_is_silent(measured):
+    """DeepSeek-R1's template renders no schema (and prints string arguments as they are): rows without one
+    lose nothing."""
+    tok = real_tokenizer("deepseek-r1-distill")
+    rows = [{"messages": r["messages"]} for r in null_content(string_arguments(tool_conversations(8)))]
+    calls = measured("tools_schema_missing")
+    report = run(tok, rows, select=["tools-schema-missing", "tool-args-serialization"])
+    assert report.findings == []
+    ((seen,),) = [calls]
+    assert len(seen["rows"]) == 8 and seen["template_block"] is None

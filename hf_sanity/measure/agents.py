@@ -185,3 +185,38 @@ def tool_args_serialization(ctx) -> dict[str, Any] | None:
         "rendered_differently": differ,
         "example": example,
     }
+
+
+def tools_schema_missing(ctx) -> dict[str, Any] | None:
+    """Rows with tool calls and no ``tools`` schema, and whether the template renders a tools block when it
+    gets one (the row rendered with a schema of the functions it calls, and without)."""
+    tok = ctx.tokenizer
+    rows, names, with_calls = [], set(), 0
+    for conv in conversations(ctx):
+        calls = [c for m in conv.messages for c in _calls(m)]
+        if not calls:
+            continue
+        with_calls += 1
+        if not conv.kwargs.get("tools"):
+            rows.append(conv.index)
+            names |= {str(_function(c).get("name")) for c in calls if _function(c).get("name")}
+    if not rows:
+        return None
+    block = None
+    for conv in conversations(ctx, rows[:RENDERED_SAMPLE]):
+        called = sorted({str(_function(c).get("name")) for m in conv.messages for c in _calls(m)})
+        schema = [
+            {"type": "function", "function": {"name": name, "description": f"{name}.",
+             "parameters": {"type": "object", "properties": {}}}}
+            for name in called
+        ]  # fmt: skip
+        bare = render(tok, conv.messages, conv.kwargs)
+        shown = render(tok, conv.messages, {**conv.kwargs, "tools": schema})
+        if bare is None or shown is None:
+            continue
+        if bare != shown:
+            diff = text_diff(tok, bare, shown, context=120)
+            block = {"row": conv.index, "tokens_without": diff["tokens"][0], "tokens_with": diff["tokens"][1],
+                     "schema_block": diff["texts"][1]}  # fmt: skip
+            break
+    return {"rows": rows, "rows_with_calls": with_calls, "functions": sorted(names), "template_block": block}

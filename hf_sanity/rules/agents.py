@@ -99,3 +99,46 @@ def _parse_arguments(ctx, rows) -> Remedy | None:
         apply,
         detail={"rows_edited": n},
     )
+
+
+TOOLS_SCHEMA_MISSING = define(
+    "tools-schema-missing",
+    severity="warning",
+    stage="template",
+    objectives=SFT,
+    symptom="The model learns to call functions it was never shown: rows make tool calls without a `tools` "
+    "schema, while the chat template renders a tools block from the schema (at inference the functions are "
+    "listed, in training they never were), so it learns to invent names and arguments.",
+    detects="Rows with tool calls and no `tools` (column or JSON string); the template is asked to render one of "
+    "them with a schema of the functions it calls and without: a difference means the template shows a "
+    "schema these rows lack.",
+    fix="Add a `tools` column with the JSON schemas of the functions each row calls (TRL passes it to the chat "
+    "template, as servers do), e.g. from `transformers.utils.get_json_schema(fn)`.",
+)
+
+
+@TOOLS_SCHEMA_MISSING.check(applies=_has_conversations)
+def check_tools_schema_missing(ctx):
+    from hf_sanity.measure.agents import tools_schema_missing
+
+    measured = tools_schema_missing(ctx)
+    if not measured or not measured["template_block"]:
+        return
+    rows, block = measured["rows"], measured["template_block"]
+    names = measured["functions"]
+    yield TOOLS_SCHEMA_MISSING.finding(
+        f"{_share(len(rows), measured['rows_with_calls'])} with tool calls have no `tools` schema, and the chat "
+        f"template renders one when given it ({block['tokens_with'] - block['tokens_without']} tokens more for "
+        f"row {block['row']}): the model is trained to call {', '.join(map(repr, names[:4]))} without seeing "
+        "them listed",
+        evidence={
+            "rows_without_schema": len(rows),
+            "rows_with_tool_calls": measured["rows_with_calls"],
+            "fraction": round(len(rows) / max(measured["rows_with_calls"], 1), 4),
+            "functions": names[:20],
+            "template_block": block,
+            "rows": rows[:10],
+            "cause": "no-tools-schema",
+        },
+        rows=rows if ctx.rows_are_dataset else None,
+    )
