@@ -211,3 +211,90 @@ def test_a_template_without_a_tools_block_is_silent(measured):
     assert report.findings == []
     ((seen,),) = [calls]
     assert len(seen["rows"]) == 8 and seen["template_block"] is None
+
+
+# -- think-unclosed ---------------------------------------------------------------------------------------------
+def thinking_rows(n=40, steps=4, answer="", grow=True):
+    """Single-turn reasoning rows whose thinking grows row by row (``steps`` + i sentences; ``grow=False``:
+    ``steps``), then the answer (``answer`` appended to it)."""
+    from hf_sanity.testing import demo_conversations
+
+    rows = []
+    for i, row in enumerate(demo_conversations(n)):
+        user, reply = [m for m in row["messages"] if m["role"] != "system"][:2]
+        thought = " ".join(f"step {k} checks the question again." for k in range(steps + i * grow))
+        content = f"<think>\n{thought}\n</think>\n\n{reply['content']}{answer}"
+        rows.append({"messages": [user, {"role": "assistant", "content": content}]})
+    return rows
+
+
+@pytest.mark.planted("think-unclosed")
+def test_max_len_inside_the_thinking_of_most_rows_is_an_error(qwen):
+    rows = thinking_rows()
+    report = run(qwen, rows, max_len=300, select=["think-unclosed", "truncated-completion"])
+    (finding,) = report.by_rule("think-unclosed")
+    evidence = finding.evidence
+    assert finding.severity == "error" and evidence["cause"] == "think-cut"
+    assert evidence["rows_unclosed"] == 14 and evidence["fraction"] == pytest.approx(14 / 40)
+    assert evidence["max_length"] == 300
+    # truncated-completion says it too: of the rows it cuts, those whose think block lost its close
+    (cut,) = report.by_rule("truncated-completion")
+    assert cut.evidence["think_unclosed"] == 14 and "lose the close of their think block" in cut.message
+    # the length the evidence gives keeps every row's close: at it, the rule is silent
+    closed = run(qwen, rows, max_len=evidence["max_len_for_99pct_closed"], select="think-unclosed")
+    assert closed.findings == []
+    rendered = qwen.apply_chat_template(rows[-1]["messages"], tokenize=False)
+    ids = qwen(rendered, add_special_tokens=False)["input_ids"]
+    assert qwen.decode(ids[: evidence["max_len_for_all_closed"] - 1]).count("</think>") == 0  # the shortest
+
+
+@pytest.mark.planted("think-unclosed")
+def test_a_few_rows_cut_inside_their_thinking_is_a_warning(qwen):
+    (finding,) = run(qwen, thinking_rows(), max_len=380, select="think-unclosed").findings
+    assert finding.severity == "warning" and finding.evidence["rows_unclosed"] == 5
+
+
+@pytest.mark.planted("think-unclosed")
+def test_sft_trainer_max_length_inside_the_thinking(qwen, qwen_model, tmp_path):
+    """preflight(trainer=SFTTrainer(...)): the rows arrive cut; the length that keeps the closes comes from the
+    conversations the trainer kept beside its tokens, and is the one preflight on the dataset gives."""
+    from trl import SFTConfig, SFTTrainer
+
+    rows = thinking_rows()
+    config = SFTConfig(output_dir=str(tmp_path / "out"), max_length=300, per_device_train_batch_size=4,
+                       report_to=[], use_cpu=True)  # fmt: skip
+    trainer = SFTTrainer(
+        model=qwen_model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=qwen
+    )
+    report = preflight(trainer=trainer, select=["think-unclosed", "truncated-completion"], use_config=False)
+    (finding,) = report.by_rule("think-unclosed")
+    assert finding.severity == "error" and finding.evidence["rows_unclosed"] == 14
+    (on_rows,) = run(qwen, rows, max_len=300, select="think-unclosed").findings
+    assert finding.evidence["max_len_for_99pct_closed"] == on_rows.evidence["max_len_for_99pct_closed"]
+    assert report.by_rule("truncated-completion")[0].evidence["think_unclosed"] == 14
+
+
+@pytest.mark.clean("think-unclosed")
+def test_answers_cut_after_their_thinking_closed_are_not_unclosed(qwen, measured):
+    """Short thinking, long answers: max_len cuts the answers (truncated-completion) after `</think>`."""
+    rows = thinking_rows(
+        steps=2, grow=False, answer=" " + "And that is the whole answer, said once more." * 12
+    )
+    calls = measured("think_unclosed")
+    report = run(qwen, rows, max_len=120, select=["think-unclosed", "truncated-completion"])
+    assert report.by_rule("think-unclosed") == [] and calls[0] is None
+    assert report.by_rule("truncated-completion")[0].evidence["cut"] == 40
+    assert "think_unclosed" not in report.by_rule("truncated-completion")[0].evidence
+
+
+@pytest.mark.clean("think-unclosed")
+def test_reasoning_rows_that_fit_are_silent_with_deepseek_r1s_training_template(measured):
+    """DeepSeek-R1's tokenizer, whose `<think>` is one token, with TRL's training twin (it keeps the reasoning)."""
+    tok = with_template(real_tokenizer("deepseek-r1-distill"), "deepseek_r1_distill_training")
+    rows = thinking_rows(12)
+    calls = measured("think_unclosed")
+    longest = max(len(tok.apply_chat_template(r["messages"], return_dict=True)["input_ids"]) for r in rows)
+    assert run(tok, rows, max_len=longest, select="think-unclosed").findings == []
+    assert calls == [None]
+    (finding,) = run(tok, rows, max_len=longest - 40, select="think-unclosed").findings  # and it reads them
+    assert finding.evidence["rows_unclosed"] >= 1

@@ -220,3 +220,93 @@ def tools_schema_missing(ctx) -> dict[str, Any] | None:
                      "schema_block": diff["texts"][1]}  # fmt: skip
             break
     return {"rows": rows, "rows_with_calls": with_calls, "functions": sorted(names), "template_block": block}
+
+
+# -- reasoning --------------------------------------------------------------------------------------------------
+def think_unclosed(ctx) -> dict[str, Any] | None:
+    """Rows whose supervised span opens a think block before max_len and closes it after: truncation keeps
+    the thinking and cuts its close. For each, the length that keeps the close (None without max_len, or on a
+    trainer's rows, which arrive cut: there the rows as long as max_length with an open think block)."""
+    import numpy as np
+
+    max_len = ctx.options.max_len or ctx.options.arrived_cut_at
+    if not max_len or ctx.options.packed_cut_at:
+        return None
+    tok = ctx.tokenizer
+    arrived = bool(ctx.options.arrived_cut_at)
+    long = np.flatnonzero(
+        ctx.valid & (ctx.col("n_tokens") >= max_len if arrived else ctx.col("n_tokens") > max_len)
+    )
+    unclosed: dict[int, int | None] = {}  # row -> the length that keeps its close (None: unknown)
+    never_closed = 0
+    for i in long:
+        row = ctx.row(int(i))
+        ids = row["input_ids"]
+        for span in ctx.spans(int(i)):
+            if not span.start < max_len < span.stop + (1 if arrived else 0):
+                continue
+            kept = tok.decode(ids[span.lead : max_len])
+            opened = kept.rfind(THINK_OPEN)
+            if opened < 0 or THINK_CLOSE in kept[opened:]:
+                continue
+            if arrived:
+                unclosed[int(i)] = None
+                continue
+            whole = tok.decode(ids[span.lead : span.stop])
+            if THINK_CLOSE not in whole[whole.rfind(THINK_OPEN) :]:
+                never_closed += 1  # the data never closes it: not truncation's doing
+                continue
+            low, high = max_len, span.stop  # the shortest prefix whose text holds the close
+            while low < high:
+                mid = (low + high) // 2
+                text = tok.decode(ids[span.lead : mid])
+                if THINK_CLOSE in text[opened:]:
+                    high = mid
+                else:
+                    low = mid + 1
+            unclosed[int(i)] = low
+    if not unclosed:
+        return None
+    n = int(ctx.valid.sum())
+    needed = sorted(v for v in unclosed.values() if v is not None)
+    allowed = int(0.01 * n)  # rows that may stay unclosed at the 99% length
+    for_99 = needed[len(needed) - allowed - 1] if needed and len(needed) > allowed else None
+    if (
+        arrived
+    ):  # the rows came cut: the lengths that keep the closes, from the conversations the trainer kept
+        closes = sorted(_close_lengths(ctx))
+        if closes and closes[-1] > max_len:
+            for_99 = closes[int(np.ceil(0.99 * len(closes))) - 1]
+            for_99 = for_99 if for_99 > max_len else None
+            needed = [closes[-1]]
+    return {
+        "rows": sorted(unclosed),
+        "examples": n,
+        "fraction": len(unclosed) / max(n, 1),
+        "max_len": max_len,
+        "max_len_for_99pct_closed": for_99,
+        "max_len_for_all_closed": needed[-1] if needed else None,
+        "never_closed": never_closed,
+    }
+
+
+def _close_lengths(ctx) -> list[int]:
+    """For a sample of the conversations (a trainer's, whose token rows arrive cut): the tokens up to the end
+    of each one's last `</think>` as rendered (0 without one)."""
+    tok = ctx.tokenizer
+    source = _source(ctx)
+    if source is None:
+        return []
+    out = []
+    for conv in conversations(ctx, range(min(len(source[0]), ctx.sample))):
+        text = render(tok, conv.messages, conv.kwargs)
+        if text is None:
+            continue
+        end = text.rfind(THINK_CLOSE)
+        if end < 0:
+            out.append(0)
+            continue
+        end += len(THINK_CLOSE)
+        offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        out.append(sum(1 for start, _ in offsets if start < end))
+    return out

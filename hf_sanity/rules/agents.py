@@ -142,3 +142,51 @@ def check_tools_schema_missing(ctx):
         },
         rows=rows if ctx.rows_are_dataset else None,
     )
+
+
+THINK_WARNING, THINK_ERROR = 0.01, 0.20
+
+THINK_UNCLOSED = define(
+    "think-unclosed",
+    severity="warning",
+    stage="tokens",
+    objectives=SFT,
+    symptom="The reasoning model never learns to end its thinking: max_len cuts the supervised answers inside "
+    "their `<think>` block, so they are trained on thinking that never closes and it rambles at inference.",
+    detects="Supervised spans that open `<think>` before max_len and close it (`</think>`) after: the cut keeps "
+    "the thinking and drops its close. Warning above 1% of the rows, error above 20%; the evidence gives the "
+    "max_length that keeps 99% of the rows closed. On a trainer's rows (already cut): rows as long as "
+    "max_length whose answer opened a think block and holds no close.",
+    fix="Raise max_length to the length that keeps the think blocks closed (evidence.max_len_for_99pct_closed), "
+    "or drop or shorten the rows whose reasoning does not fit.",
+)
+
+
+@THINK_UNCLOSED.check
+def check_think_unclosed(ctx):
+    from hf_sanity.measure.agents import think_unclosed
+
+    measured = think_unclosed(ctx)
+    if not measured or measured["fraction"] <= THINK_WARNING:
+        return
+    rows, n = measured["rows"], measured["examples"]
+    for_99 = measured["max_len_for_99pct_closed"]
+    keep = f"; max_length={for_99:,} keeps 99% of the rows closed" if for_99 else ""
+    yield THINK_UNCLOSED.finding(
+        f"max_len={measured['max_len']:,} cuts the answers of {_share(len(rows), n)} inside their think block: "
+        f"they are trained on `<think>` without its `</think>`{keep}",
+        evidence={
+            "rows_unclosed": len(rows),
+            "examples": n,
+            "fraction": round(measured["fraction"], 4),
+            "max_length": measured["max_len"],
+            "max_len_for_99pct_closed": for_99,
+            "max_len_for_all_closed": measured["max_len_for_all_closed"],
+            "never_closed": measured["never_closed"],
+            "rows": rows[:10],
+            "cause": "think-cut",
+        },
+        example=ctx.view(rows[0], focus=measured["max_len"] - 1),
+        severity="error" if measured["fraction"] > THINK_ERROR else "warning",
+        rows=rows if ctx.rows_are_dataset else None,
+    )
