@@ -298,3 +298,46 @@ def test_reasoning_rows_that_fit_are_silent_with_deepseek_r1s_training_template(
     assert calls == [None]
     (finding,) = run(tok, rows, max_len=longest - 40, select="think-unclosed").findings  # and it reads them
     assert finding.evidence["rows_unclosed"] >= 1
+
+
+# -- reasoning-field-dropped ------------------------------------------------------------------------------------
+def reasoning_field_rows(n=16):
+    """Rows whose answers carry their reasoning in a `reasoning_content` field (as DeepSeek's and Qwen3's APIs
+    return it), not in the content."""
+    from hf_sanity.testing import demo_conversations
+
+    rows = []
+    for row in demo_conversations(n):
+        user, reply = [m for m in row["messages"] if m["role"] != "system"][:2]
+        thought = f"The user asks: {user['content']}\nI know this one."
+        rows.append({"messages": [user, {**reply, "reasoning_content": thought}]})
+    return rows
+
+
+@pytest.mark.planted("reasoning-field-dropped")
+def test_reasoning_content_that_the_template_ignores(qwen, qwen_model, tmp_path):
+    from trl import SFTConfig, SFTTrainer
+
+    config = SFTConfig(output_dir=str(tmp_path / "out"), max_length=256, per_device_train_batch_size=4,
+                       report_to=[], use_cpu=True)  # fmt: skip
+    data = datasets.Dataset.from_list(reasoning_field_rows())
+    trainer = SFTTrainer(model=qwen_model, args=config, train_dataset=data, processing_class=qwen)
+    report = preflight(trainer=trainer, select="reasoning-field-dropped", use_config=False)
+    (finding,) = report.findings
+    evidence = finding.evidence
+    assert finding.severity == "warning" and evidence["cause"] == "template-ignores-reasoning-content"
+    assert evidence["rows_with_reasoning"] == 16 and evidence["dropped"] == evidence["rendered"] == 16
+    assert evidence["example"]["reasoning_content"].startswith("The user asks:")
+    assert "The user asks" not in qwen.decode(trainer.train_dataset[0]["input_ids"])  # what it trains on
+
+
+@pytest.mark.clean("reasoning-field-dropped")
+def test_a_template_that_renders_reasoning_content_is_silent(qwen, measured):
+    """Qwen3's template prints the answer's `reasoning_content` in a think block."""
+    tok = with_template(qwen, "qwen3")
+    rows = reasoning_field_rows()
+    assert "I know this one." in tok.apply_chat_template(rows[0]["messages"], tokenize=False)
+    calls = measured("reasoning_field_dropped")
+    assert run(tok, rows, select="reasoning-field-dropped").findings == []
+    ((seen,),) = [calls]
+    assert seen["rendered"] == 16 and seen["dropped"] == []

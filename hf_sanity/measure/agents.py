@@ -310,3 +310,29 @@ def _close_lengths(ctx) -> list[int]:
         offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
         out.append(sum(1 for start, _ in offsets if start < end))
     return out
+
+
+def reasoning_field_dropped(ctx) -> dict[str, Any] | None:
+    """Rows whose last assistant message carries a ``reasoning_content`` the template does not render (the
+    answer trained without its reasoning)."""
+    tok = ctx.tokenizer
+    rows, dropped, example = [], [], None
+    for conv in conversations(ctx):
+        last = next((m for m in reversed(conv.messages) if m.get("role") == "assistant"), None)
+        reasoning = last.get("reasoning_content") if last else None
+        if isinstance(reasoning, str) and reasoning.strip():
+            rows.append(conv.index)
+    if not rows:
+        return None
+    checked = 0
+    for conv in conversations(ctx, rows[:RENDERED_SAMPLE]):
+        text = render(tok, conv.messages, conv.kwargs)
+        if text is None:
+            continue
+        checked += 1
+        last = next(m for m in reversed(conv.messages) if m.get("role") == "assistant")
+        lines = [line.strip() for line in last["reasoning_content"].splitlines() if line.strip()]
+        if not any(line in text for line in lines):
+            dropped.append(conv.index)
+            example = example or {"row": conv.index, "reasoning_content": last["reasoning_content"][:200]}
+    return {"rows": rows, "rendered": checked, "dropped": dropped, "example": example}

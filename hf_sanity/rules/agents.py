@@ -190,3 +190,40 @@ def check_think_unclosed(ctx):
         severity="error" if measured["fraction"] > THINK_ERROR else "warning",
         rows=rows if ctx.rows_are_dataset else None,
     )
+
+
+REASONING_FIELD_DROPPED = define(
+    "reasoning-field-dropped",
+    severity="warning",
+    stage="template",
+    objectives=SFT,
+    symptom="The reasoning in the data never reaches training: assistant messages carry a `reasoning_content` "
+    "field and the chat template ignores it, so the model learns the answers without the thinking.",
+    detects="Rows whose last assistant message has a non-empty `reasoning_content`: a sample is rendered and "
+    "the reasoning looked for in the text, line by line; rows where none of it is there.",
+    fix="Render with a template that prints `reasoning_content` (Qwen3's, or TRL's training twin of your "
+    "model's template), or move the reasoning into the content as `<think>\\n...\\n</think>\\n\\n` + answer.",
+)
+
+
+@REASONING_FIELD_DROPPED.check(applies=_has_conversations)
+def check_reasoning_field_dropped(ctx):
+    from hf_sanity.measure.agents import reasoning_field_dropped
+
+    measured = reasoning_field_dropped(ctx)
+    if not measured or not measured["dropped"]:
+        return
+    example = measured["example"]
+    yield REASONING_FIELD_DROPPED.finding(
+        f"{len(measured['rows'])} rows carry `reasoning_content` on their answer and the chat template renders "
+        f"none of it ({len(measured['dropped'])} of {measured['rendered']} rendered); e.g. "
+        f"{example['reasoning_content'][:60]!r} is not in the training text",
+        evidence={
+            "rows_with_reasoning": len(measured["rows"]),
+            "rendered": measured["rendered"],
+            "dropped": len(measured["dropped"]),
+            "example": example,
+            "rows": measured["dropped"][:10],
+            "cause": "template-ignores-reasoning-content",
+        },
+    )
