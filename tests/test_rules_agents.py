@@ -341,3 +341,70 @@ def test_a_template_that_renders_reasoning_content_is_silent(qwen, measured):
     assert run(tok, rows, select="reasoning-field-dropped").findings == []
     ((seen,),) = [calls]
     assert seen["rendered"] == 16 and seen["dropped"] == []
+
+
+# -- template-not-prefix-preserving -----------------------------------------------------------------------------
+def multi_turn_thinking(n=12):
+    """Two-turn conversations whose answers think first (`<think>...</think>` in the content)."""
+    from hf_sanity.testing import demo_conversations
+
+    rows = []
+    for i, row in enumerate(demo_conversations(n)):
+        user, reply = [m for m in row["messages"] if m["role"] != "system"][:2]
+        first = {
+            "role": "assistant",
+            "content": f"<think>\nThe user asks {i}.\n</think>\n\n{reply['content']}",
+        }
+        follow = {"role": "user", "content": "Say it again, shorter."}
+        second = {"role": "assistant", "content": f"<think>\nShorter.\n</think>\n\n{reply['content'][:12]}"}
+        rows.append({"messages": [user, first, follow, second]})
+    return rows
+
+
+@pytest.mark.planted("template-not-prefix-preserving")
+def test_a_template_that_strips_past_thinking_is_not_prefix_preserving(qwen):
+    tok = with_template(qwen, "qwen3")
+    (finding,) = run(tok, multi_turn_thinking(), select="template-not-prefix-preserving").findings
+    evidence = finding.evidence
+    assert finding.severity == "warning" and evidence["cause"] == "past-turns-rerendered"
+    assert evidence["rows_broken"] == evidence["checked"] == 12 and evidence["first_turn"] == 1
+    earlier, later = evidence["diff"]["texts"]
+    assert earlier.startswith("<think>") or "<think>" in earlier  # turn 1 as generated: with its thinking
+    assert "<think>" not in later.split("<|im_end|>")[0]  # turn 1 once turn 2 follows: without
+
+
+@pytest.mark.planted("template-not-prefix-preserving")
+def test_an_rl_tool_loop_over_a_template_that_strips_past_thinking_is_an_error(qwen, qwen_model, tmp_path):
+    from trl_setups import grpo, length_reward
+
+    tok = with_template(qwen, "qwen3")
+    rows = [{"prompt": r["messages"][:3]} for r in multi_turn_thinking(8)]
+    trainer = grpo(tmp_path, rows, [length_reward], model=qwen_model, tok=tok)
+    report = preflight(trainer=trainer, select="template-not-prefix-preserving", reward_dry_run=False,
+                       use_config=False)  # fmt: skip
+    (finding,) = report.findings
+    assert finding.severity == "error" and finding.evidence["rows_broken"] == 8
+
+
+@pytest.mark.clean("template-not-prefix-preserving")
+@pytest.mark.parametrize("template", [None, "qwen3_training"])
+def test_templates_that_keep_past_turns_are_silent(qwen, template, measured):
+    """Qwen2.5's template renders each turn as it is; TRL's training twin of Qwen3's keeps the thinking."""
+    tok = qwen if template is None else with_template(qwen, template)
+    calls = measured("prefix_preserving")
+    assert run(tok, multi_turn_thinking(), select="template-not-prefix-preserving").findings == []
+    ((seen,),) = [calls]
+    assert seen["checked"] == 12 and seen["broken"] == []
+
+
+@pytest.mark.clean("template-not-prefix-preserving")
+def test_an_rl_run_over_qwen25s_template_is_silent(qwen, qwen_model, tmp_path, measured):
+    from trl_setups import grpo, length_reward
+
+    rows = [{"prompt": r["messages"][:3]} for r in multi_turn_thinking(8)]
+    trainer = grpo(tmp_path, rows, [length_reward], model=qwen_model, tok=qwen)
+    calls = measured("prefix_break")
+    report = preflight(trainer=trainer, select="template-not-prefix-preserving", reward_dry_run=False,
+                       use_config=False)  # fmt: skip
+    assert report.findings == [] and report.stats["objective"] == "rl"
+    assert calls == [None] * 8  # every prompt's history rendered turn by turn

@@ -336,3 +336,42 @@ def reasoning_field_dropped(ctx) -> dict[str, Any] | None:
             dropped.append(conv.index)
             example = example or {"row": conv.index, "reasoning_content": last["reasoning_content"][:200]}
     return {"rows": rows, "rendered": checked, "dropped": dropped, "example": example}
+
+
+# -- multi-turn -------------------------------------------------------------------------------------------------
+def prefix_break(tok, messages, kwargs) -> dict[str, Any] | None:
+    """The first assistant turn whose conversation, rendered up to it, is not how the longer conversation
+    (up to the next assistant turn) renders its start: the template re-renders earlier turns (Qwen3 strips
+    their thinking)."""
+    ends = [j + 1 for j, m in enumerate(messages) if m.get("role") == "assistant"]
+    previous, previous_end = None, None
+    for end in ends:
+        text = render(tok, messages[:end], kwargs)
+        if text is None:
+            return None
+        if previous is not None and not text.startswith(previous):
+            diff = text_diff(tok, previous, text)
+            turn = sum(1 for m in messages[:previous_end] if m.get("role") == "assistant")
+            return {"turn": turn, "message": previous_end - 1, "diff": diff}
+        previous, previous_end = text, end
+    return None
+
+
+def prefix_preserving(ctx) -> dict[str, Any] | None:
+    """Multi-turn rows (two assistant turns or more) rendered one turn at a time: those whose earlier render is
+    not a prefix of the later one, with the first break (None without multi-turn rows)."""
+    tok = ctx.tokenizer
+    multi = [
+        c.index for c in conversations(ctx) if sum(m.get("role") == "assistant" for m in c.messages) >= 2
+    ]
+    if not multi:
+        return None
+    broken, first = [], None
+    checked = 0
+    for conv in conversations(ctx, multi[:PREFIX_SAMPLE]):
+        checked += 1
+        found = prefix_break(tok, conv.messages, conv.kwargs)
+        if found:
+            broken.append(conv.index)
+            first = first or {"row": conv.index, **found}
+    return {"multi_turn_rows": len(multi), "checked": checked, "broken": broken, "first": first}

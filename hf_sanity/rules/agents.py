@@ -5,7 +5,7 @@ blocks that close, reasoning fields that are rendered, and templates that keep e
 from __future__ import annotations
 
 from hf_sanity.catalog import define
-from hf_sanity.measure.objective import SFT
+from hf_sanity.measure.objective import RL, SFT
 from hf_sanity.remedies import Remedy, RemedyDoc
 
 
@@ -226,4 +226,75 @@ def check_reasoning_field_dropped(ctx):
             "rows": measured["dropped"][:10],
             "cause": "template-ignores-reasoning-content",
         },
+    )
+
+
+PREFIX_NOT_PRESERVED = define(
+    "template-not-prefix-preserving",
+    severity="warning",
+    stage="template",
+    objectives=SFT | RL,
+    symptom="Multi-turn training sees earlier turns in a form they never had when they were generated: the chat "
+    "template renders turn k differently once turn k+1 follows (Qwen3-style templates strip the thinking of "
+    "past turns), so SFT trains the earlier answers without their reasoning, and an RL tool loop that "
+    "re-renders the conversation scores tokens that were never sampled.",
+    detects="Multi-turn rows (two assistant turns or more; for RL, prompts with assistant turns) rendered up to "
+    "each assistant turn: the render up to turn k must be a prefix of the render up to turn k+1. The first turn "
+    "where it is not, with the diff. Warning for SFT, error for RL.",
+    fix="Use a template that keeps past turns as they were (TRL's training twin, e.g. qwen3_training.jinja, "
+    "keeps the thinking), or train on one row per assistant turn, each rendered as it was generated.",
+)
+
+
+def _rl_prompts(ctx):
+    """(index, messages, kwargs) of an RL trainer's conversational prompts with assistant turns in them."""
+    data = getattr(ctx.trainer, "train_dataset", None)
+    if data is None or "prompt" not in (getattr(data, "column_names", None) or ()):
+        return
+    for i in range(min(len(data), 64)):
+        prompt = data[i]["prompt"]
+        if isinstance(prompt, list) and sum(
+            isinstance(m, dict) and m.get("role") == "assistant" for m in prompt
+        ):
+            yield i, prompt
+
+
+@PREFIX_NOT_PRESERVED.check(applies=lambda ctx: bool(getattr(ctx.tokenizer, "chat_template", None)))
+def check_prefix_preserving(ctx):
+    from hf_sanity.measure.agents import has_conversations, prefix_break, prefix_preserving
+
+    rl = ctx.objective.kind == "rl"
+    if rl:
+        checked, broken, first = 0, [], None
+        for i, prompt in _rl_prompts(ctx):
+            checked += 1
+            # The prompt's history and one answer after it, as a tool loop renders the conversation again.
+            found = prefix_break(ctx.tokenizer, [*prompt, {"role": "assistant", "content": "."}], {})
+            if found:
+                broken.append(i)
+                first = first or {"row": i, **found}
+        measured = {"multi_turn_rows": checked, "checked": checked, "broken": broken, "first": first}
+    elif has_conversations(ctx):
+        measured = prefix_preserving(ctx)
+    else:
+        return
+    if not measured or not measured["broken"]:
+        return
+    first = measured["first"]
+    diff = first["diff"]
+    yield PREFIX_NOT_PRESERVED.finding(
+        f"the chat template re-renders earlier turns: in {len(measured['broken'])} of {measured['checked']} "
+        f"multi-turn rows the conversation up to assistant turn {first['turn']} is not the start of the "
+        f"conversation one turn later (row {first['row']}: {diff['texts'][0]!r} becomes {diff['texts'][1]!r})",
+        evidence={
+            "rows_broken": len(measured["broken"]),
+            "checked": measured["checked"],
+            "multi_turn_rows": measured["multi_turn_rows"],
+            "first_turn": first["turn"],
+            "first_row": first["row"],
+            "diff": diff,
+            "rows": measured["broken"][:10],
+            "cause": "past-turns-rerendered",
+        },
+        severity="error" if rl else "warning",
     )
