@@ -349,12 +349,37 @@ def prefix_break(tok, messages, kwargs) -> dict[str, Any] | None:
         text = render(tok, messages[:end], kwargs)
         if text is None:
             return None
-        if previous is not None and not text.startswith(previous):
+        if previous is not None and not text.startswith(previous) and not _closes_both(tok, previous, text):
             diff = text_diff(tok, previous, text)
             turn = sum(1 for m in messages[:previous_end] if m.get("role") == "assistant")
             return {"turn": turn, "message": previous_end - 1, "diff": diff}
         previous, previous_end = text, end
     return None
+
+
+def _closes_both(tok, shorter: str, longer: str) -> bool:
+    """The shorter render parts from the longer only by special tokens that close the longer one too: a suffix
+    the template puts after the whole conversation (Phi-3's `<|endoftext|>`), not an earlier turn re-rendered."""
+    at = next((k for k, (a, b) in enumerate(zip(shorter, longer)) if a != b), len(shorter))
+    specials = sorted(
+        {str(t) for t in tok.all_special_tokens}
+        | {str(t) for t in (getattr(tok, "added_tokens_decoder", {}) or {}).values()},
+        key=len,
+        reverse=True,
+    )
+    longest = len(specials[0]) if specials else 0
+    # They may part inside a special token's text (`<|endoftext|>` against `<|user|>`): start up to one
+    # token's length earlier.
+    for start in range(at, max(0, at - longest) - 1, -1):
+        suffix = shorter[start:]
+        if not suffix or not longer.endswith(suffix):
+            continue
+        rest = suffix
+        for token in specials:
+            rest = rest.replace(token, "") if token else rest
+        if not rest.strip():
+            return True
+    return False
 
 
 def prefix_preserving(ctx) -> dict[str, Any] | None:
