@@ -86,11 +86,13 @@ def text_diff(tok, left: str, right: str, context: int = 40) -> dict[str, Any]:
     token = next(
         (k for k, (a, b) in enumerate(zip(left_ids, right_ids)) if a != b), min(len(left_ids), len(right_ids))
     )
+    line = left.rfind("\n", 0, at) + 1  # from the start of the line they part on, when it is near
+    start = line if at - line <= 60 else at - 20
     return {
         "char": at,
         "token": token,
         "tokens": [len(left_ids), len(right_ids)],
-        "texts": [left[max(0, at - 10) : at + context], right[max(0, at - 10) : at + context]],
+        "texts": [left[start : at + context], right[start : at + context]],
     }
 
 

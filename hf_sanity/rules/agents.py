@@ -51,8 +51,8 @@ def check_tool_args_serialization(ctx):
     double = example["double_encoded"]
     yield TOOL_ARGS_SERIALIZATION.finding(
         f"{_share(len(rows), measured['rows_with_calls'])} with tool calls store their arguments as JSON strings, "
-        f"and the chat template renders them {'double-encoded' if double else 'differently'} from the object a "
-        f"server renders ({len(measured['rendered_differently'])} of {measured['rendered']} rendered): trained "
+        f"and the chat template renders them {'double-encoded' if double else 'differently'}, not as the object "
+        f"a server parses them into ({len(measured['rendered_differently'])} of {measured['rendered']} rendered): trained "
         f"{example['trained']!r}, served {example['served']!r}",
         evidence={
             "rows_string_arguments": len(rows),
