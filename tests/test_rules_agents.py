@@ -192,12 +192,13 @@ def test_tool_calls_with_their_schema_are_silent(qwen, qwen_model, tmp_path, mea
     trainer = SFTTrainer(
         model=qwen_model, args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=qwen
     )
-    conversations = measured("conversations")
+    scans = measured("scan")
     report = preflight(
         trainer=trainer, select=["tools-schema-missing", "tool-args-serialization"], use_config=False
     )
     assert report.findings == []
-    assert len(conversations) == 2  # each rule read the trainer's conversations (generators: one record each)
+    (found,) = {id(f): f for f in scans}.values()  # one pass over the trainer's conversations, shared
+    assert len(found.with_calls) == 16 and found.without_schema == [] and found.string_arguments == []
 
 
 @pytest.mark.clean("tools-schema-missing")

@@ -9,6 +9,7 @@ trainer keeps beside its tokens (`SFTTrainer` keeps ``messages`` and ``tools``).
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,9 +36,11 @@ def conversations(ctx, indices=None) -> Iterator[Conversation]:
     if source is None:
         return
     data, to_trl = source
+    # Iterating a dataset reads it in batches; indexing it row by row costs a table lookup per row.
     wanted = range(len(data)) if indices is None else [int(i) for i in indices]
-    for i in wanted:
-        row = to_trl(data[i])
+    rows = data if indices is None else data.select(wanted)
+    for i, row in zip(wanted, rows):
+        row = to_trl(row)
         if not isinstance(row, dict):
             continue
         first = 0
@@ -62,6 +65,48 @@ def _source(ctx):
     if data is None or not ("messages" in columns or {"prompt", "completion"} <= columns):
         return None
     return data, lambda row: row
+
+
+@dataclass
+class Scan:
+    """What one pass over the conversations finds, shared by the rules of this module (rows by index)."""
+
+    with_calls: list[int]
+    string_arguments: list[int]  # tool calls with string arguments that hold a JSON object
+    without_schema: list[int]  # tool calls and no `tools`
+    functions_without_schema: set[str]
+    reasoning_field: list[int]  # the last answer carries a non-empty reasoning_content
+    multi_turn: list[int]  # two assistant turns or more
+
+
+_SCANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def scan(ctx) -> Scan:
+    """The pass over every conversation of ``ctx`` (once per context: the context is read-only, so the result
+    is kept beside it, not on it)."""
+    if ctx in _SCANS:
+        return _SCANS[ctx]
+    out = Scan([], [], [], set(), [], [])
+    for conv in conversations(ctx):
+        calls = [c for m in conv.messages for c in _calls(m)]
+        if calls:
+            out.with_calls.append(conv.index)
+            if any(_parsed(_function(c).get("arguments")) is not None for c in calls):
+                out.string_arguments.append(conv.index)
+            if not conv.kwargs.get("tools"):
+                out.without_schema.append(conv.index)
+                out.functions_without_schema |= {
+                    str(_function(c)["name"]) for c in calls if _function(c).get("name")
+                }
+        answers = [m for m in conv.messages if m.get("role") == "assistant"]
+        reasoning = answers[-1].get("reasoning_content") if answers else None
+        if isinstance(reasoning, str) and reasoning.strip():
+            out.reasoning_field.append(conv.index)
+        if len(answers) >= 2:
+            out.multi_turn.append(conv.index)
+    _SCANS[ctx] = out
+    return out
 
 
 def has_conversations(ctx) -> bool:
@@ -146,14 +191,8 @@ def tool_args_serialization(ctx) -> dict[str, Any] | None:
     """Rows whose tool calls carry their arguments as JSON strings, and how the template renders a sample of
     them against the object form (None when no row has string arguments that hold an object)."""
     tok = ctx.tokenizer
-    rows, with_calls = [], 0
-    for conv in conversations(ctx):
-        calls = [c for m in conv.messages for c in _calls(m)]
-        if not calls:
-            continue
-        with_calls += 1
-        if any(_parsed(_function(c).get("arguments")) is not None for c in calls):
-            rows.append(conv.index)
+    found = scan(ctx)
+    rows, with_calls = found.string_arguments, len(found.with_calls)
     if not rows:
         return None
     differ, rendered, example = [], 0, None
@@ -193,15 +232,8 @@ def tools_schema_missing(ctx) -> dict[str, Any] | None:
     """Rows with tool calls and no ``tools`` schema, and whether the template renders a tools block when it
     gets one (the row rendered with a schema of the functions it calls, and without)."""
     tok = ctx.tokenizer
-    rows, names, with_calls = [], set(), 0
-    for conv in conversations(ctx):
-        calls = [c for m in conv.messages for c in _calls(m)]
-        if not calls:
-            continue
-        with_calls += 1
-        if not conv.kwargs.get("tools"):
-            rows.append(conv.index)
-            names |= {str(_function(c).get("name")) for c in calls if _function(c).get("name")}
+    found = scan(ctx)
+    rows, names, with_calls = found.without_schema, found.functions_without_schema, len(found.with_calls)
     if not rows:
         return None
     block = None
@@ -318,12 +350,7 @@ def reasoning_field_dropped(ctx) -> dict[str, Any] | None:
     """Rows whose last assistant message carries a ``reasoning_content`` the template does not render (the
     answer trained without its reasoning)."""
     tok = ctx.tokenizer
-    rows, dropped, example = [], [], None
-    for conv in conversations(ctx):
-        last = next((m for m in reversed(conv.messages) if m.get("role") == "assistant"), None)
-        reasoning = last.get("reasoning_content") if last else None
-        if isinstance(reasoning, str) and reasoning.strip():
-            rows.append(conv.index)
+    rows, dropped, example = scan(ctx).reasoning_field, [], None
     if not rows:
         return None
     checked = 0
@@ -388,9 +415,7 @@ def prefix_preserving(ctx) -> dict[str, Any] | None:
     """Multi-turn rows (two assistant turns or more) rendered one turn at a time: those whose earlier render is
     not a prefix of the later one, with the first break (None without multi-turn rows)."""
     tok = ctx.tokenizer
-    multi = [
-        c.index for c in conversations(ctx) if sum(m.get("role") == "assistant" for m in c.messages) >= 2
-    ]
+    multi = scan(ctx).multi_turn
     if not multi:
         return None
     broken, first = [], None
