@@ -481,7 +481,11 @@ def _run_in_order(order, subject, selection, step, skipped: dict[str, list[str]]
     for detector in progress.each(order, detail=lambda d: d.rule):
         if detector.reads is not None and not isinstance(subject, detector.reads):
             continue
-        if detector.applies is not None and not detector.applies(subject):
+        applies, broken = _applies(detector, subject, step)
+        if broken:  # its precondition broke: said once, and what needs this rule is skipped
+            failed.add(detector.rule)
+            out.extend(kept for kept in map(selection.apply, broken) if kept is not None)
+        if not applies:
             continue
         blocking = [n for n in rules[detector.rule].needs if n in failed]
         if blocking:
@@ -500,6 +504,17 @@ def _run_in_order(order, subject, selection, step, skipped: dict[str, list[str]]
                 if kept is not None:
                     out.append(kept)
     return out
+
+
+def _applies(detector: Detector, subject: Any, step: int | None) -> tuple[bool, list[Finding]]:
+    """(whether ``detector`` has anything to check in ``subject``, the internal-error of an ``applies`` that
+    raised): a broken ``applies`` is a broken check like any other, inside the guard, and skips only its rule."""
+    if detector.applies is None:
+        return True, []
+    errors: list[Finding] = []
+    with guard(detector.rule, errors, step=step):
+        return bool(detector.applies(subject)), []
+    return False, errors
 
 
 def _merge_not_measured(findings: list[Finding], step: int | None) -> list[Finding]:

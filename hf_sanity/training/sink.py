@@ -65,14 +65,28 @@ class FindingSink:
         self.annotate: Callable[[Finding], None] | None = None  # adds run facts to a kept finding
         self.timings: dict[str, float] = {}
         self._failed: set[str] = set()
+        self._reads: frozenset[str] | None = None  # the value keys the enabled step detectors read
 
     def narrow(self, objective: Objective) -> None:
         """The run's training objective is known: from now on only the rules written for it are wanted."""
         self.objective = objective
         self.selection = self.selection.for_objective(objective.kind)
+        self._reads = None
 
     def wants(self, *slugs: str) -> bool:
+        """Some of these rules is enabled. Not for deciding what to measure for a step detector: that is
+        :meth:`measures`, by the values it reads (tests/test_architecture.py holds the planners to it)."""
         return any(self.selection.enabled(slug) for slug in slugs)
+
+    def measures(self, *keys: str) -> bool:
+        """The run's measurement plan: whether some enabled step detector reads one of the value ``keys`` (its
+        ``reads``, the contract MonitorSet feeds it by). A value is measured because a check reads it, never
+        because some other rule of a list happens to be on (``select=["loss-diverged"]`` still samples the
+        update ratio that names its cause ``lr-too-high``)."""
+        if self._reads is None:
+            enabled = self.selection.enabled
+            self._reads = frozenset(key for cls in catalog.monitors(enabled) for key in cls.reads)
+        return not self._reads.isdisjoint(keys)
 
     def guard(self, check: str, step: int | None = None) -> _TimedGuard:
         """Run one check: an exception becomes an internal-error finding (once per check), never the run's; its
@@ -167,9 +181,12 @@ class FindingSink:
                 tqdm.write(captured.get().rstrip("\n"), file=sys.stderr)
 
     def _duplicate(self, finding: Finding) -> bool:
-        if finding.rule == "internal-error":
+        """The same finding again: one per rule, but one per broken check (internal-error) and one per reason
+        a check was skipped (checks-skipped: several reasons, each said once)."""
+        if finding.rule in catalog.ALWAYS_REPORTED:
+            same = ("check",) if finding.rule == catalog.INTERNAL_ERROR.slug else ("why", "needs", "skipped")
             return any(
-                f.evidence.get("check") == finding.evidence.get("check")
+                all(f.evidence.get(k) == finding.evidence.get(k) for k in same)
                 for f in self.report.by_rule(finding.rule)
             )
         if finding.rule not in self.counts:
