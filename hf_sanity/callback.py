@@ -15,21 +15,19 @@ run without the callback.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
-from hf_sanity.measure.objective import of_trainer
 from hf_sanity.selection import resolve
-from hf_sanity.training import first_batch, memory, outcome, replay, resume, shards
+from hf_sanity.training import begin, first_batch, memory, outcome, replay, resume, shards
 from hf_sanity.training.budget import Budget
 from hf_sanity.training.generation import GenerationCheck
-from hf_sanity.training.instrument import Instruments, OwnClock, clocked, find_trainer, move_before_reporters
-from hf_sanity.training.measures import StepSampler, train_only_modules, vocab_size
+from hf_sanity.training.instrument import Instruments, OwnClock, clocked
+from hf_sanity.training.measures import train_only_modules
 from hf_sanity.training.monitors import MonitorSet
-from hf_sanity.training.ranks import RankExchange, world
 from hf_sanity.training.recorder import EarlyFlags, Recorder
 from hf_sanity.training.sink import FindingSink
 from hf_sanity.training.trl_metrics import ObjectiveFeed
@@ -98,59 +96,46 @@ class SanityCallback(TrainerCallback, ExportableState):
         with self.sink.guard("checkpoint-state"):  # inside Trainer's save: nothing may raise
             if self.sampler is not None and self.sink.world_size == 1:
                 self._read(now=self._step)
-        return resume.export(self)
+        exported = {"args": self.settings, "attributes": {}}  # what Trainer saves if even that broke
+        with self.sink.guard("checkpoint-state"):
+            exported = resume.export(self)
+        return exported
 
     # -- Trainer events ------------------------------------------------------------------------------
+    # Each event: a row of guarded blocks (tests/test_architecture.py checks no statement runs outside one): one
+    # that raises is one internal-error finding and skips only itself; the next, and the user's run, go on.
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if (given := resume.handed_back(self)) is not None:  # Trainer swapped in a copy: the user's goes on
+        given = None
+        with self.sink.guard("callback-setup"):
+            given = resume.handed_back(self)
+        if given is not None:  # Trainer swapped in a copy: the user's goes on
             return given.on_train_begin(args, state, control, model=model, optimizer=optimizer, **kwargs)
-        self.instruments.uninstall()
-        self._reset()
-        self.clock.restart()
-        sink = self.sink
-        with sink.guard("callback-setup"):  # first and alone: every rank must agree on the world size
-            sink.is_main = bool(state.is_world_process_zero)
-            outcome.begin(state)
-            self.trainer = find_trainer()
-            sink.narrow(of_trainer(self.trainer))
-            sink.rank, sink.world_size = world()
-        with sink.guard("callback-setup"):
-            self.model = getattr(self.trainer, "model", None) or model
-            sink.output_dir = Path(args.output_dir or ".") / "hf-sanity"
-            sink.annotate = lambda finding: self.held.attach(finding, sink.save_batch)
-            self.sampler = StepSampler(
-                self.trainer, self.model, optimizer or getattr(self.trainer, "optimizer", None), args, state,
-                sink.wants, check_every=self.check_every, world_size=sink.world_size,
-            )  # fmt: skip
-            self.exchange = RankExchange(
-                sink.rank, sink.world_size, compared=self.sampler.sharding.replicated
-            )
-            self.monitors = MonitorSet(sink, self.sampler.training_setup(sink.world_size, sink.objective))
-            self.trl = ObjectiveFeed(self.trainer, sink, self.probe_every, self.reward_dry_run)
-            self.resumed = resume.begin(self, state)  # a resumed run continues from the checkpoint's state
-            self.monitors.feed(0, {**self.sampler.setup_values(), **self.trl.begin()})
-            self.instruments.install(self.trainer, self.model, self)
-            move_before_reporters(self.trainer, self)
-        self._memory_check(0)
+        with self.sink.guard("callback-setup"):  # the previous sink's guard: a new run's sink is built here
+            self.instruments.uninstall()
+            self._reset()
+            self.clock.restart()
+        with self.sink.guard("callback-setup"):  # each part in its own guard: see training.begin
+            begin.watch(self, args, state, model, optimizer)
         return control
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._step, self._micro = state.global_step + 1, 0
-        if self.sampler is not None and self.sampler.watches_step_begin:
-            with self.sink.guard("stale-gradients"):
+        with self.sink.guard("callback-step"):
+            self._step, self._micro = state.global_step + 1, 0
+        with self.sink.guard("stale-gradients"):
+            if self.sampler is not None and self.sampler.watches_step_begin:
                 self.sampler.step_begins(self.recorder, self._step)
         return control
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        step = state.global_step + 1
         with self.sink.guard("callback-gradient-path"):
             if self.sampler is not None:
                 optimizer = optimizer or getattr(self.trainer, "optimizer", None)
-                self.sampler.before_optimizer(self.recorder, step, optimizer)
-        self.trl.before_update(self.sink)  # an RL run's KL probe: its baseline, before the first update
+                self.sampler.before_optimizer(self.recorder, state.global_step + 1, optimizer)
+        with self.sink.guard("kl-spike"):  # an RL run's KL probe: its baseline, before the first update
+            self.trl.before_update(self.sink)
         with self.sink.guard("callback-early-read"):
             if self.early.nonfinite() is not None:
-                self._read(now=step, weights_step=step, control=control)
+                self._read(now=state.global_step + 1, weights_step=state.global_step + 1, control=control)
         return control
 
     def on_optimizer_step(self, args, state, control, **kwargs):
@@ -160,44 +145,60 @@ class SanityCallback(TrainerCallback, ExportableState):
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        step = state.global_step
-        self.trl.step_end(step, self.monitors, self.sink)
-        sharded = self.sampler is not None and self.sampler.sharded
-        if self.first.probe_due(step, self.probe_every, self.sink, sharded=sharded) and self._probes_run():
-            with self.sink.guard("predictions-frozen"), self.instruments.quiet():
+        with self.sink.guard("callback-trl-metrics"):
+            self.trl.step_end(state.global_step, self.monitors, self.sink)
+        with self.sink.guard("predictions-frozen"), self.instruments.quiet():  # the probe, when due
+            sharded, step = self.sampler is not None and self.sampler.sharded, state.global_step
+            if (
+                self.first.probe_due(step, self.probe_every, self.sink, sharded=sharded)
+                and self._probes_run()
+            ):
                 self.first.probe(self.model, self.recorder, step)
-        if step % self.check_every == 0 or control.should_log or control.should_save:  # before a checkpoint
-            self._read(now=step, control=control)
-        if self.sink.world_size > 1 and step % self.sync_every == 0:
-            self._sync(step, control)
-        if self.sink.stop_pending and self.sink.world_size == 1:
-            outcome.stop(self.sink, control, self.trainer, step)
+        with self.sink.guard("callback-read"):
+            if state.global_step % self.check_every == 0 or control.should_log or control.should_save:
+                self._read(now=state.global_step, control=control)  # before a checkpoint too
+        with self.sink.guard("callback-sync"):
+            if self.sink.world_size > 1 and state.global_step % self.sync_every == 0:
+                self._sync(state.global_step, control)
+        with self.sink.guard("callback-stop"):
+            if self.sink.stop_pending and self.sink.world_size == 1:
+                outcome.stop(self.sink, control, self.trainer, state.global_step)
         return control
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
-        self.history.evaluations.append(state.global_step)  # later training forwards must be in train mode
-        self._read(now=state.global_step, control=control)
-        self.monitors.curves(self.history, state, vocab_size=vocab_size(self.model), final=False)
-        if self.generation is not None:
-            self.generation.at_evaluate(self, state)
+        with self.sink.guard("callback-read"):  # later training forwards must be in train mode:
+            self.history.evaluations.append(state.global_step)
+            self._read(now=state.global_step, control=control)
+        with self.sink.guard("curves"):
+            self.monitors.curves(self.history, state, model=self.model, final=False)
+        with self.sink.guard("outputs"):
+            if self.generation is not None:
+                self.generation.at_evaluate(self, state)
         return control
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.trl.log(state.global_step, logs, self.monitors, self.sink)
-        outcome.log_counts(self.sink, state, logs)  # and into state.log_history, which Trainer keeps
+        with self.sink.guard("callback-trl-metrics"):
+            self.trl.log(state.global_step, logs, self.monitors, self.sink)
+        with self.sink.guard("callback-log"):
+            outcome.log_counts(self.sink, state, logs)  # and into state.log_history, which Trainer keeps
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
         try:
-            self._read(now=state.global_step)  # the run is over: nothing left to stop
-            self.monitors.curves(self.history, state, vocab_size=vocab_size(self.model), final=True)
-            if self.sink.world_size > 1:
-                self._sync(state.global_step, control, final=True)
+            with self.sink.guard("callback-read"):
+                self._read(now=state.global_step)  # the run is over: nothing left to stop
+            with self.sink.guard("curves"):
+                self.monitors.curves(self.history, state, model=self.model, final=True)
+            with self.sink.guard("callback-sync"):
+                if self.sink.world_size > 1:
+                    self._sync(state.global_step, control, final=True)
             with self.sink.guard("report"):
                 self.report.stats.update(outcome.stats(self, steps=state.global_step))
+            with self.sink.guard("report"):
                 self.sink.write()
         finally:
-            self.instruments.uninstall()
+            with self.sink.guard("callback-instruments"):
+                self.instruments.uninstall()
         return control
 
     # -- what the instruments observe ----------------------------------------------------------------
@@ -221,7 +222,7 @@ class SanityCallback(TrainerCallback, ExportableState):
             self.recorder.push(self._step or 1, "grad_norm", shards.plain(norm))
 
     def pre_forward(self, module, args, kwargs) -> None:
-        if self.sampler is not None and self.sampler.watch_mode:
+        if self.sampler is not None and self.sampler.watch_mode:  # every forward: a guard only where work is
             with self.sink.guard("train-mode-off"):
                 self.sampler.forward(self.recorder, self._step or 1, module)
         if self._autocast is None:
@@ -235,19 +236,18 @@ class SanityCallback(TrainerCallback, ExportableState):
                 self.monitors.feed(1, values)
 
     def post_forward(self, module, output) -> None:
-        if (shapes := self.first.logits_pending(output)) is not None:
-            self.monitors.feed(1, shapes)
+        with self.sink.guard("first-batch"):
+            if (shapes := self.first.logits_pending(output)) is not None:
+                self.monitors.feed(1, shapes)
 
     def failed(self, exc: BaseException) -> None:
-        """Training dies: report an out-of-memory error with its memory picture, write the report, clean up."""
-        try:
+        """Training dies with the user's ``exc``: an out-of-memory error is reported with its memory picture, the
+        report written, the instruments taken back. Nothing here may raise: the user's exception is what
+        Trainer raises, unchanged (each part in its own guard, and a last net under them all)."""
+        with contextlib.suppress(Exception):
             outcome.failed(self, exc)
-        finally:
-            try:
-                with self.sink.guard("report"):
-                    self.sink.write()
-            finally:
-                self.instruments.uninstall()
+        with contextlib.suppress(Exception):
+            self.instruments.uninstall()
 
     # -- reading -------------------------------------------------------------------------------------
     def _read(self, *, now: int, weights_step: int | None = None, control=None) -> None:
@@ -285,7 +285,8 @@ class SanityCallback(TrainerCallback, ExportableState):
         return self.sampler is None or self.sampler.sharding.probe_skip is None
 
     def _memory_check(self, step: int) -> None:
-        if self.sink.wants("memory-growth", "oom") and self.memory_budget.due():  # the walk: 0.1% of the run
+        walked = ("graph_tensors", "holders", "allocated")  # what memory-growth and oom read of a walk
+        if self.sink.measures(*walked) and self.memory_budget.due():  # the walk: 0.1% of the run
             with self.sink.guard("memory-growth"), self.memory_budget.spend():
                 self.monitors.feed(step, memory.held_now(self.trainer, self.model, skip=self))
 

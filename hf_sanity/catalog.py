@@ -27,6 +27,7 @@ needs neither torch nor transformers, so `hf-sanity rules` and option validation
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import pkgutil
 import sys
@@ -277,8 +278,27 @@ def all_rules() -> list[Rule]:
 def get(slug: str) -> Rule:
     rules = load()
     if slug not in rules:
-        raise UserInputError(f"unknown rule {slug!r}; `hf-sanity rules` lists the {len(rules)} rules")
+        hint = did_you_mean(slug, rules)
+        listing = f"`hf-sanity rules` lists the {len(rules)} rules"
+        raise UserInputError(f"unknown rule {slug!r}; " + (f"{hint} ({listing})" if hint else listing))
     return rules[slug]
+
+
+SUGGESTIONS = 3  # close matches named for a mistyped slug
+
+
+def did_you_mean(word: str, names: Iterable[str]) -> str:
+    """ "did you mean 'a' or 'b'?" for the names closest to ``word``, or "" when none is close: the names that
+    contain it whole (a slug's stem, as `stop-token` of `stop-token-mismatch`) first, then difflib's closest
+    (a typo)."""
+    names = sorted(names)
+    key = word.strip().lower()
+    close = [n for n in names if key in n] if len(key) >= 3 else []
+    close += [n for n in difflib.get_close_matches(key, names, n=SUGGESTIONS, cutoff=0.6) if n not in close]
+    close = close[:SUGGESTIONS]
+    if not close:
+        return ""
+    return "did you mean " + " or ".join(repr(n) for n in close) + "?"
 
 
 def detectors(
@@ -461,7 +481,11 @@ def _run_in_order(order, subject, selection, step, skipped: dict[str, list[str]]
     for detector in progress.each(order, detail=lambda d: d.rule):
         if detector.reads is not None and not isinstance(subject, detector.reads):
             continue
-        if detector.applies is not None and not detector.applies(subject):
+        applies, broken = _applies(detector, subject, step)
+        if broken:  # its precondition broke: said once, and what needs this rule is skipped
+            failed.add(detector.rule)
+            out.extend(kept for kept in map(selection.apply, broken) if kept is not None)
+        if not applies:
             continue
         blocking = [n for n in rules[detector.rule].needs if n in failed]
         if blocking:
@@ -480,6 +504,17 @@ def _run_in_order(order, subject, selection, step, skipped: dict[str, list[str]]
                 if kept is not None:
                     out.append(kept)
     return out
+
+
+def _applies(detector: Detector, subject: Any, step: int | None) -> tuple[bool, list[Finding]]:
+    """(whether ``detector`` has anything to check in ``subject``, the internal-error of an ``applies`` that
+    raised): a broken ``applies`` is a broken check like any other, inside the guard, and skips only its rule."""
+    if detector.applies is None:
+        return True, []
+    errors: list[Finding] = []
+    with guard(detector.rule, errors, step=step):
+        return bool(detector.applies(subject)), []
+    return False, errors
 
 
 def _merge_not_measured(findings: list[Finding], step: int | None) -> list[Finding]:

@@ -521,3 +521,165 @@ def test_every_key_a_monitor_declares_is_produced_by_a_measurement():
         f"{cls.__name__}.{key}" for cls in catalog.monitors() for key in cls.reads if key not in produced
     }
     assert sorted(unproduced) == []
+
+
+# -- never the run's -------------------------------------------------------------------------------------
+# Where hf-sanity's code runs inside the user's run: every Trainer event of the callbacks, what the instruments
+# call on their observer, and the train-begin setup. Each is a row of guarded blocks.
+GUARDED = {
+    (PACKAGE / "callback.py", "SanityCallback"): (
+        "before_micro", "after_micro", "grad_norm", "pre_forward", "post_forward", "failed", "state",
+    ),
+    (PACKAGE / "launch" / "hook.py", "HfSanityLaunch"): ("export",),
+    (PACKAGE / "training" / "begin.py", None): ("watch",),
+}  # fmt: skip
+
+
+def _is_guard(item: ast.withitem) -> bool:
+    """``with <sink>.guard(...)``, the launcher's ``with unbreakable(...)``, ``with contextlib.suppress(Exception)``."""
+    call = item.context_expr
+    if not isinstance(call, ast.Call):
+        return False
+    name = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", None)
+    if name == "suppress":
+        return any(isinstance(a, ast.Name) and a.id == "Exception" for a in call.args)
+    return name in ("guard", "unbreakable")
+
+
+def _unguarded(statements: list[ast.stmt], where: str) -> list[str]:
+    """The statements of a body that run outside a guard. Allowed bare: a docstring, ``return`` of a name, a
+    constant or another event of a callback (itself checked), ``pass``, a local name bound to what calls
+    nothing, an ``if`` that calls nothing in its test, and ``try``/``finally`` around guarded blocks."""
+    out = []
+    for stmt in statements:
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
+            continue
+        if isinstance(stmt, ast.Pass):
+            continue
+        if isinstance(stmt, ast.Return):
+            value = stmt.value
+            delegated = (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Attribute)
+                and value.func.attr.startswith("on_")
+            )
+            if value is None or isinstance(value, (ast.Name, ast.Constant)) or delegated:
+                continue
+        if isinstance(stmt, ast.With) and _is_guard(stmt.items[0]):
+            continue
+        if (
+            isinstance(stmt, ast.Assign)
+            and all(isinstance(t, ast.Name) for t in stmt.targets)
+            and not any(isinstance(n, ast.Call) for n in ast.walk(stmt.value))
+        ):
+            continue  # a local name for what is at hand
+        if isinstance(stmt, ast.If) and not any(isinstance(n, ast.Call) for n in ast.walk(stmt.test)):
+            out += _unguarded(stmt.body, where) + _unguarded(stmt.orelse, where)
+            continue
+        if isinstance(stmt, ast.Try) and not stmt.handlers:
+            out += _unguarded(stmt.body, where) + _unguarded(stmt.finalbody, where)
+            continue
+        out.append(f"{where}:{stmt.lineno}: {ast.unparse(stmt).splitlines()[0]}")
+    return out
+
+
+def _guarded_functions() -> list[tuple[str, ast.FunctionDef]]:
+    out = []
+    for (path, klass), extra in GUARDED.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        scopes = (
+            [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == klass] if klass else [tree]
+        )
+        assert scopes, f"{path.name} has no class {klass}"
+        functions = [n for n in scopes[0].body if isinstance(n, ast.FunctionDef)]
+        chosen = [f for f in functions if f.name.startswith("on_") or f.name in extra]
+        assert {f.name for f in chosen} >= set(extra), f"{path.name}: {set(extra) - {f.name for f in chosen}}"
+        out += [(f"{path.relative_to(ROOT)}:{klass or ''}.{f.name}", f) for f in chosen]
+    return out
+
+
+def test_every_event_of_the_callbacks_runs_each_part_in_its_own_guard():
+    """Never the run's: no statement of a Trainer event, of what the instruments call, or of the train-begin
+    setup runs outside a guard, so one broken measurement is one internal-error finding that skips only itself
+    (a guard around a whole event would leave the rest of it blind)."""
+    functions = _guarded_functions()
+    events = {name.rsplit(".", 1)[1] for name, _ in functions}
+    assert {
+        "on_train_begin",
+        "on_step_end",
+        "on_train_end",
+        "on_log",
+        "on_init_end",
+    } <= events  # the scan works
+    problems = [line for name, func in functions for line in _unguarded(func.body, name)]
+    assert problems == []
+
+
+def test_the_instruments_call_only_guarded_observer_methods():
+    """The wrapped training step, the forward hooks and the norm wrapper reach hf-sanity's code only through the
+    observer's methods checked above; the user's exception is re-raised as it came."""
+    checked = set(GUARDED[(PACKAGE / "callback.py", "SanityCallback")])
+    tree = ast.parse((PACKAGE / "training" / "instrument.py").read_text(encoding="utf-8"))
+    called = {
+        node.func.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "observer"
+    }
+    assert {"before_micro", "failed"} <= called  # the scan works
+    assert sorted(called - checked) == []
+    handlers = [n for n in ast.walk(tree) if isinstance(n, ast.ExceptHandler)]
+    for handler in handlers:  # an except that catches the user's exception ends by re-raising it, unchanged
+        if ast.unparse(handler.type or ast.Name("BaseException")) == "BaseException":
+            assert isinstance(handler.body[-1], ast.Raise) and handler.body[-1].exc is None
+
+
+# -- the measurement plan --------------------------------------------------------------------------------
+def _slug_constants(module) -> dict[str, str]:
+    """A module's upper-case string constants (``COLLAPSE_RULE = "expert-collapse"``)."""
+    return {k: v for k, v in vars(module).items() if isinstance(v, str) and k.isupper()}
+
+
+def test_no_planner_decides_by_rule_names_where_a_step_detector_declares_its_reads():
+    """What the callback measures follows the enabled step detectors' ``reads`` (``sink.measures(*keys)``), not
+    a list of slugs: a list misses the rule that reads a value too (the update ratio once was sampled only for
+    loss-flat and lr-too-low, and loss-diverged lost its cause ``lr-too-high``)."""
+    import importlib
+
+    rules = catalog.load()
+    stepped = {slug for slug, rule in rules.items() if any(d.kind == "step" for d in rule.detectors)}
+    paths = [PACKAGE / "callback.py", *sorted((PACKAGE / "training").glob("*.py"))]
+    problems, seen = [], 0
+    for path in paths:
+        module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        constants = _slug_constants(module)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if name not in ("wants", "enabled"):
+                continue
+            seen += 1
+            for arg in node.args:
+                slug = arg.value if isinstance(arg, ast.Constant) else None
+                if isinstance(arg, ast.Name):
+                    slug = constants.get(arg.id)
+                if slug in stepped:
+                    problems.append(
+                        f"{path.relative_to(ROOT)}:{node.lineno}: {name}({slug!r}): use measures(<reads>)"
+                    )
+    assert seen >= 2  # the scan works: the first batch's token rules are asked for by name (context rules)
+    assert problems == []
+
+
+def test_the_plan_measures_what_the_rules_that_name_a_cause_read():
+    """select=["loss-diverged"] (or grad-explosion) alone still samples the update ratio behind ``lr-too-high``."""
+    from hf_sanity.selection import Selection
+    from hf_sanity.training.sink import FindingSink
+
+    for slug in ("loss-diverged", "grad-explosion", "loss-flat"):
+        sink = FindingSink(Selection(select=frozenset({slug})))
+        assert sink.measures("update_ratio"), slug
+    assert not FindingSink(Selection(select=frozenset({"oom"}))).measures("update_ratio")

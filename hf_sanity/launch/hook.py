@@ -143,8 +143,8 @@ class HfSanityLaunch(TrainerCallback):
         return control
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.started = time.time()
         with unbreakable("check the trainer's callbacks"):
+            self.started = time.time()
             callbacks = self.trainer.callback_handler.callbacks
             others = [
                 cb for cb in callbacks if type(cb).__name__ == "SanityCallback" and cb is not self.added
@@ -156,7 +156,8 @@ class HfSanityLaunch(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.export(finished=True)  # after SanityCallback's own on_train_end: it moved itself before us
+        with unbreakable("send the report to hf-sanity"):
+            self.export(finished=True)  # after SanityCallback's own on_train_end: it moved itself before us
         return control
 
     # -- run -----------------------------------------------------------------------------------------
@@ -175,10 +176,10 @@ class HfSanityLaunch(TrainerCallback):
 
     def export(self, *, finished: bool) -> None:
         """The main process's report of this trainer, to the parent (again at exit: the latest wins)."""
-        sanity = self.sanity
-        if sanity is None or getattr(sanity, "trainer", None) is None or not sanity.sink.is_main:
-            return  # never trained, or not the main process
         with unbreakable("send the report to hf-sanity"):
+            sanity = self.sanity
+            if sanity is None or getattr(sanity, "trainer", None) is None or not sanity.sink.is_main:
+                return  # never trained, or not the main process
             state = getattr(self.trainer, "state", None)
             record = self._record(sanity.report, finished=finished)
             record["state"] = dataclasses.asdict(state) if dataclasses.is_dataclass(state) else None

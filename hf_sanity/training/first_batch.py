@@ -16,14 +16,16 @@ from hf_sanity.findings import Finding
 from hf_sanity.rules.training.predictions import FROZEN_PROBES
 from hf_sanity.selection import Selection
 from hf_sanity.training.budget import Budget
-from hf_sanity.training.routing import COLLAPSE_RULE, RouterWatch
+from hf_sanity.training.routing import RouterWatch
 
 ALIGNED = ("input_ids", "labels", "attention_mask", "inputs_embeds")
 TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 SHAPE_RULE = "shape-mismatch"
 STEP0_RULE = "init-loss-off-chance"
 LEAK_RULE = "future-token-leak"  # the model on the batch with its future changed: two extra forwards, a probe
-LIKELIHOOD_RULE = "likelihood-displacement"
+# What the probe of the first batch measures: the step-0 numbers, the first predictions the later probes compare
+# with (`changed`), where a mixture of experts routes it. It runs when an enabled step detector reads one.
+PROBED = ("step0", "changed", "router_load")
 
 
 def token_findings(
@@ -88,7 +90,7 @@ class FirstBatch:
         no-op context for every other one."""
         if not self.done and "labels" in batch:
             self._labels = batch["labels"]
-        if self.loss_watch is not None or sink is None or not sink.wants(SHAPE_RULE):
+        if self.loss_watch is not None or sink is None or not sink.measures("loss_broadcast"):
             return contextlib.nullcontext()
         from hf_sanity.training import broadcast
 
@@ -141,7 +143,7 @@ class FirstBatch:
         if (
             probe
             and sink.objective.kind == "preference"
-            and sink.wants(LIKELIHOOD_RULE)
+            and sink.measures("chosen_logp")
             and "labels" in batch
         ):
             with sink.guard("callback-probe"):  # the chosen rows (the batch's first half): their likelihood
@@ -149,7 +151,7 @@ class FirstBatch:
                 self._probe_batch = probe.probe_batch(batch, min(chosen, probe.PROBE_ROWS))
                 self._probe_kind = "likelihood"
                 chosen = probe.chosen_logp(module, self._probe_batch)
-        elif probe and sink.wants(STEP0_RULE, "predictions-frozen", "grad-accum-loss-scaling", COLLAPSE_RULE):
+        elif probe and sink.measures(*PROBED):
             with sink.guard("callback-probe"):
                 self._probe_batch = probe.probe_batch(batch)
                 with self.experts.counted(module, self._probe_batch, sink):
@@ -210,7 +212,7 @@ class FirstBatch:
     def probe_due(self, step: int, every: int | None, sink, *, sharded: bool = False) -> bool:
         """A probe (`predictions-frozen`; on a preference run, the chosen answers' likelihood) runs at the end of
         this step: every ``every`` steps, within its time budget unless the parameters are ``sharded``."""
-        wanted = sink.wants("predictions-frozen", LIKELIHOOD_RULE, COLLAPSE_RULE)
+        wanted = sink.measures("changed", "chosen_logp", "router_load")
         due = bool(every) and step % every == 0 and wanted
         return due and self._probe_batch is not None and (sharded or self.budget.due())
 

@@ -169,7 +169,8 @@ class Instruments:
                         loss = original(model, inputs, *args, **kwargs)
                 except BaseException as exc:
                     self.in_train = False
-                    observer.failed(exc)
+                    with contextlib.suppress(Exception):  # the user's exception goes on unchanged
+                        observer.failed(exc)
                     raise
                 self.in_train = False
                 observer.after_micro(loss)

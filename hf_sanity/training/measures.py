@@ -165,10 +165,21 @@ def warmup_steps(trainer, args, max_steps: int) -> tuple[int | None, str | None]
 
 
 def vocab_size(model) -> int | None:
-    """The model's input-embedding rows (the V of ln V), where it has embeddings."""
-    if model is None or not hasattr(model, "get_input_embeddings"):
-        return None
-    return getattr(model.get_input_embeddings(), "num_embeddings", None)
+    """The model's input-embedding rows (the V of ln V): from its embeddings where transformers can resolve them,
+    else from its config's ``vocab_size`` (a model whose ``get_input_embeddings`` raises NotImplementedError:
+    transformers' answer for embeddings it cannot find); None where neither says."""
+    get = getattr(model, "get_input_embeddings", None) if model is not None else None
+    if get is not None:
+        try:
+            rows = getattr(get(), "num_embeddings", None)
+        except NotImplementedError:
+            rows = None
+        if isinstance(rows, int) and rows > 0:
+            return rows
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "vocab_size", None)
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def count_labels(counts, labels) -> None:
@@ -218,8 +229,11 @@ class StepSampler:
     to reduce depend only on the model's structure and the step number, never on this rank's values."""
 
     def __init__(
-        self, trainer, model, optimizer, args, state, wants, *, check_every: int = 10, world_size: int = 1
+        self, trainer, model, optimizer, args, state, measures, *, check_every: int = 10, world_size: int = 1
     ) -> None:
+        """``measures(*keys)``: whether some enabled step detector reads one of the value ``keys`` (the run's
+        measurement plan, :meth:`hf_sanity.training.sink.FindingSink.measures`): each value here is sampled
+        exactly when a check reads it."""
         import torch
 
         self.model = model
@@ -249,7 +263,7 @@ class StepSampler:
         skipped = self.sharding.skipped
         self.stale_sample = (
             spread([p for _, p in self.trainable], SAMPLED_PARAMS)
-            if wants("stale-gradients") and "stale-gradients" not in skipped
+            if measures("stale_norm") and "stale-gradients" not in skipped
             else []
         )
         # Sharded optimizers (FSDP, DeepSpeed) may hold flattened copies: membership cannot be checked by identity.
@@ -263,17 +277,16 @@ class StepSampler:
         )[:1]
         self.update_sample = (
             spread(small, SAMPLED_PARAMS)
-            if wants("loss-flat", "lr-too-low") and "update ratio" not in skipped
+            if measures("update_ratio", "updated") and "update ratio" not in skipped
             else []
         )
-        self.watch_path = wants("lr-zero", "lr-too-low", "loss-flat")
-        self.watch_mode = wants("train-mode-off")
+        self.watch_path = measures("n_trainable", "n_with_grad", "n_in_optimizer")
+        self.watch_mode = measures("training")
         self.label_counts = None
-        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        rows = getattr(embeddings, "num_embeddings", None)
+        rows = self.vocab_size
         # Where batches and the module live (a ZeRO-3 partition may be offloaded to the CPU: not there).
         self.device = params[0][1].device if params else torch.device("cpu")
-        if rows and wants("loss-plateau-prior"):
+        if rows and measures("label_entropy"):
             self.label_counts = torch.zeros(rows, dtype=torch.float32, device=self.device)
         self._labels: list[Any] = []  # the batches' labels since the last count (counted at each read)
         self._batches = 0  # micro-batches seen

@@ -78,7 +78,7 @@ class MonitorSet:
             monitor.first_step = first_step
         self._plan = self._planned()
 
-    def curves(self, history, state, *, vocab_size: int | None, final: bool) -> None:
+    def curves(self, history, state, *, model, final: bool) -> None:
         """The online curve detectors on the run's curves so far (main process): at an evaluation and, with
         ``final``, at train end; a finding without a step gets the current one. A resumed run's curves are the
         logged ones: Trainer's log history holds the steps before the checkpoint, this process's record not."""
@@ -86,9 +86,10 @@ class MonitorSet:
             return
         with self.sink.guard("curves"):
             from hf_sanity.drivers.curves import analyze
+            from hf_sanity.training.measures import vocab_size
 
             per_step = self.sink.world_size == 1 and self.first_step == 1
-            curves = history.curves(state.log_history, vocab_size=vocab_size, per_step=per_step)
+            curves = history.curves(state.log_history, vocab_size=vocab_size(model), per_step=per_step)
             curves.planned_steps = getattr(state, "max_steps", None) or None
             if self.setup.max_grad_norm is not None:  # the trainer's arguments were read
                 curves.max_grad_norm, curves.warmup_steps = self.setup.max_grad_norm, self.setup.warmup_steps

@@ -121,15 +121,21 @@ def stats(callback, *, steps: int) -> dict[str, Any]:
 
 def failed(callback, exc: BaseException) -> None:
     """Training died with ``exc``: an out-of-memory error is reported with its memory picture (each part on
-    its own: memory is short), and the report's stats say what stopped the run."""
+    its own: memory is short), the report's stats say what stopped the run, and it is written. Every part runs in its own
+    guard: whatever breaks here is an internal-error finding, and ``exc`` is what the user's loop gets."""
     from hf_sanity.training import memory
 
     sink = callback.sink
-    if memory.is_oom(exc) and sink.wants("oom"):
+    if memory.is_oom(exc) and sink.measures("oom"):
         with sink.guard("oom"):
             callback._read(now=callback._step)
-        optimizer = getattr(callback.trainer, "optimizer", None)
-        oom = memory.oom_facts(exc, callback.model, optimizer, sink.guard)
-        callback.monitors.feed(callback._step or 1, {"oom": oom})
-    steps = getattr(getattr(callback.trainer, "state", None), "global_step", callback._step)
-    sink.report.stats.update(stats(callback, steps=steps), aborted_by=type(exc).__name__)
+        with sink.guard("oom"):
+            optimizer = getattr(callback.trainer, "optimizer", None)
+            oom = memory.oom_facts(exc, callback.model, optimizer, sink.guard)
+            callback.monitors.feed(callback._step or 1, {"oom": oom})
+    sink.report.stats.update(aborted_by=type(exc).__name__)  # said first: a figure below may not be known
+    with sink.guard("report"):
+        steps = getattr(getattr(callback.trainer, "state", None), "global_step", callback._step)
+        sink.report.stats.update(stats(callback, steps=steps), aborted_by=type(exc).__name__)
+    with sink.guard("report"):
+        sink.write()

@@ -247,7 +247,7 @@ def first_nonfinite(
 ) -> dict[str, Any]:
     """The facts of the run's first non-finite loss (:func:`nonfinite_facts`); {} once it is reported, or
     with `nonfinite-loss` off. ``sampler`` tells the precision and whether a replay may run on this layout."""
-    if "nonfinite-loss" in sink.counts or not sink.wants("nonfinite-loss"):
+    if "nonfinite-loss" in sink.counts or not sink.measures("nonfinite"):
         return {}
     half, skip = (sampler.half, sampler.sharding.replay_skip) if sampler is not None else (False, None)
     return nonfinite_facts(

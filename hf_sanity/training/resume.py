@@ -58,12 +58,13 @@ def settings(arguments: Mapping[str, Any]) -> dict[str, Any]:
 def export(callback) -> dict[str, Any]:
     """``SanityCallback.state()``: what Trainer saves in a checkpoint (never raises: a checkpoint must not fail
     for hf-sanity; a state that cannot be made is an internal-error finding and saved as None)."""
-    trainer = find_trainer()
-    if trainer is not None and callback in getattr(
-        getattr(trainer, "callback_handler", None), "callbacks", ()
-    ):
-        _GIVEN[trainer] = weakref.ref(callback)
-    saved = None
+    trainer = saved = None
+    with callback.sink.guard("checkpoint-state"):
+        trainer = find_trainer()
+        if trainer is not None and callback in getattr(
+            getattr(trainer, "callback_handler", None), "callbacks", ()
+        ):
+            _GIVEN[trainer] = weakref.ref(callback)
     with callback.sink.guard("checkpoint-state"):
         saved = snapshot(callback, trainer)
     return {"args": dict(callback.settings), "attributes": {ATTRIBUTE: saved}}

@@ -19,6 +19,8 @@ from hf_sanity.measure import moe
 
 COLLAPSE_RULE = "expert-collapse"
 AUX_RULE = "moe-aux-loss-off"
+# What it measures (the values RouterMonitor reads): measured when an enabled step detector reads them.
+MEASURED = ("routing", "router_load")
 
 
 class RouterWatch:
@@ -33,7 +35,7 @@ class RouterWatch:
         """Find the routers of ``model`` once; whether it has any."""
         if not self.looked:
             self.looked, self.sink = True, sink
-            if sink.wants(COLLAPSE_RULE, AUX_RULE):
+            if sink.measures(*MEASURED):
                 with sink.guard(COLLAPSE_RULE):
                     self.routers = moe.routers_of(model)
         return self.routers is not None
@@ -45,7 +47,7 @@ class RouterWatch:
         ``sink``: the callback's (given at the first batch, kept for the probes after it)."""
         self.load = None
         sink = sink or self.sink
-        if sink is None or not self.look(model, sink) or not sink.wants(COLLAPSE_RULE):
+        if sink is None or not self.look(model, sink) or not sink.measures("router_load"):
             yield
             return
         failed: list[Exception] = []
@@ -60,13 +62,13 @@ class RouterWatch:
         """At the first batch: the step-0 load, and the load-balancing facts when the trainer decides them (TRL);
         otherwise they wait for the first forward's output (not on an RL run: its first forward generates)."""
         if not self.look(model, sink):  # a dense model: looked at, nothing to watch
-            return {"routing": None} if sink.wants(COLLAPSE_RULE, AUX_RULE) else {}
+            return {"routing": None} if sink.measures(*MEASURED) else {}
         values: dict[str, Any] = {}
         with sink.guard(COLLAPSE_RULE):
             if self.load is not None:
                 values["router_load"] = self.load.plain()
                 self.load = None
-        if sink.wants(AUX_RULE):
+        if sink.measures("routing"):
             with sink.guard(AUX_RULE):
                 facts = moe.aux_term(trainer, model)
                 if facts is not None and facts["decided_by"] == "trainer":

@@ -15,7 +15,7 @@ from typing import Any
 
 from hf_sanity import catalog
 from hf_sanity.catalog import explained
-from hf_sanity.findings import Finding
+from hf_sanity.findings import SEVERITY_RANK, Finding
 from hf_sanity.measure.objective import SFT_OBJECTIVE, Objective
 from hf_sanity.report import Report
 from hf_sanity.selection import Selection
@@ -65,14 +65,28 @@ class FindingSink:
         self.annotate: Callable[[Finding], None] | None = None  # adds run facts to a kept finding
         self.timings: dict[str, float] = {}
         self._failed: set[str] = set()
+        self._reads: frozenset[str] | None = None  # the value keys the enabled step detectors read
 
     def narrow(self, objective: Objective) -> None:
         """The run's training objective is known: from now on only the rules written for it are wanted."""
         self.objective = objective
         self.selection = self.selection.for_objective(objective.kind)
+        self._reads = None
 
     def wants(self, *slugs: str) -> bool:
+        """Some of these rules is enabled. Not for deciding what to measure for a step detector: that is
+        :meth:`measures`, by the values it reads (tests/test_architecture.py holds the planners to it)."""
         return any(self.selection.enabled(slug) for slug in slugs)
+
+    def measures(self, *keys: str) -> bool:
+        """The run's measurement plan: whether some enabled step detector reads one of the value ``keys`` (its
+        ``reads``, the contract MonitorSet feeds it by). A value is measured because a check reads it, never
+        because some other rule of a list happens to be on (``select=["loss-diverged"]`` still samples the
+        update ratio that names its cause ``lr-too-high``)."""
+        if self._reads is None:
+            enabled = self.selection.enabled
+            self._reads = frozenset(key for cls in catalog.monitors(enabled) for key in cls.reads)
+        return not self._reads.isdisjoint(keys)
 
     def guard(self, check: str, step: int | None = None) -> _TimedGuard:
         """Run one check: an exception becomes an internal-error finding (once per check), never the run's; its
@@ -167,12 +181,20 @@ class FindingSink:
                 tqdm.write(captured.get().rstrip("\n"), file=sys.stderr)
 
     def _duplicate(self, finding: Finding) -> bool:
-        if finding.rule == "internal-error":
+        """The same finding again: one per rule, but one per broken check (internal-error) and one per reason
+        a check was skipped (checks-skipped: several reasons, each said once)."""
+        if finding.rule in catalog.ALWAYS_REPORTED:
+            same = ("check",) if finding.rule == catalog.INTERNAL_ERROR.slug else ("why", "needs", "skipped")
             return any(
-                f.evidence.get("check") == finding.evidence.get("check")
+                all(f.evidence.get(k) == finding.evidence.get(k) for k in same)
                 for f in self.report.by_rule(finding.rule)
             )
-        return finding.rule in self.counts
+        if finding.rule not in self.counts:
+            return False
+        # A rule fires once, unless what it sees grows worse: a loss spike reported as a transient info at one
+        # evaluation is a warning at a later one when the spikes keep coming back.
+        rank = SEVERITY_RANK[finding.severity]
+        return any(SEVERITY_RANK[f.severity] <= rank for f in self.report.by_rule(finding.rule))
 
     def _add(self, finding: Finding) -> None:
         self.report.add(finding)

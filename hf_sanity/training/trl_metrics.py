@@ -57,17 +57,17 @@ class ObjectiveFeed:
         from hf_sanity.measure import rl
 
         values: dict[str, Any] = {"rl_setup": {"stop_mismatch": rl.stop_mismatch(self.trainer)}}
-        wants = self.sink.wants
+        measures = self.sink.measures
         if not self.reward_dry_run:
             self.dry_run = "skipped: reward_dry_run=False (no reward function was called)"
-        elif wants("reward-function-broken", "reward-zero-advantage"):
+        elif measures("reward_dry_run"):
             with self.sink.guard("reward-dry-run"):  # on the main process only: every rank gets its verdict
                 run = rl.on_main_process(lambda: rl.dry_run(self.trainer, [rl.synthetic(self.trainer)]))
                 self.dry_run = run.describe()
                 if isinstance(self.dry_run, dict):
                     values["reward_dry_run"] = self.dry_run
                 self.sink.report.notes.extend(run.notes())
-        if not self.objective.beta and wants("kl-spike", "reward-hacking") and self.sink.world_size == 1:
+        if not self.objective.beta and measures("policy_kl") and self.sink.world_size == 1:
             self.drift = PolicyDrift(self.trainer)  # its baseline: at the first update (before_update)
         return values
 
