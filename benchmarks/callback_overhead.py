@@ -132,7 +132,7 @@ def one_run(setup: Setup, with_callback: bool, device: str, dtype, steps: int | 
 
     tokenizer = build_tokenizer("chatml", "distinct")
     model = bench_model(setup, tokenizer).to(device=device, dtype=dtype)
-    encoder = Encoder(tokenizer, EncodeOptions(fmt="messages"))
+    encoder = Encoder(tokenizer, EncodeOptions(fmt="messages", loss_on="assistant"))
     rows = [encoder.encode(r) for r in demo_conversations(128)]
     if setup.seq:  # fixed-length rows: each repeated up to the length, then cut (every batch one shape)
         rows = [

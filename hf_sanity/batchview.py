@@ -78,6 +78,9 @@ class BatchView:
     source: str = ""
     title: str = "the decoded batch"
     notes: list[str] = field(default_factory=list)
+    # Which tokens the rows' labels put in the loss and what decided it (`measure.loss_mask`), where the view
+    # tokenized the rows itself (a trainer's batch carries its own labels).
+    loss_mask: dict[str, str] | None = None
 
     @classmethod
     def from_batch(
@@ -140,6 +143,7 @@ class BatchView:
             "shapes": self.shapes,
             "labels": {"shift": self.shift, "meaning": SHIFTS[self.shift]},
             "notes": self.notes,
+            **({"loss_mask": self.loss_mask} if self.loss_mask else {}),
             "rows": rows,
         }
 

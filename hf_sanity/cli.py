@@ -59,9 +59,12 @@ UnsafeFixesOpt = Annotated[
     ),
 ]
 LOSS_ON_HELP = (
-    "completion (labels on completions only), assistant (on the assistant turns, from the chat template's "
-    "{% generation %} markers, as TRL's assistant_only_loss) or all."
+    "Which tokens carry loss: completion (TRL's completion_only_loss), assistant (the assistant turns, from the "
+    "chat template's {% generation %} markers, as TRL's assistant_only_loss; Axolotl's and LLaMA-Factory's "
+    "default) or all. Default: what TRL's SFTTrainer does with the format (every token of messages and text "
+    "rows, the completion of prompt-completion rows); the report says which it assumed."
 )
+TrlLossOnOpt = Annotated[str | None, typer.Option(help=LOSS_ON_HELP)]
 ObjectiveOpt = Annotated[
     str | None,
     typer.Option(
@@ -209,7 +212,7 @@ def preflight_command(
     inference_tokenizer: Annotated[
         str | None, typer.Option(help="Tokenizer used at inference, for template parity.")
     ] = None,
-    loss_on: Annotated[str, typer.Option(help=LOSS_ON_HELP)] = "completion",
+    loss_on: TrlLossOnOpt = None,
     format: FormatOpt = None,
     alpaca_template: AlpacaOpt = None,
     task: Annotated[
@@ -382,7 +385,7 @@ def show_command(
         ),
     ] = False,
     max_len: MaxLenOpt = None,
-    loss_on: LossOnOpt = "completion",
+    loss_on: TrlLossOnOpt = None,
     format: FormatOpt = None,
     alpaca_template: AlpacaOpt = None,
     trust_remote_code: TrustOpt = False,
@@ -433,7 +436,7 @@ def fix_command(
     eval_dataset: Annotated[str | None, typer.Option(help="Eval dataset (split-leakage).")] = None,
     eval_split: Annotated[str | None, typer.Option(help="Eval split of --dataset (split-leakage).")] = None,
     max_len: MaxLenOpt = None,
-    loss_on: Annotated[str, typer.Option(help=LOSS_ON_HELP)] = "completion",
+    loss_on: TrlLossOnOpt = None,
     format: FormatOpt = None,
     alpaca_template: AlpacaOpt = None,
     sample: Annotated[int, typer.Option(help="Examples for the model-side checks.")] = 256,
@@ -483,7 +486,7 @@ def _fix_command_line(model: str, dataset: str, **options) -> str:
             args.append(flag)
         elif isinstance(value, list):
             args += [a for v in value for a in (flag, v)]
-        elif value not in (None, False, "train", "completion"):
+        elif value not in (None, False, "train"):
             args += [flag, str(value)]
     return " ".join(shlex.quote(a) for a in args) + " --out DIR"
 
@@ -965,7 +968,7 @@ def _nothing_checked(outcome, verb: str) -> str:
 # preflight's options that describe a setup to load, and their defaults: with -- CMD the trainer is read instead
 SETUP_OPTIONS = {"model": None, "dataset": None, "tokenizer": None, "split": "train", "eval_dataset": None,
                  "eval_split": None, "max_len": None, "adapter": None, "inference_tokenizer": None,
-                 "loss_on": "completion", "format": None, "alpaca_template": None, "task": "generative",
+                 "loss_on": None, "format": None, "alpaca_template": None, "task": "generative",
                  "num_proc": None, "trust_remote_code": False, "fix": False, "fix_out": None,
                  "unsafe_fixes": False}  # fmt: skip
 COMMAND_OPTIONS = ("select", "ignore", "sample", "show", "json", "html", "rows_out")

@@ -49,7 +49,7 @@ def broken_setup(workdir: str) -> dict:
     from hf_sanity.testing import demo_conversations, tiny_setup
 
     model, tokenizer = tiny_setup("chatml", "distinct")
-    encoder = Encoder(tokenizer, EncodeOptions(fmt="messages"))
+    encoder = Encoder(tokenizer, EncodeOptions(fmt="messages", loss_on="assistant"))
     rows = [encoder.encode(row) for row in demo_conversations(DEMO_EXAMPLES)]
     train = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
 
@@ -140,7 +140,7 @@ def watched_broken_run(console: Console, workdir: str):
         style="dim",
     )
     model, tokenizer = tiny_setup("chatml", "distinct")
-    encoder = Encoder(tokenizer, EncodeOptions(fmt="messages"))
+    encoder = Encoder(tokenizer, EncodeOptions(fmt="messages", loss_on="assistant"))
     rows = [encoder.encode(r) for r in demo_conversations(32)]
     train = datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
     callback = SanityCallback(abort_on="error", use_config=False, print_findings=False)

@@ -217,6 +217,7 @@ def _header(report: Report, title: str) -> str:
         f'<p class="meta">hf-sanity <span class="version">{esc(version())}</span> · '
         f"{len(report.findings)} finding{'' if len(report.findings) == 1 else 's'}</p>"
         f'<ul class="counts">{"".join(badges)}</ul>'
+        + (f'<p class="meta assumed">{esc(report.header)}</p>' if report.header else "")
         + (f'<ul class="notes">{notes}</ul>' if notes else "")
         + "</header>"
     )

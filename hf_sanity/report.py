@@ -47,6 +47,9 @@ class Report:
     views: list[Any] = field(default_factory=list)
     # Said instead of "no findings" by a report that runs no checks (`show`: what it shows).
     headline: str | None = None
+    # One line under the summary saying what the checks assumed about the run (preflight: which tokens carry
+    # loss and what decided it; `stats.loss_mask` has it as fields).
+    header: str | None = None
     # The command that applies the findings' remedies (the CLI names its own paths); shown with each finding that
     # has one, as ruff marks a fixable diagnostic [*].
     fix_command: str | None = field(default=None, repr=False)
@@ -155,6 +158,8 @@ class Report:
         counts = self.counts()
         style = "bold red" if counts["error"] else "bold yellow" if counts["warning"] else "bold green"
         yield Text(self.summary(), style=style)
+        if self.header:
+            yield Text(self.header, style="dim")
         yield from self.rendered_notes()
         for finding in self.ordered():
             yield Text()

@@ -116,7 +116,10 @@ def main(argv=None):
         split = data.train_test_split(test_size=0.1, seed=0)
         rows, held_out = split["train"], split["test"]
 
-    report = hf_sanity.preflight(model=model, tokenizer=tokenizer, dataset=rows, max_len=args.max_len)
+    # encode_fn below puts the loss on the assistant turns: say so (TRL's default for messages is every token)
+    report = hf_sanity.preflight(
+        model=model, tokenizer=tokenizer, dataset=rows, max_len=args.max_len, loss_on="completion"
+    )
     report.print()
     if report.has_errors and not args.force:
         sys.exit("preflight found errors (see above); fix them or pass --force")

@@ -141,8 +141,13 @@ def main(argv=None):
 
     # 3a. Preflight on the conversations, before anything is trained.
     stop_on_errors(
-        hf_sanity.preflight(
-            model=model, tokenizer=tokenizer, dataset=train_rows, eval_dataset=eval_rows, max_len=args.max_len
+        hf_sanity.preflight(  # `tokenize` below puts the loss on the answers (TRL's default: every token)
+            model=model,
+            tokenizer=tokenizer,
+            dataset=train_rows,
+            eval_dataset=eval_rows,
+            max_len=args.max_len,
+            loss_on="completion",
         ),
         args,
         "preflight",

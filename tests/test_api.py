@@ -101,23 +101,27 @@ def test_a_preflight_without_a_model_says_the_model_checks_did_not_run():
     from hf_sanity.testing import demo_conversations, tiny_setup
 
     tok = build_tokenizer("chatml")
-    report = hf_sanity.preflight(tokenizer=tok, dataset=demo_conversations(24), use_config=False)
+    report = hf_sanity.preflight(
+        tokenizer=tok, dataset=demo_conversations(24), use_config=False, loss_on="completion"
+    )
     out = io.StringIO()
     report.print(Console(file=out, width=200))
     lines = out.getvalue().splitlines()
     assert lines[0] == "hf-sanity preflight: no findings"
-    assert lines[1].startswith(
+    # the header says which tokens the checks took as carrying loss, and what decided it
+    assert lines[1] == "loss mask: the completions only (flag; --loss-on completion)"
+    assert lines[2].startswith(
         "note: no model was given: the model-stage checks that read its weights did not run"
     )
-    assert report.to_dict()["notes"] == [lines[1][len("note: ") :]]
+    assert report.to_dict()["notes"] == [lines[2][len("note: ") :]]
     # With a model, or with the model stage ignored, nothing is left out.
     model, tok = tiny_setup("chatml", "distinct")
     with_model = hf_sanity.preflight(
-        model=model, tokenizer=tok, dataset=demo_conversations(24), use_config=False
+        model=model, tokenizer=tok, dataset=demo_conversations(24), use_config=False, loss_on="completion"
     )
     assert with_model.notes == [] and with_model.findings == []
     ignored = hf_sanity.preflight(
-        tokenizer=tok, dataset=demo_conversations(24), ignore="model", use_config=False
+        tokenizer=tok, dataset=demo_conversations(24), ignore="model", use_config=False, loss_on="completion"
     )
     assert ignored.notes == [] and ignored.findings == []
 

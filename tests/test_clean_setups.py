@@ -51,7 +51,9 @@ def test_embedded_tiny_setups_are_clean(template):
     from hf_sanity.testing import tiny_setup
 
     model, tok = tiny_setup(template, "distinct")
-    for rows in (demo_conversations(24), as_prompt_completion(demo_conversations(24)),
-                 as_prompt_completion(demo_conversations(24), conversational=True)):  # fmt: skip
-        report = run(tok, rows, model=model, max_len=256)
+    # `messages` rows with the loss on the answers; prompt-completion rows get it there by TRL's default
+    for rows, options in ((demo_conversations(24), {"loss_on": "completion"}),
+                          (as_prompt_completion(demo_conversations(24)), {}),
+                          (as_prompt_completion(demo_conversations(24), conversational=True), {})):  # fmt: skip
+        report = run(tok, rows, model=model, max_len=256, **options)
         assert above_info(report) == [] and report.by_rule("checks-skipped") == []

@@ -310,7 +310,7 @@ def test_a_clean_setup_changes_nothing_and_writes_only_the_verification(tmp_path
 
     model, tok = tiny_setup("chatml", "distinct")
     fixed = hf_sanity.fix(model=model, tokenizer=tok, dataset=datasets.Dataset.from_list(conversations),
-                          unsafe=True, use_config=False)  # fmt: skip
+                          unsafe=True, use_config=False, loss_on="completion")  # fmt: skip
     assert not fixed.changed and fixed.outcomes == [] and fixed.diff() == "" and fixed.exit_code == 0
     assert fixed.tokenizer is tok and fixed.model is model
     fixed.save(tmp_path / "out")

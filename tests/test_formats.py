@@ -11,7 +11,7 @@ from helpers import run
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.encode import EncodeOptions, Encoder
 from hf_sanity.measure.formats import detect_format
-from hf_sanity.testing import build_tokenizer, tool_conversations
+from hf_sanity.testing import as_prompt_completion, build_tokenizer, demo_conversations, tool_conversations
 from hf_sanity.testing.data import WEATHER_TOOL
 
 SHAREGPT_FROM = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -71,7 +71,9 @@ def test_an_unknown_layout_names_every_format():
 @pytest.mark.clean("data", "tokens", "template")
 def test_sharegpt_is_read_as_the_same_conversations(chatml, conversations):
     rows = as_sharegpt(conversations[:24])
-    report = run(chatml, rows, select=["data", "tokens", "template"])
+    # Loss on the answers, as Axolotl and LLaMA-Factory train ShareGPT rows (TRL: every token); "completion", as
+    # the template stage's generation-markers-missing holds TRL's assistant_only_loss to its markers.
+    report = run(chatml, rows, select=["data", "tokens", "template"], loss_on="completion")
     assert report.findings == []
     assert report.stats["format"] == "sharegpt" and report.stats["read_as"] == "messages"
     assert report.stats["roles"] == {"gpt": "assistant", "human": "user", "system": "system"}
@@ -121,7 +123,7 @@ def test_sharegpt_tool_calls_as_llama_factory_writes_them(name):
             ],
             "tools": json.dumps([WEATHER_TOOL]),
         })  # fmt: skip
-    report = run(tok, rows, select=["data", "tokens"])
+    report = run(tok, rows, select=["data", "tokens"], loss_on="assistant")  # LLaMA-Factory's loss mask
     assert [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"] == []
     assert report.stats["template_columns"] == ["tools"]
     roles = report.stats["roles"]
@@ -182,7 +184,7 @@ def test_alpaca_rows_without_output_are_named(chatml, conversations):
 @pytest.mark.clean("data", "tokens", "template")
 def test_json_string_messages_are_decoded(chatml, conversations):
     rows = [{"messages": json.dumps(r["messages"])} for r in conversations[:24]]
-    report = run(chatml, rows, select=["data", "tokens", "template"])
+    report = run(chatml, rows, select=["data", "tokens", "template"], loss_on="completion")
     assert report.findings == []
     assert report.stats["json_columns"] == ["messages"]
     assert encoded(chatml, "messages", rows[0]) == encoded(chatml, "messages", conversations[0])
@@ -225,7 +227,7 @@ def test_tool_conversations_from_a_csv_are_rendered_with_their_tools():
     tok = real_tokenizer("qwen2.5-instruct")
     rows = tool_conversations(6, tools_as_json=True)
     as_csv = [{"messages": json.dumps(r["messages"]), "tools": r["tools"]} for r in rows]
-    report = run(tok, as_csv, select=["data", "tokens"])
+    report = run(tok, as_csv, select=["data", "tokens"], loss_on="assistant")
     assert [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"] == []
     assert report.stats["json_columns"] == ["messages"] and report.stats["template_columns"] == ["tools"]
     for row, original in zip(as_csv, rows):
@@ -243,3 +245,37 @@ def test_inference_parity_renders_the_rows_tools():
     tok = real_tokenizer("qwen2.5-instruct")
     for rows in (tool_conversations(8), tool_conversations(8, tools_as_json=True)):
         assert run(tok, rows, select="template-mismatch", inference_tokenizer=tok).findings == []
+
+
+# -- a `label` column: KTO's only where it is boolean ----------------------------------------------------------
+def labelled_rows(label) -> list[dict]:
+    """24 prompt/completion rows with a `label` column; every completion opens with its prompt (a planted SFT
+    bug: answer-repeats-prompt)."""
+    rows = []
+    for i, row in enumerate(as_prompt_completion(demo_conversations(24))):
+        prompt = f"Classify the sentiment of this review, number {i}: the food was lovely."
+        rows.append({"prompt": prompt, "completion": f"{prompt} {row['completion']}", "label": label(i)})
+    return rows
+
+
+@pytest.mark.planted("answer-repeats-prompt")
+def test_a_string_label_column_is_sft_data(chatml):
+    """Classification-style SFT: `label` holds strings, so the rows are SFT prompt-completion rows, not KTO's
+    (TRL's KTOTrainer needs a boolean label): the SFT rules run and find the planted bug, and the notes say
+    how the rows were read."""
+    report = run(chatml, labelled_rows(lambda i: "positive" if i % 2 else "negative"), select="data")
+    assert report.stats["objective"] == "sft" and report.stats["format"] == "prompt-completion"
+    (finding,) = report.findings
+    assert finding.rule == "answer-repeats-prompt" and finding.evidence["rows"][:3] == [0, 1, 2]
+    (note,) = report.notes
+    assert "`label` column holds string values, not booleans: read as SFT prompt-completion data" in note
+    assert "--format preference-unpaired" in note
+
+
+def test_a_boolean_label_column_is_kto_data(chatml):
+    report = run(chatml, labelled_rows(lambda i: i % 2 == 0), select="data")
+    assert report.stats["objective"] == "preference-unpaired" and report.notes == []
+    assert report.by_rule("answer-repeats-prompt") == []  # an SFT rule: not run on KTO rows
+    assert (
+        detect_format(["prompt", "completion", "label"]) == "preference-unpaired"
+    )  # no types: KTO's columns

@@ -27,6 +27,8 @@ from hf_sanity.testing import (
 from hf_sanity.testing.trained import supervised_labels
 
 RULE = "init-loss-off-chance"
+# The model was trained on the answers only (`supervised_labels`): its step-0 loss is read on them too.
+ANSWERS = {"loss_on": "completion"}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +98,7 @@ def random_labels(row, seed: int = 0, vocab: int = 1000):
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_rows_like_the_training_data_are_a_seen_data_warning_that_says_what_was_measured(trained, seed):
     model, tok = trained
-    report = run(tok, held_out_conversations(32, seed=seed), model=model, select=RULE)
+    report = run(tok, held_out_conversations(32, seed=seed), model=model, select=RULE, **ANSWERS)
     (finding,) = report.findings
     assert finding.severity == "warning" and finding.evidence["cause"] == "seen-data", finding.message
     assert finding.evidence["direction"] == "below" and finding.evidence["loss"] < 0.2
@@ -109,7 +111,7 @@ def test_rows_like_the_training_data_are_a_seen_data_warning_that_says_what_was_
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_new_answer_style_on_a_trained_model_is_new_data_not_wrong_labels(trained, style, seed):
     model, tok = trained
-    report = run(tok, new_style_rows(style, seed), model=model, select=RULE)
+    report = run(tok, new_style_rows(style, seed), model=model, select=RULE, **ANSWERS)
     (finding,) = report.findings
     evidence = finding.evidence
     assert finding.severity == "info" and evidence["cause"] == "new-data", finding.message
@@ -120,7 +122,7 @@ def test_the_message_names_what_the_loss_was_compared_with(trained):
     """Below ln(V) but far above the model's own entropy: the message says entropy, not chance."""
     model, tok = trained
     rows = restyled(held_out_conversations(32), lambda a: f"Sure. {a}")
-    (finding,) = run(tok, rows, model=model, select=RULE).findings
+    (finding,) = run(tok, rows, model=model, select=RULE, **ANSWERS).findings
     loss, entropy, chance = (finding.evidence[k] for k in ("loss", "model_entropy", "ln_vocab"))
     assert entropy + 2 < loss < chance, finding.message
     assert finding.message.startswith(
@@ -142,7 +144,7 @@ def test_the_message_names_what_the_loss_was_compared_with(trained):
 def test_wrong_labels_on_a_trained_model_are_an_error_with_their_cause(trained, wrong, cause, alignment):
     model, tok = trained
     rows = [wrong(r) for r in tokenized(tok, held_out_conversations(32))]
-    (finding,) = run(tok, rows, model=model, select=RULE).findings
+    (finding,) = run(tok, rows, model=model, select=RULE, **ANSWERS).findings
     evidence = finding.evidence
     assert finding.severity == "error" and evidence["cause"] == cause, finding.message
     assert evidence["alignment"] == alignment and evidence["loss_aligned"] < 0.5 * evidence["loss"]
@@ -159,7 +161,7 @@ def test_a_trained_model_re_initialised_after_loading_predicts_nothing(trained):
         for p in broken.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 1.0)  # re-initialised after loading, far too wide
-    (finding,) = run(tok, held_out_conversations(32), model=broken, select=RULE).findings
+    (finding,) = run(tok, held_out_conversations(32), model=broken, select=RULE, **ANSWERS).findings
     assert finding.severity == "error" and finding.evidence["cause"] == "nothing-predicted", finding.message
     assert finding.evidence["top1"] < 0.02
 

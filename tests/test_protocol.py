@@ -52,8 +52,8 @@ def tok(tiny):
 
 
 def token_rows(tok, n: int = 16) -> datasets.Dataset:
-    """Completion-only labels, as TRL computes them."""
-    encoder = Encoder(tok, EncodeOptions(fmt="messages"))
+    """Labels on the assistant turns, as TRL's assistant_only_loss computes them."""
+    encoder = Encoder(tok, EncodeOptions(fmt="messages", loss_on="assistant"))
     rows = [encoder.encode(r) for r in demo_conversations(n)]
     return datasets.Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
 

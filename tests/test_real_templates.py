@@ -150,7 +150,8 @@ def test_tool_call_conversations_are_read_as_trl_renders_them(name, tools_as_jso
     rendered with the tools as TRL does, the tool-call turn supervised, nothing flagged."""
     tok = real_tokenizer(name)
     rows = tool_conversations(16, tools_as_json=tools_as_json)
-    report = run(tok, rows, model=tiny_model_for(tok, SMALL), max_len=512, sample=8)
+    # the loss on the answers, the tool-call turn among them (TRL's default for messages: every token)
+    report = run(tok, rows, model=tiny_model_for(tok, SMALL), max_len=512, sample=8, loss_on="completion")
     assert [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"] == []
     tools = json.loads(rows[0]["tools"]) if tools_as_json else rows[0]["tools"]
     trl_tokens = [
@@ -178,7 +179,9 @@ def test_tool_call_turns_are_supervised_and_tools_reach_the_template():
     tok = real_tokenizer("qwen2.5-instruct")
     rows = tool_conversations(4)
     ctx = Context(
-        tokenizer=tok, dataset=datasets.Dataset.from_list(rows), options=EncodeOptions(fmt="messages")
+        tokenizer=tok,
+        dataset=datasets.Dataset.from_list(rows),
+        options=EncodeOptions(fmt="messages", loss_on="assistant"),
     )
     row = ctx.row(0)
     text = tok.decode(row["input_ids"])
@@ -213,8 +216,9 @@ def test_sft_trainer_and_the_cli_agree_on_tool_call_data(tmp_path):
     folder = tmp_path / "model"
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    result = cli("preflight", "--model", folder, "--dataset", data, "--max-len", 512, "--json", tmp_path / "r.json",
-                 cwd=tmp_path)  # fmt: skip
+    # the trainer's assistant_only_loss, said to the CLI (its default is TRL's for messages rows: every token)
+    result = cli("preflight", "--model", folder, "--dataset", data, "--max-len", 512, "--loss-on", "completion",
+                 "--json", tmp_path / "r.json", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert [f["rule"] for f in report["findings"] if f["severity"] != "info"] == []

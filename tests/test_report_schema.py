@@ -228,11 +228,12 @@ def stop_token_setup():
 
 def test_fix_reads_a_report_file_and_checks_again_only_the_rules_it_has_remedies_for(tmp_path):
     """preflight --json, then fix with that file: the remedies built afresh for the rules the file has one for
-    (stop-token-mismatch), the rules without one (prompt-in-loss, the loss on every token) not run again."""
+    (stop-token-mismatch), the rules without one (prompt-in-loss: TRL's default puts every token of `messages`
+    rows in the loss) not run again."""
     import hf_sanity
 
     model, tok, data = stop_token_setup()
-    setup = dict(model=model, tokenizer=tok, dataset=data, loss_on="all", use_config=False)
+    setup = dict(model=model, tokenizer=tok, dataset=data, use_config=False)
     report = hf_sanity.preflight(**setup)
     assert report.rules() == {"stop-token-mismatch", "prompt-in-loss"}
     assert report.by_rule("prompt-in-loss")[0].remedy is None

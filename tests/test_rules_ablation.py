@@ -81,7 +81,10 @@ def tok():
 
 
 def below_chance(tok, rows, model):
-    report = run(tok, rows, model=model, select=["init-loss-off-chance", "input-ignored"])
+    # the loss on the answers (as assistant-only loss puts it): these setups are about what predicts them
+    report = run(
+        tok, rows, model=model, select=["init-loss-off-chance", "input-ignored"], loss_on="completion"
+    )
     return {f.rule: f for f in report.findings}
 
 

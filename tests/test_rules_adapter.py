@@ -154,7 +154,7 @@ def test_a_trained_adapter_passed_for_inspection_raises_nothing_and_leaves_the_m
     adapter = save_adapter(model, tmp_path / "lora")
     mine = copy.deepcopy(model)
     before = {name: p.requires_grad for name, p in mine.named_parameters()}
-    report = run(tok, conversations[:16], model=mine, adapter=str(adapter), max_len=256)
+    report = run(tok, conversations[:16], model=mine, adapter=str(adapter), max_len=256, loss_on="completion")
     assert [f"{f.rule}: {f.message}" for f in report.findings if f.severity != "info"] == []
     assert {name: p.requires_grad for name, p in mine.named_parameters()} == before
     assert not any("lora" in name for name, _ in mine.named_modules())
@@ -172,7 +172,8 @@ def test_cli_with_a_trained_adapter_is_clean(base, conversations, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("\n".join(json.dumps(row) for row in conversations[:16]) + "\n")
     result = cli("preflight", "--model", tiny_model_dir("chatml", "distinct"), "--dataset", data,
-                 "--adapter", adapter, "--max-len", 256, "--json", tmp_path / "r.json", cwd=tmp_path)  # fmt: skip
+                 "--adapter", adapter, "--max-len", 256, "--loss-on", "completion", "--json", tmp_path / "r.json",
+                 cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Warning" not in result.stderr, result.stderr  # peft's read of a deprecated transformers name
     findings = json.loads((tmp_path / "r.json").read_text())["findings"]
@@ -212,9 +213,12 @@ def test_the_step_0_loss_is_measured_with_the_adapter_attached_and_the_model_lef
     state = {k: v.clone() for k, v in model.state_dict().items()}
     modules, digest = [n for n, _ in model.named_modules()], folder_digest(adapter)
     rules = ["init-loss-off-chance", "input-ignored", "adapter-not-loaded"]
-    without = preflight(model=model, tokenizer=tok, dataset=data, select=rules, use_config=False)
+    # the adapter and the model were trained on the answers: their step-0 loss is read there
+    without = preflight(
+        model=model, tokenizer=tok, dataset=data, select=rules, use_config=False, loss_on="completion"
+    )
     attached = preflight(model=model, tokenizer=tok, dataset=data, adapter=str(adapter), select=rules,
-                         use_config=False)  # fmt: skip
+                         use_config=False, loss_on="completion")  # fmt: skip
     base_loss, adapted = without.stats["step0_loss"], attached.stats["step0_loss"]
     assert adapted["adapter"] == str(adapter) and base_loss["adapter"] is None
     assert adapted["loss"] < 0.5 * base_loss["loss"], (adapted, base_loss)

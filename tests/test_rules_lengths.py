@@ -37,7 +37,8 @@ def test_truncated_completion_never_suggests_a_smaller_max_len(chatml):
         "messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "word " * 300}]
     }
     rows = [*demo_conversations(199), long_one]
-    (finding,) = run(chatml, rows, select="truncated-completion", max_len=128).findings
+    # the loss on the answers (as assistant-only loss puts it), so the cut share is of the answers' tokens
+    (finding,) = run(chatml, rows, select="truncated-completion", max_len=128, loss_on="assistant").findings
     longest = len(chatml.apply_chat_template(long_one["messages"])["input_ids"])
     assert finding.evidence["max_len_for_99pct"] < 128 < longest == finding.evidence["max_len_for_all"]
     assert finding.message.endswith(f"the longest is {longest:,} tokens")

@@ -32,13 +32,20 @@ def correct_token_rows(tok, conversations):
     "pad-token-missing",
 )
 def test_correct_pipelines_are_silent(chatml, conversations, fmt):
+    # `messages` rows train on every token under TRL's default: assistant-only loss is Axolotl's default, asked for
+    # here (test_prompt_in_loss_is_trl_default_for_messages has the stock run).
+    options = {"loss_on": "assistant"} if fmt == "messages" else {}
     rows = {
         "messages": conversations,
         "prompt-completion": as_prompt_completion(conversations),
         "conversational": as_prompt_completion(conversations, conversational=True),
         "tokens": correct_token_rows(chatml, conversations),
     }[fmt]
-    assert run(chatml, rows, select=MASK_RULES).findings == []
+    report = run(chatml, rows, select=MASK_RULES, **options)
+    assert report.findings == []
+    assert report.stats["loss_mask"]["mode"] == {"messages": "assistant", "tokens": "labels"}.get(
+        fmt, "completion"
+    )
 
 
 @pytest.mark.planted("missing-chat-template")
@@ -49,19 +56,47 @@ def test_missing_chat_template(conversations):
 
 
 @pytest.mark.planted("prompt-in-loss")
-def test_prompt_in_loss_when_training_on_all_tokens(chatml, conversations):
-    report = run(chatml, conversations, select="prompt-in-loss", loss_on="all")
+def test_prompt_in_loss_is_trl_default_for_messages(chatml, conversations):
+    """Stock `messages` rows: TRL's SFTTrainer trains on every token, so the prompt is in the loss. A warning that
+    says it is the trainer's default (never an error: abort_on="error" must not stop a stock TRL run)."""
+    report = run(chatml, conversations, select="prompt-in-loss")
     (finding,) = report.findings
-    assert finding.severity == "warning"
+    assert finding.severity == "warning" and finding.evidence["cause"] == "trainer-default"
+    assert finding.evidence["loss_mask"]["mode"] == "all"
+    assert finding.evidence["loss_mask"]["source"] == "trl-default"
     assert 0.5 < finding.evidence["fraction"] < 0.95
     assert finding.example is not None and finding.example.focus == 0
-    assert f"of {finding.evidence['supervised_tokens']:,})" in finding.message
+    assert (
+        f"of {finding.evidence['supervised_tokens']:,})" in finding.message and "default" in finding.message
+    )
+    assert "assistant_only_loss=True" in finding.fix and "{% generation %}" in finding.fix
+    assert "prompt-completion" in finding.fix and "--loss-on all" in finding.fix
+    assert report.stats["loss_mask"] == finding.evidence["loss_mask"]
+
+
+@pytest.mark.clean("prompt-in-loss")
+def test_prompt_in_loss_is_silent_when_all_tokens_are_intended(chatml, conversations):
+    report = run(chatml, conversations, select="prompt-in-loss", loss_on="all")
+    assert report.findings == []
+    assert report.stats["loss_mask"] == {"mode": "all", "source": "flag", "why": "--loss-on all"}
+    assert report.stats["supervised_tokens"] == report.stats["tokens"]  # the check read every token as loss
+
+
+@pytest.mark.planted("prompt-in-loss")
+def test_prompt_in_loss_is_an_error_where_the_mask_asked_for_is_not_applied(chatml, conversations):
+    """Completion-only loss asked for on pre-rendered `text` rows: TRL trains on every token of them anyway."""
+    rows = [{"text": chatml.apply_chat_template(r["messages"], tokenize=False)} for r in conversations]
+    (finding,) = run(chatml, rows, select="prompt-in-loss", loss_on="completion").findings
+    assert finding.severity == "error" and finding.evidence["cause"] == "mask-not-applied"
+    assert finding.evidence["loss_mask"]["source"] == "flag" and "completion_only_loss" in finding.fix
 
 
 def test_prompt_in_loss_in_prerendered_text(chatml, conversations):
     # A text dataset rendered with the tokenizer's own template: language modelling trains on the prompt too.
     rows = [{"text": chatml.apply_chat_template(r["messages"], tokenize=False)} for r in conversations]
-    assert "prompt-in-loss" in slugs(run(chatml, rows, select="prompt-in-loss"))
+    (finding,) = run(chatml, rows, select="prompt-in-loss").findings
+    assert finding.severity == "warning" and finding.evidence["cause"] == "trainer-default"
+    assert "`text` rows" in finding.fix and "assistant_only_loss=True" in finding.fix
 
 
 @pytest.mark.planted("empty-loss-mask")
@@ -73,7 +108,7 @@ def test_empty_loss_mask(chatml, conversations):
 
 
 def test_empty_loss_mask_after_truncation(chatml, conversations):
-    report = run(chatml, conversations[:10], select="empty-loss-mask", max_len=12)
+    report = run(chatml, conversations[:10], select="empty-loss-mask", max_len=12, loss_on="assistant")
     (finding,) = report.findings
     assert finding.evidence["cut_by_max_len"] == finding.evidence["count"] == 10
     assert "max_len=12" in finding.message
@@ -170,7 +205,7 @@ def test_eos_missing_at_the_end_of_pretokenized_text():
 
 @pytest.mark.planted("pad-token-missing")
 def test_pad_token_missing(conversations):
-    report = run(build_tokenizer("chatml", "none"), conversations[:4], select=MASK_RULES)
+    report = run(build_tokenizer("chatml", "none"), conversations[:4], select=MASK_RULES, loss_on="assistant")
     assert slugs(report) == {"pad-token-missing"}
     assert report.findings[0].severity == "warning"  # SFTTrainer sets one itself: not an error on its own
 

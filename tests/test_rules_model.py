@@ -152,7 +152,8 @@ def test_init_loss_far_below_chance_when_the_model_has_seen_the_data(setup, conv
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-    (finding,) = run(tok, rows, model=model, select="init-loss-off-chance").findings
+    # the loss on the answers (the cause is told by blanking the prompt: it must not carry loss itself)
+    (finding,) = run(tok, rows, model=model, select="init-loss-off-chance", loss_on="completion").findings
     assert finding.evidence["direction"] == "below"
     # It answers from the question, but the questions do not contain the answers: it has seen them.
     assert finding.evidence["cause"] == "seen-data" and finding.severity == "warning", finding.message

@@ -127,6 +127,32 @@ def test_cli_show_rows_in_the_terminal_json_and_html(tmp_path):
     assert "no findings" not in html  # show runs no checks: it does not claim any passed
 
 
+def test_show_marks_the_loss_trl_puts_on_each_format_and_says_which(chatml):
+    """`messages` rows: every token carries loss (TRL's default); prompt-completion rows: the completion;
+    `loss_on="assistant"` (`--loss-on assistant`, once refused): the assistant turns. The view and the report's
+    stats say which mask and where it came from."""
+    rows = demo_conversations(4)
+
+    def shown(data, **options):
+        report = show(tokenizer=chatml, dataset=data, rows=[0], **options)
+        [view] = report.views
+        [row] = view.data()["rows"]
+        return report, view, sum(t["loss"] for t in row["tokens"]), len(row["tokens"])
+
+    report, view, loss, n = shown(rows)
+    assert loss == n and report.stats["loss_mask"]["mode"] == "all"
+    assert report.stats["loss_mask"]["source"] == "trl-default" and "loss mask: every token" in view.source
+    report, view, answers, _ = shown(rows, loss_on="assistant")
+    assert 0 < answers < n / 2 and report.stats["loss_mask"] == {
+        "mode": "assistant", "source": "flag", "why": "--loss-on assistant"
+    }  # fmt: skip
+    report, view, completion, n = shown(as_prompt_completion(rows, conversational=True))
+    assert 0 < completion < n / 2 and report.stats["loss_mask"]["mode"] == "completion"
+    assert view.data()["loss_mask"] == report.stats["loss_mask"]
+    with pytest.raises(UserInputError, match="--loss-on must be one of completion, assistant, all"):
+        show(tokenizer=chatml, dataset=rows, loss_on="prompt")
+
+
 @pytest.mark.slow
 def test_cli_trainer_batch_is_trl_s_own_batch(tmp_path):
     """--trainer-batch builds TRL's SFTTrainer on the rows: the ids and labels shown are its collator's."""

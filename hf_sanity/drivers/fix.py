@@ -415,8 +415,8 @@ def _encode_options(dataset, max_len, options):
     from hf_sanity.measure.encode import EncodeOptions
     from hf_sanity.measure.formats import detect_format
 
-    fmt = detect_format(dataset.column_names, options.get("format"))
-    return EncodeOptions(fmt=fmt, loss_on=options.get("loss_on", "completion"), max_len=max_len,
+    fmt = detect_format(dataset.column_names, options.get("format"), features=dataset.features)
+    return EncodeOptions(fmt=fmt, loss_on=options.get("loss_on"), max_len=max_len,
                          alpaca_template=options.get("alpaca_template"))  # fmt: skip
 
 

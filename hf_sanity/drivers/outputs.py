@@ -110,7 +110,7 @@ def outputs(
     served = inference_tokenizer or tokenizer
     has_template = bool(getattr(served, "chat_template", None))
     dataset = as_dataset(dataset)
-    objective = objective or of_columns(dataset.column_names).kind
+    objective = objective or of_columns(dataset.column_names, features=dataset.features).kind
     selection = selection.for_objective(objective)
     prompts = held_out_prompts(
         dataset, n=n, fmt=format, has_template=has_template, alpaca_template=alpaca_template

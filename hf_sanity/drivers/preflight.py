@@ -9,7 +9,14 @@ from hf_sanity import catalog
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.context import Context
 from hf_sanity.measure.encode import EncodeOptions
-from hf_sanity.measure.formats import COLUMNS, PREFERENCE_FORMATS, check_alpaca_template, detect_format
+from hf_sanity.measure.formats import (
+    COLUMNS,
+    PREFERENCE_FORMATS,
+    check_alpaca_template,
+    detect_format,
+    string_label_note,
+)
+from hf_sanity.measure.loss_mask import LOSS_ON
 from hf_sanity.measure.objective import of_columns, of_trainer
 from hf_sanity.measure.sources import as_dataset
 from hf_sanity.report import Report
@@ -19,9 +26,6 @@ PREFLIGHT_STAGES = ("data", "tokens", "template", "model", "trainer")
 # What the completions are: written by the model (generative), or quoted from the prompt (extractive QA, RAG
 # with citations), where the answer appearing in the prompt is the point (label-leakage is off).
 TASKS = ("generative", "extractive")
-# Which tokens carry loss: completions (TRL's completion_only_loss), the assistant turns as the chat template's
-# {% generation %} markers mark them (assistant_only_loss), or every token.
-LOSS_ON = ("completion", "assistant", "all")
 
 
 def run_checks(
@@ -41,7 +45,7 @@ def preflight(
     trainer=None,
     eval_dataset=None,
     max_len: int | None = None,
-    loss_on: str = "completion",
+    loss_on: str | None = None,
     format: str | None = None,
     alpaca_template: str | None = None,
     task: str = "generative",
@@ -64,6 +68,9 @@ def preflight(
     ``dataset=``, the dataset given to the trainer: the rows it dropped are counted against it).
     ``model`` may be a callable returning the model, so it is loaded only if a model rule needs it;
     ``generation_config`` is how it will be served (the model object's own when not given).
+    ``loss_on``: which tokens carry loss, ``completion``, ``assistant`` or ``all`` (default: what TRL's
+    SFTTrainer does with the format: every token of ``messages`` and ``text`` rows, the completion of
+    prompt-completion rows; ``stats.loss_mask`` says which and why; with ``trainer=``, the trainer's own).
     ``format``: the dataset format (default: detected from the columns; ShareGPT and Alpaca rows are read as
     the tools that use them build them); ``alpaca_template``: ``chat`` or ``text`` for Alpaca rows (default:
     chat when the tokenizer has a chat template); ``task``: ``extractive`` when the answers quote the prompt
@@ -93,7 +100,8 @@ def preflight(
             loss_on=loss_on, max_len=max_len, sample=sample, alpaca_template=alpaca_template, task=task
         )
         dataset = as_dataset(dataset)
-        fmt = detect_format(dataset.column_names, format)
+        fmt = detect_format(dataset.column_names, format, features=dataset.features)
+        label_note = None if format else string_label_note(dataset.column_names, dataset.features)
         # `model` may be a function that loads the model, so that only a model rule pays for loading it.
         is_loader = callable(model) and not hasattr(model, "forward")
         if is_loader:  # timed, for the report's split of the wall time
@@ -135,6 +143,8 @@ def preflight(
         return distributed.broadcast(None)
     selection = selection.for_objective(ctx.objective.kind)
     report = run_checks(ctx, selection)
+    if trainer is None and label_note:
+        report.notes.append(label_note)
     if not ctx.has_model and reads_model(selection):
         report.notes.append(
             "no model was given: the model-stage checks that read its weights did not run (`hf-sanity rules "
@@ -178,6 +188,9 @@ def preflight(
         report.stats.update(ctx.encoder.layout.describe(ctx.dataset))
         if task != "generative":
             report.stats["task"] = task
+    if ctx.objective.is_sft:  # which tokens carry loss, and what decided it (the header line says it too)
+        report.stats["loss_mask"] = ctx.loss_mask.describe()
+        report.header = ctx.loss_mask.line()
     if show:
         from hf_sanity.drivers.show import shown_rows
 
@@ -245,7 +258,7 @@ def _timed(load, seconds: list[float]):
 
 def check_options(
     *,
-    loss_on: str = "completion",
+    loss_on: str | None = None,
     max_len: int | None = None,
     sample: int = 256,
     alpaca_template: str | None = None,
@@ -255,7 +268,7 @@ def check_options(
     check_alpaca_template(alpaca_template)
     if task not in TASKS:
         raise UserInputError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
-    if loss_on not in LOSS_ON:
+    if loss_on is not None and loss_on not in LOSS_ON:
         raise UserInputError(f"--loss-on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
     if max_len is not None and max_len <= 0:
         raise UserInputError(f"--max-len must be positive, got {max_len}")

@@ -51,7 +51,7 @@ def served(
     selection = resolve(select, ignore, use_config=use_config).restricted(set(SERVED_RULES))
     started = time.perf_counter()
     data = as_dataset(dataset) if dataset is not None else probe_rows(tokenizer)
-    fmt = detect_format(data.column_names, None)
+    fmt = detect_format(data.column_names, None, features=data.features)
     ctx = Context(
         tokenizer=tokenizer,
         dataset=data,

@@ -9,7 +9,8 @@ Three sources, the closest to what the model really gets first:
 * ``trainer_batch=True`` (`hf-sanity show --trainer-batch`): a TRL ``SFTTrainer`` built on the model and the
   dataset's ``rows`` with TRL's defaults (``max_length``), and its batch;
 * else: the ``rows`` tokenized as TRL's SFTTrainer tokenizes them (the measurement core's encoder: the chat
-  template, completion-only labels) and right-padded into one batch as its collator pads them (labels -100
+  template; labels on every token of ``messages`` and ``text`` rows, on the completion of prompt-completion
+  rows, unless ``loss_on`` says otherwise) and right-padded into one batch as its collator pads them (labels -100
   and attention 0 on the padding).
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from hf_sanity.batchview import BatchView
 from hf_sanity.errors import UserInputError
+from hf_sanity.measure.loss_mask import LOSS_ON, of_format
 from hf_sanity.report import Report
 
 DEFAULT_ROWS = (0, 1)
@@ -57,7 +59,7 @@ def show(
     rows: str | Sequence[int] | None = None,
     trainer_batch: bool = False,
     max_len: int | None = None,
-    loss_on: str = "completion",
+    loss_on: str | None = None,
     format: str | None = None,
     alpaca_template: str | None = None,
     source: str = "the dataset",
@@ -79,7 +81,7 @@ def show(
         from hf_sanity.measure.sources import as_dataset
 
         dataset = as_dataset(dataset)
-        fmt = detect_format(dataset.column_names, format)
+        fmt = detect_format(dataset.column_names, format, features=dataset.features)
         if fmt in PREFERENCE_FORMATS:
             objective = of_columns(COLUMNS[fmt]).kind
             view = preference_view(tokenizer, dataset, picked or list(DEFAULT_ROWS), objective=objective,
@@ -95,7 +97,8 @@ def show(
 def _report(view: BatchView) -> Report:
     count = len(view.summaries)
     said = f"{count} row{'s' if count != 1 else ''} as the model is fed them (no checks run: preflight runs them)"
-    return Report(title="hf-sanity show", views=[view], headline=said)
+    stats = {"loss_mask": view.loss_mask} if view.loss_mask else {}
+    return Report(title="hf-sanity show", views=[view], headline=said, stats=stats)
 
 
 def preference_view(
@@ -149,7 +152,7 @@ def preference_view(
 
 
 def encoded_view(
-    tokenizer, dataset, rows: list[int], *, max_len=None, loss_on="completion", format=None, alpaca_template=None,
+    tokenizer, dataset, rows: list[int], *, max_len=None, loss_on=None, format=None, alpaca_template=None,
     source: str = "the dataset",
 ) -> BatchView:  # fmt: skip
     """``rows`` of ``dataset`` tokenized as TRL does, cut at ``max_len`` and right-padded into one batch."""
@@ -158,15 +161,15 @@ def encoded_view(
     from hf_sanity.measure.sources import as_dataset
     from hf_sanity.measure.tensors import pad_batches, pad_id
 
-    if loss_on not in ("completion", "all"):
-        raise UserInputError(f"--loss-on must be 'completion' or 'all', got {loss_on!r}")
+    if loss_on is not None and loss_on not in LOSS_ON:
+        raise UserInputError(f"--loss-on must be one of {', '.join(LOSS_ON)}, got {loss_on!r}")
     if max_len is not None and max_len <= 0:
         raise UserInputError(f"--max-len must be positive, got {max_len}")
     dataset = as_dataset(dataset)
     beyond = [r for r in rows if r >= len(dataset)]
     if beyond:
         raise UserInputError(f"--rows {beyond[0]} is past the end of {source} ({len(dataset)} rows)")
-    fmt = detect_format(dataset.column_names, format)
+    fmt = detect_format(dataset.column_names, format, features=dataset.features)
     encoder = Encoder(
         tokenizer, EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len, alpaca_template=alpaca_template)
     )
@@ -178,12 +181,15 @@ def encoded_view(
         seqs.append((encoded["input_ids"][:max_len], encoded["labels"][:max_len]))
     [batch] = pad_batches(seqs, pad_id(tokenizer))
     cut = f", cut at max_len={max_len}" if max_len else ""
-    loss = "completion-only labels" if loss_on == "completion" else "labels on every token"
+    has_labels = "labels" in dataset.column_names
+    mask = encoder.loss_mask if encoder.fmt != "tokens" else of_format("tokens", has_labels=has_labels)
     what = (
-        f"{_listed(rows)} of {source}, tokenized as TRL's SFTTrainer tokenizes {fmt} rows ({loss}"
-        f"{cut}) and right-padded into one batch as its collator pads (labels -100 and attention 0 on the padding)"
+        f"{_listed(rows)} of {source}, tokenized as TRL's SFTTrainer tokenizes {fmt} rows ({mask.line()}{cut}) "
+        "and right-padded into one batch as its collator pads (labels -100 and attention 0 on the padding)"
     )
-    return BatchView.from_batch(tokenizer, batch, source=what, names=[f"dataset row {r}" for r in rows])
+    view = BatchView.from_batch(tokenizer, batch, source=what, names=[f"dataset row {r}" for r in rows])
+    view.loss_mask = mask.describe()
+    return view
 
 
 def trainer_view(trainer, rows: list[int] | None, names: list[str] | None = None) -> BatchView:
@@ -342,8 +348,10 @@ def shown_rows(ctx, count: int, dataset=None) -> BatchView | None:
     [batch] = pad_batches(seqs, pad_id(ctx.tokenizer))
     source = (
         f"{_listed(valid)} of the dataset as the checks read them (tokenized as TRL's SFTTrainer "
-        "does), right-padded into one batch as its collator pads"
+        f"does; {ctx.loss_mask.line()}), right-padded into one batch as its collator pads"
     )
-    return BatchView.from_batch(
+    view = BatchView.from_batch(
         ctx.tokenizer, batch, source=source, names=[f"dataset row {r}" for r in valid]
     )
+    view.loss_mask = ctx.loss_mask.describe()
+    return view

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from hf_sanity.errors import UserInputError
+from hf_sanity.measure import loss_mask
 from hf_sanity.measure.context import Context
 from hf_sanity.measure.encode import EncodeOptions
 from hf_sanity.untouched import preserved_rng
@@ -89,6 +90,7 @@ def batches_context(
         dataset=data,
         fmt="tokens",
         options=EncodeOptions(fmt="tokens", max_len=max_len, **trainer_cuts(trainer)),
+        loss_mask=loss_mask.of_trainer(trainer) if trainer is not None else None,
         model=model,
         trainer=trainer,
         sample=sample,

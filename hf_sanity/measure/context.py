@@ -24,6 +24,7 @@ from hf_sanity.measure.encode import MEASURES, EncodeOptions, Encoder, template_
 from hf_sanity.measure.families import own_families
 from hf_sanity.measure.formats import conversation_of, read_as
 from hf_sanity.measure.generate import served_stop_ids
+from hf_sanity.measure.loss_mask import of_format
 from hf_sanity.measure.losses import token_loss
 from hf_sanity.measure.markers import Span, TemplateMarkers, derive_markers
 from hf_sanity.measure.objective import SFT_OBJECTIVE
@@ -126,6 +127,7 @@ class Context:
         pairs=None,
         unpaired=None,
         rl=None,
+        loss_mask=None,
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
@@ -134,6 +136,13 @@ class Context:
         store("fmt", read_as(fmt))
         store("source_format", fmt)
         store("options", options or EncodeOptions(fmt=fmt))
+        # Which tokens the run puts in the loss and why (`measure.loss_mask`): the trainer's, or what TRL does
+        # with the format unless the options say otherwise (prompt-in-loss reads it; the report states it).
+        columns = getattr(dataset, "column_names", None) or ()
+        store(
+            "loss_mask",
+            loss_mask or of_format(read_as(fmt), self.options.loss_on, has_labels="labels" in columns),
+        )
         # "extractive": answers quote the prompt on purpose (extractive QA, RAG with citations).
         store("task", task)
         store("_model", model)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure import loss_mask
 from hf_sanity.measure.families import FAMILY_OF, NO_TEMPLATE
 from hf_sanity.measure.formats import USER_TEXTS, Layout, conversation_problem, text_problem
 from hf_sanity.measure.markers import Span, TemplateMarkers, boundary_ids, derive_markers, find_sequence
@@ -136,8 +137,10 @@ def normalize(text: str) -> str:
 class EncodeOptions:
     fmt: str  # as detected (formats.FORMATS); ShareGPT and Alpaca rows are converted to what TRL reads
     # "completion", "assistant" (the same labels, as `assistant_only_loss=True` takes them from the chat template's
-    # {% generation %} markers: generation-markers-missing checks the template gives them) or "all".
-    loss_on: str = "completion"
+    # {% generation %} markers: generation-markers-missing checks the template gives them) or "all"; None: what
+    # TRL's SFTTrainer does with the format (`measure.loss_mask`: every token of messages and text rows, the
+    # completion of prompt-completion rows).
+    loss_on: str | None = None
     max_len: int | None = None
     min_leak_chars: int = 20
     alpaca_template: str | None = None  # "chat" or "text"; default: chat when the tokenizer has a template
@@ -216,6 +219,8 @@ class Encoder:
             options.fmt, has_template=self.markers.has_template, alpaca_template=options.alpaca_template
         )
         self.fmt = self.layout.read_as  # what the rows are, once converted
+        self.loss_mask = loss_mask.of_format(self.fmt, options.loss_on)
+        self._masked = self.loss_mask.mode != "all"  # labels on the located completions only
         specials = {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
         specials |= {str(t) for t in tokenizer.all_special_tokens}
         strays = sorted(
@@ -376,7 +381,12 @@ class Encoder:
                     "offset_mapping"
                 ]
             spans, gp_mismatch = self._exact_spans(messages, first, full, ids, offsets, kwargs)
-        labels = self._labels(ids, spans if self.options.loss_on != "all" else None)
+        if first and spans and self.loss_mask.mode == "completion":
+            # TRL's completion_mask: every token after the prompt, the template's whitespace after the end of
+            # the turn included (`labels` marks the answers' own tokens only)
+            labels = [IGNORE_INDEX] * spans[0].start + list(ids[spans[0].start :])
+        else:
+            labels = self._labels(ids, spans if self._masked else None)
         texts = [(m["role"], text_of(m)) for m in messages]
         # Each text is normalized once (its words): `normalize` of texts joined by spaces is their words joined.
         conversation: list[str] = []
@@ -481,7 +491,7 @@ class Encoder:
         ids = tok(full_text)["input_ids"]
         start = _common_prefix(prompt_ids, ids)
         spans = [self._close(ids, start, len(ids))]
-        labels = self._labels(ids, spans if self.options.loss_on != "all" else None)
+        labels = self._labels(ids, spans if self._masked else None)
         out = self.measure(ids, labels, spans, user_labels=False)
         own_prompt, own_completion = user_texts or (prompt, completion)
         out.update(

@@ -68,7 +68,29 @@ ALPACA_PREAMBLE = {
 USER_TEXTS = "_user_texts"
 
 
-def detect_format(columns: Sequence[str], override: str | None = None) -> str:
+def label_is_boolean(features) -> bool | None:
+    """Whether the dataset's ``label`` column holds booleans, as TRL's KTOTrainer needs (None: no features to
+    tell, e.g. a bare list of column names)."""
+    if features is None or "label" not in features:
+        return None
+    return getattr(features["label"], "dtype", None) == "bool"
+
+
+def string_label_note(columns: Sequence[str], features) -> str | None:
+    """The report's note when a `label` column beside prompt/completion is read as SFT data, not KTO's."""
+    if not {"prompt", "completion", "label"} <= set(columns) or label_is_boolean(features) is not False:
+        return None
+    kind = getattr(features["label"], "dtype", type(features["label"]).__name__)
+    return (
+        f"the `label` column holds {kind} values, not booleans: read as SFT prompt-completion data (TRL's "
+        "KTOTrainer needs a boolean `label`, True for a desirable completion); pass --format preference-unpaired "
+        "to check it as KTO data"
+    )
+
+
+def detect_format(columns: Sequence[str], override: str | None = None, *, features=None) -> str:
+    """The format of a dataset with ``columns`` (``features``: its column types, which tell KTO's boolean
+    `label` from a classification-style SFT label; without them a `label` column is read as KTO's)."""
     columns = set(columns)
     if override:
         if override not in FORMATS:
@@ -85,7 +107,7 @@ def detect_format(columns: Sequence[str], override: str | None = None) -> str:
         return "tokens"
     if {"chosen", "rejected"} <= columns:
         return "preference"
-    if {"prompt", "completion", "label"} <= columns:
+    if {"prompt", "completion", "label"} <= columns and label_is_boolean(features) is not False:
         return "preference-unpaired"
     if "messages" in columns:
         return "messages"

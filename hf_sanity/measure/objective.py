@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_sanity.measure.formats import label_is_boolean
+
 KINDS = ("sft", "preference", "preference-unpaired", "reward", "rl", "unknown")
 ANY = frozenset(KINDS)
 SFT = frozenset({"sft"})
@@ -131,10 +133,13 @@ COLUMN_OBJECTIVES: tuple[tuple[frozenset[str], str, str], ...] = (
 )
 
 
-def of_columns(columns: Iterable[str]) -> Objective:
-    """The objective a dataset's columns imply (SFT unless they are preference data)."""
+def of_columns(columns: Iterable[str], *, features=None) -> Objective:
+    """The objective a dataset's columns imply (SFT unless they are preference data); with ``features`` (the
+    column types), a `label` that is not boolean is not KTO's (classification-style SFT data)."""
     present = set(columns)
     for needed, kind, variant in COLUMN_OBJECTIVES:
+        if variant == "kto" and label_is_boolean(features) is False:
+            continue
         if needed <= present:
             return Objective(kind, variant, None, "columns")
     return Objective("sft", "sft", None, "columns")

@@ -62,7 +62,7 @@ def split_rows(dataset, encoded, *, fmt: str | None, alpaca_template: str, has_t
     detected (None: detected here, from its columns)."""
     if fmt is None:
         try:
-            fmt = detect_format(dataset.column_names)
+            fmt = detect_format(dataset.column_names, features=dataset.features)
         except Exception:
             fmt = "unknown"
     picked = _indices(len(dataset))

@@ -93,7 +93,7 @@ def encode_examples(
     dataset = as_dataset(dataset)
     if len(dataset) == 0:
         raise UserInputError("the dataset is empty")
-    fmt = detect_format(dataset.column_names, fmt)
+    fmt = detect_format(dataset.column_names, fmt, features=dataset.features)
     options = EncodeOptions(fmt=fmt, loss_on=loss_on, max_len=max_len, alpaca_template=alpaca_template)
     encoder = Encoder(tokenizer, options)
     rows, errors = [], []

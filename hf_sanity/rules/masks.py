@@ -7,6 +7,7 @@ import numpy as np
 from hf_sanity.catalog import define
 from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.families import NO_TEMPLATE
+from hf_sanity.measure.loss_mask import LANGUAGE_MODELLING
 from hf_sanity.measure.objective import ANY, SEQUENCES
 from hf_sanity.remedies import Remedy, RemedyDoc, display, drop_rows
 
@@ -39,21 +40,50 @@ PROMPT_IN_LOSS = define(
     stage="tokens",
     symptom="Model repeats the prompt back; it learns to write the user's side of the conversation.",
     detects="Assistant turns are located from the tokenizer's own chat template; the fraction of supervised tokens "
-    "(label != -100) that lie outside them is the prompt share of the loss. A packed row that starts inside an "
-    "answer (split across rows by the packing) starts with the rest of that answer, not with a prompt.",
-    fix="Compute the loss on completions only: TRL `SFTConfig(assistant_only_loss=True)` (template with "
-    "`{% generation %}`) or the prompt/completion format with `completion_only_loss=True`; or set the prompt "
-    "labels to -100 in your own preprocessing.",
+    "(label != -100) that lie outside them is the prompt share of the loss. The labels are the trainer's (with "
+    "`trainer=`) or what TRL's SFTTrainer makes of the format (every token of `messages` and `text` rows, the "
+    "completion of prompt-completion rows; `--loss-on` says otherwise). Cause `trainer-default`: the trainer's "
+    "default puts the prompt in the loss and nothing says it is intended (a warning); `mask-not-applied`: "
+    "completion or assistant loss was asked for (`--loss-on`, the trainer's config) and the prompt still "
+    "carries loss (an error); `labels`: the labels the rows or the collator bring. Silent with `--loss-on all` "
+    "(or `completion_only_loss=False`): every token is then intended. A packed row that starts inside an answer "
+    "(split across rows by the packing) starts with the rest of that answer, not with a prompt.",
+    fix="Compute the loss on the answers only: TRL `SFTConfig(assistant_only_loss=True)` with a chat template "
+    "that marks them with `{% generation %}` (TRL ships them in trl/chat_templates/ and swaps one in for the "
+    "families it knows; else `chat_template_path=`), or prompt-completion rows (completion-only loss by default); "
+    "or set the prompt labels to -100 in your own preprocessing. If training on every token is intended, say so: "
+    "`--loss-on all`.",
 )
 
 PROMPT_SHARE_THRESHOLD = 0.02
 
+# The fix for each cause, by what the rows are (the context's format, as TRL reads it).
+TRAINER_DEFAULT_FIX = {
+    "messages": "TRL's SFTTrainer trains on every token of `messages` rows by default. For the assistant turns "
+    "only: `SFTConfig(assistant_only_loss=True)` with a chat template that marks them with `{% generation %}` "
+    "(TRL ships them in trl/chat_templates/, e.g. qwen2_5_training.jinja, and swaps one in for the families it "
+    "knows; else pass `chat_template_path=`), or turn each row into prompt-completion (`prompt`: the turns "
+    "before the last answer, `completion`: the answer; completion-only loss by default). If every token is "
+    'intended, say so: `--loss-on all` (`loss_on="all"`).',
+    "text": "TRL's SFTTrainer trains on every token of `text` rows, and cannot mask a conversation rendered into "
+    "text: keep the conversations as `messages` with `SFTConfig(assistant_only_loss=True)` (a template with "
+    "`{% generation %}`, trl/chat_templates/), or as prompt-completion rows (completion-only loss by default). "
+    "If every token is intended (language modelling), say so: `--loss-on all`.",
+}
+NOT_APPLIED_FIX = (
+    "The loss mask asked for ({asked}) is not what the labels carry. TRL applies `completion_only_loss` to "
+    "prompt-completion rows only and `assistant_only_loss` to conversational rows only (with `{{% generation %}}` "
+    "markers in the template); `text` rows always train on every token. Give the rows the format the mask "
+    "applies to, or build the labels yourself (prompt tokens -100)."
+)
+
 
 @PROMPT_IN_LOSS.check
 def check_prompt_in_loss(ctx):
+    mask = ctx.loss_mask
     prompt_sup = ctx.col("n_prompt_supervised")
     located = ctx.valid & (prompt_sup >= 0)
-    if not located.any():
+    if not located.any() or mask.intended_all:  # every token carries loss, as the user said it should
         return
     prompt_tokens = int(prompt_sup[located].sum())
     supervised = int(ctx.col("n_supervised")[located].sum())
@@ -62,17 +92,35 @@ def check_prompt_in_loss(ctx):
         return
     affected = located & (prompt_sup > 0)
     rows = ctx.first(affected)
+    if mask.trainer_default_all:
+        cause, severity = "trainer-default", "warning"
+        fix = TRAINER_DEFAULT_FIX.get(ctx.fmt, TRAINER_DEFAULT_FIX["text"])
+        said = (
+            f" (TRL's default for `{ctx.fmt}` rows: every token)"
+            if ctx.fmt in LANGUAGE_MODELLING
+            else (" (the trainer's default)")
+        )
+    elif mask.asked:
+        cause, severity = "mask-not-applied", "error"
+        fix = NOT_APPLIED_FIX.format(asked=f"{mask.mode}: {mask.why}")
+        said = f" although {mask.mode} loss was asked for ({mask.why})"
+    else:
+        cause, severity, fix, said = "labels", None, None, ""
     yield PROMPT_IN_LOSS.finding(
-        f"{share:.0%} of supervised tokens are prompt tokens ({prompt_tokens:,} of {supervised:,})",
+        f"{share:.0%} of supervised tokens are prompt tokens ({prompt_tokens:,} of {supervised:,}){said}",
         evidence={
+            "cause": cause,
             "prompt_tokens": prompt_tokens,
             "supervised_tokens": supervised,
             "fraction": share,
             "rows": rows,
             "examples_affected": int((prompt_sup[located] > 0).sum()),
+            "loss_mask": mask.describe(),
         },
         example=ctx.view(rows[0], focus=_first_prompt_loss(ctx, rows[0])),
         rows=affected,
+        severity=severity,
+        fix=fix,
     )
 
 
