@@ -70,17 +70,31 @@ def batches_context(
     first_batch=None,
     init_loss=None,
     rows_given: int | None = None,
+    modality=None,
 ) -> Context:
     """A context over already-collated batches (what the model sees), up to ``sample`` examples; where the
-    ``trainer`` cut its rows is read from its arguments (``trainer_cuts``)."""
+    ``trainer`` cut its rows is read from its arguments (``trainer_cuts``). With a vision-language
+    ``modality``, each row's pictures are digested (`measure.vision.row_image_digests`)."""
     import datasets
 
+    from hf_sanity.measure.vision import row_image_digests
+
     rows: list[dict[str, list[int]]] = []
+    digests: list[str | None] | None = [] if modality is not None and modality.is_vision else None
     for batch in batches:
-        rows.extend(batch_rows(batch))
+        batch_of = batch_rows(batch)
+        rows.extend(batch_of)
+        if digests is not None:
+            per_row = row_image_digests(batch, modality)
+            # A row split by packing, or pictures not assigned to rows: no row of this batch is judged alike.
+            if per_row is None or len(per_row) != len(batch_of):
+                per_row = [f"unassigned-{len(digests) + i}" for i in range(len(batch_of))]
+            digests.extend(per_row)
         if len(rows) >= sample:
             break
     rows = rows[:sample]
+    if digests is not None:
+        digests = digests[:sample]
     if rows and any("labels" not in r for r in rows):
         rows = [{"input_ids": r["input_ids"]} for r in rows]
     data = datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({"input_ids": []})
@@ -95,6 +109,8 @@ def batches_context(
         first_batch=first_batch,
         init_loss=init_loss,
         rows_given=rows_given,
+        modality=modality,
+        image_digests=digests,
     )
 
 
@@ -172,6 +188,10 @@ def trainer_context(
             for batch in itertools.chain([first], loader):
                 yield {k: v for k, v in batch.items() if hasattr(v, "shape")}
 
+        from hf_sanity.measure.vision import measure_modality
+
+        modality = measure_modality(getattr(trainer, "processing_class", None), trainer.model, first)
+
         ctx = batches_context(
             tokenizer,
             batches(),
@@ -181,6 +201,7 @@ def trainer_context(
             trainer=trainer,
             first_batch=first,
             rows_given=rows_given,
+            modality=modality,
         )
         ctx.encoded  # noqa: B018 - materialise while the RNG is preserved
     return ctx

@@ -126,6 +126,8 @@ class Context:
         pairs=None,
         unpaired=None,
         rl=None,
+        modality=None,
+        image_digests=None,
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
@@ -162,6 +164,10 @@ class Context:
             "rl", rl
         )  # an RL trainer's rollouts and reward functions, measured lazily (`measure.rl.Rollouts`)
         store("_generation_config", generation_config)
+        # Text, or vision-language (`measure.vision`): measured once where the context is built.
+        store("_modality", modality)
+        # Vision-language rows: a digest of each row's own pictures (None where not known), part of the row.
+        store("image_digests", image_digests)
         store("reencode_rows", False)
         store("_scratch_dir", None)
         # Under torchrun, scan only this process's shard and judge on rank 0 (see measure.distributed).
@@ -379,7 +385,9 @@ class Context:
         if batch is None:
             batches = self.sample_batches(batch_size=LEAK_ROWS, limit=LEAK_ROWS)
             batch = batches[0] if batches else None
-        return None if batch is None else future_token_leak(self.model, batch)
+        if batch is None:
+            return None
+        return future_token_leak(self.model, batch, vision_ids=self.modality.vision_ids)
 
     @cached_property
     def served(self):
@@ -398,6 +406,19 @@ class Context:
         base_logits = logits(self.model, batch)  # before the adapter's layers go into the model
         with attached_adapter(self.model, self.adapter_path) as trained:
             return compare_served(trained, self.served_model, batch, base_logits=base_logits)
+
+    @property
+    def modality(self):
+        from hf_sanity.measure.vision import TEXT_MODALITY
+
+        return self._modality or TEXT_MODALITY
+
+    @cached_property
+    def vision_tokens(self):
+        """Per row: its vision tokens and those that carry loss (`measure.vision.VisionTokens`)."""
+        from hf_sanity.measure.vision import vision_tokens
+
+        return vision_tokens(self.encoded, self.modality)
 
     # -- model -------------------------------------------------------------------------------------
     @property

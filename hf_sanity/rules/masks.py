@@ -40,7 +40,9 @@ PROMPT_IN_LOSS = define(
     symptom="Model repeats the prompt back; it learns to write the user's side of the conversation.",
     detects="Assistant turns are located from the tokenizer's own chat template; the fraction of supervised tokens "
     "(label != -100) that lie outside them is the prompt share of the loss. A packed row that starts inside an "
-    "answer (split across rows by the packing) starts with the rest of that answer, not with a prompt.",
+    "answer (split across rows by the packing) starts with the rest of that answer, not with a prompt. In a "
+    "vision-language run the image placeholders count as neither prompt nor answer (`vision-tokens-in-loss` "
+    "judges them).",
     fix="Compute the loss on completions only: TRL `SFTConfig(assistant_only_loss=True)` (template with "
     "`{% generation %}`) or the prompt/completion format with `completion_only_loss=True`; or set the prompt "
     "labels to -100 in your own preprocessing.",
@@ -55,12 +57,19 @@ def check_prompt_in_loss(ctx):
     located = ctx.valid & (prompt_sup >= 0)
     if not located.any():
         return
+    supervised_by_row = ctx.col("n_supervised")
+    if ctx.modality.is_vision:  # image placeholders are neither prompt nor completion (vision-tokens-in-loss)
+        vision = ctx.vision_tokens.supervised
+        prompt_sup = np.where(prompt_sup >= 0, np.maximum(prompt_sup - vision, 0), prompt_sup)
+        supervised_by_row = supervised_by_row - vision
     prompt_tokens = int(prompt_sup[located].sum())
-    supervised = int(ctx.col("n_supervised")[located].sum())
+    supervised = int(supervised_by_row[located].sum())
     share = prompt_tokens / max(supervised, 1)
     if share <= PROMPT_SHARE_THRESHOLD:
         return
     affected = located & (prompt_sup > 0)
+    if not affected.any():
+        return
     rows = ctx.first(affected)
     yield PROMPT_IN_LOSS.finding(
         f"{share:.0%} of supervised tokens are prompt tokens ({prompt_tokens:,} of {supervised:,})",
@@ -77,12 +86,13 @@ def check_prompt_in_loss(ctx):
 
 
 def _first_prompt_loss(ctx, index: int) -> int | None:
-    labels = ctx.row(index)["labels"]
+    row = ctx.row(index)
+    labels = row["labels"]
     inside = np.zeros(len(labels), dtype=bool)
     for span in ctx.spans(index):
         inside[span.start : span.end] = True
     for pos, label in enumerate(labels):
-        if label != IGNORE_INDEX and not inside[pos]:
+        if label != IGNORE_INDEX and not inside[pos] and not ctx.modality.is_vision_id(row["input_ids"][pos]):
             return pos
     return None
 
