@@ -35,7 +35,7 @@ def run(trainer) -> SanityCallback:
 
 
 # -- the modality, and the text rules on VLM data ------------------------------------------------------------
-@pytest.mark.clean("duplicate-examples", "prompt-in-loss", "future-token-leak")
+@pytest.mark.clean("duplicate-examples", "prompt-in-loss", "future-token-leak", "vision-tokens-in-loss")
 def test_prompt_completion_vlm_data_with_completion_only_loss_is_silent(tmp_path):
     trainer = vlm.vlm_sft_trainer(tmp_path, vlm.vlm_prompt_completion(16))
     report = preflight(trainer=trainer)
@@ -47,7 +47,7 @@ def test_prompt_completion_vlm_data_with_completion_only_loss_is_silent(tmp_path
     assert callback.first.done  # the first-batch checks ran on the VLM batch
 
 
-@pytest.mark.clean("duplicate-examples", "prompt-in-loss", "empty-loss-mask")
+@pytest.mark.clean("duplicate-examples", "prompt-in-loss", "vision-tokens-in-loss", "empty-loss-mask")
 def test_a_collator_that_masks_the_vision_tokens_and_the_prompt_is_silent(tmp_path):
     model, processor = vlm.load_tiny_llava()
     collator = vlm.MaskingCollator(processor)
@@ -80,3 +80,67 @@ def test_the_same_question_about_the_same_picture_twice_is_a_duplicate(tmp_path)
     found = [f for f in report.findings if f.rule == "duplicate-examples"]
     # The other rows repeat questions and answers over different pictures: only the true repeat is one.
     assert [f.evidence["duplicates"] for f in found] == [1]
+
+
+# -- vision-tokens-in-loss ------------------------------------------------------------------------------------
+def vision_finding(report):
+    found = [f for f in report.findings if f.rule == "vision-tokens-in-loss"]
+    assert len(found) == 1, rules(report)
+    return found[0]
+
+
+@pytest.mark.planted("vision-tokens-in-loss")
+def test_trls_default_collator_on_conversations_trains_the_image_placeholders(tmp_path):
+    trainer = vlm.vlm_sft_trainer(tmp_path, vlm.vlm_messages(16))
+    report = preflight(trainer=trainer)
+    finding = vision_finding(report)
+    assert finding.severity == "error"
+    assert finding.evidence["cause"] == "conversational-default"
+    # Every row holds one picture of 16 placeholders, every one of them labelled.
+    assert finding.evidence["vision_tokens_supervised"] == finding.evidence["vision_tokens"] == 16 * 16
+    assert finding.evidence["rows_affected"] == 16
+    assert "assistant_only_loss=True" in finding.fix
+    cells = finding.example.cells
+    assert cells[finding.example.focus].text == "<image>" and cells[finding.example.focus].loss
+    assert "duplicate-examples" not in rules(report)  # same questions, other pictures
+    # The callback's first batch: the same error, on the 4 rows it saw.
+    callback = run(trainer)
+    on_batch = vision_finding(callback.report)
+    assert on_batch.step == 1 and on_batch.evidence["vision_tokens_supervised"] == 4 * 16
+    assert "internal-error" not in rules(callback.report)
+
+
+@pytest.mark.planted("vision-tokens-in-loss")
+def test_a_tutorial_collator_that_copies_input_ids_to_labels_gets_the_masking_diff(tmp_path):
+    model, processor = vlm.load_tiny_llava()
+    # The tutorials' collator: labels = input_ids, the padding masked, nothing else.
+    collator = vlm.MaskingCollator(processor, mask_vision=False, mask_prompt=False)
+    trainer = vlm.vlm_sft_trainer(
+        tmp_path, vlm.vlm_messages(8), model=model, processor=processor, collator=collator
+    )
+    report = preflight(trainer=trainer)
+    finding = vision_finding(report)
+    assert finding.evidence["cause"] == "collator"
+    assert finding.evidence["vision_tokens_supervised"] == 8 * 16
+    assert "+labels[torch.isin(labels, vision_ids)] = -100" in finding.fix
+    # The user turn's text trains too: prompt-in-loss, counted without the placeholders.
+    prompt = next(f for f in report.findings if f.rule == "prompt-in-loss")
+    assert prompt.evidence["supervised_tokens"] == report.stats["supervised_tokens"] - 8 * 16
+
+
+@pytest.mark.planted("vision-tokens-in-loss")
+def test_prompt_completion_rows_with_completion_only_loss_off(tmp_path):
+    trainer = vlm.vlm_sft_trainer(tmp_path, vlm.vlm_prompt_completion(8), completion_only_loss=False)
+    finding = vision_finding(preflight(trainer=trainer))
+    assert finding.evidence["cause"] == "completion-only-loss-off"
+    assert "completion_only_loss=True" in finding.fix
+
+
+@pytest.mark.clean("vision-tokens-in-loss", "prompt-in-loss")
+def test_assistant_only_loss_with_a_generation_marked_template_is_silent(tmp_path):
+    trainer = vlm.vlm_sft_trainer(tmp_path, vlm.vlm_messages(16), assistant_only_loss=True)
+    report = preflight(trainer=trainer)
+    assert report.stats["modality"] == "vision-language"
+    assert above_info(report) == []
+    assert report.stats["supervised_tokens"] > 0
+    assert above_info(run(trainer).report) == []

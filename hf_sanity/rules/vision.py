@@ -1,0 +1,99 @@
+"""Vision-language rules: the image tokens in the loss (`vision-tokens-in-loss`) and the image spans that
+``max_length`` cuts (`image-span-truncated`).
+
+They judge a run measured vision-language (`hf_sanity.measure.vision`); a text run is never judged here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_sanity.catalog import define
+
+VISION_TOKENS_IN_LOSS = define(
+    "vision-tokens-in-loss",
+    severity="error",
+    stage="tokens",
+    symptom="A vision-language fine-tune trains the model to emit image placeholders: every image's expanded "
+    "`<image>` run (and the vision start/end tokens) carries loss, the loss is diluted by tokens no answer "
+    "holds, and the model may write placeholders at inference.",
+    detects="On a vision-language run (a processor with an image processor, vision tensors in the batch, or an "
+    "image token id in the model's config), in the trainer's real collated batches (preflight) and the "
+    "callback's first batch: the image/video placeholders and vision start/end tokens (and negative ids) whose "
+    "label is not -100. Any is an error; evidence: how many of how many, the rows, a token view. Causes by "
+    "format: `conversational-default` (TRL's collator on `messages` rows sets labels = input_ids without "
+    "`assistant_only_loss`), `completion-only-loss-off` (prompt-completion rows with `completion_only_loss=False`), "
+    "`collator` (the user's own collator).",
+    fix="By format: prompt-completion rows (`prompt` holding the image turn, `completion` the answer) with "
+    "completion-only loss (TRL's default for them); or `SFTConfig(assistant_only_loss=True)` with a chat template "
+    "that marks the assistant turns with `{% generation %}`; or, in your own collator, set the label of every "
+    "vision token to -100 (`labels[torch.isin(labels, vision_ids)] = -100`).",
+)
+
+COLLATOR_DIFF = """\
+ labels = batch["input_ids"].clone()
+ labels[batch["attention_mask"] == 0] = -100
++vision_ids = torch.tensor({ids})  # image placeholders, vision start/end
++labels[torch.isin(labels, vision_ids)] = -100"""
+
+
+def is_vision_run(ctx) -> bool:
+    return ctx.modality.is_vision
+
+
+def _cause(ctx) -> str:
+    """Which format put the vision tokens in the loss: TRL's collator on conversations or prompt-completion
+    rows without completion-only loss, or a collator of the user's."""
+    trainer = ctx.trainer
+    collator = type(getattr(trainer, "data_collator", None)).__name__
+    if trainer is None or collator != "DataCollatorForVisionLanguageModeling":
+        return "collator"
+    columns = getattr(getattr(trainer, "train_dataset", None), "column_names", None) or ()
+    if "prompt" in columns and "completion" in columns:
+        return "completion-only-loss-off"
+    return "conversational-default"
+
+
+FIXES = {
+    "conversational-default": "TRL's collator trains every token of `messages` rows, the image placeholders "
+    "included. Set `SFTConfig(assistant_only_loss=True)` with a chat template that marks the assistant turns "
+    "with `{% generation %}` (the processor's `chat_template`), or convert the rows to prompt-completion "
+    "(`prompt` = the turns up to the answer, `completion` = the answer), which TRL trains on the completion only.",
+    "completion-only-loss-off": "Set `SFTConfig(completion_only_loss=True)` (or leave it unset: TRL's default "
+    "for prompt-completion rows), so that the prompt and its image placeholders carry no loss.",
+    "collator": "Your collator labels the vision tokens: set their labels to -100, as in this diff:\n"
+    + COLLATOR_DIFF,
+}
+
+
+@VISION_TOKENS_IN_LOSS.check(applies=is_vision_run)
+def check_vision_tokens_in_loss(ctx):
+    counts = ctx.vision_tokens
+    valid = ctx.valid
+    supervised = counts.supervised[valid]
+    if int(supervised.sum()) == 0:
+        return
+    rows_hit = valid & (counts.supervised > 0)
+    rows = ctx.first(rows_hit)
+    total_vision = int(counts.total[valid].sum())
+    hit = int(supervised.sum())
+    cause = _cause(ctx)
+    first = rows[0]
+    ids = sorted(ctx.modality.vision_ids)
+    yield VISION_TOKENS_IN_LOSS.finding(
+        f"{hit:,} of {total_vision:,} vision tokens (image placeholders, vision start/end) carry loss in "
+        f"{int(rows_hit.sum())} of {int(valid.sum())} collated rows: the model is trained to emit them",
+        evidence={
+            "cause": cause,
+            "vision_tokens_supervised": hit,
+            "vision_tokens": total_vision,
+            "supervised_tokens": int(ctx.col("n_supervised")[valid].sum()),
+            "rows": rows,
+            "rows_affected": int(rows_hit.sum()),
+            "vision_token_ids": ids,
+            "said_by": list(ctx.modality.said_by),
+        },
+        fix=FIXES[cause].replace("{ids}", str(ids)),
+        example=ctx.view(first, focus=int(counts.first_supervised[first])),
+        rows=np.asarray(rows_hit),
+    )
