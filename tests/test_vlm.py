@@ -144,3 +144,39 @@ def test_assistant_only_loss_with_a_generation_marked_template_is_silent(tmp_pat
     assert above_info(report) == []
     assert report.stats["supervised_tokens"] > 0
     assert above_info(run(trainer).report) == []
+
+
+# -- image-span-truncated -------------------------------------------------------------------------------------
+@pytest.mark.planted("image-span-truncated")
+@pytest.mark.parametrize(
+    "make", [vlm.vlm_messages, vlm.vlm_prompt_completion], ids=["messages", "prompt-completion"]
+)
+def test_max_length_cuts_the_placeholders_of_the_one_row_with_three_images(tmp_path, make):
+    # Rows 5 and 11 carry three pictures (48 placeholders): max_length=40 cuts them; the others fit.
+    data = make(16, images_in={5: 3, 11: 3})
+    trainer = vlm.vlm_sft_trainer(tmp_path, data, max_length=40, assistant_only_loss=make is vlm.vlm_messages)
+    report = preflight(trainer=trainer)  # TRL's collator refuses the messages batch: preflight goes on
+    found = [f for f in report.findings if f.rule == "image-span-truncated"]
+    assert len(found) == 1, rules(report)
+    finding = found[0]
+    assert finding.severity == "error"
+    assert finding.evidence["rows"] == [5, 11]
+    assert {c["expected"] for c in finding.evidence["cut"]} == {48}
+    assert all(c["surviving"] < 48 for c in finding.evidence["cut"])
+    expected_cause = "collator-refuses" if make is vlm.vlm_messages else "features-mismatch"
+    assert finding.evidence["cause"] == expected_cause
+    assert "max_length" in finding.fix
+    assert "internal-error" not in rules(report)
+
+
+@pytest.mark.clean("image-span-truncated")
+def test_max_length_above_every_row_cuts_no_image(tmp_path):
+    data = vlm.vlm_prompt_completion(16, images_in={5: 3})
+    trainer = vlm.vlm_sft_trainer(tmp_path, data, max_length=128)
+    report = preflight(trainer=trainer)
+    assert above_info(report) == []
+    assert report.stats["modality"] == "vision-language"
+    from hf_sanity.measure.vision import image_spans, measure_modality
+
+    spans = image_spans(trainer, measure_modality(trainer.processing_class, trainer.model), [])
+    assert spans.rows_checked == 16 and spans.cut == []  # the detector ran over every row

@@ -128,6 +128,7 @@ class Context:
         rl=None,
         modality=None,
         image_digests=None,
+        refused_batches=(),
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
@@ -168,6 +169,8 @@ class Context:
         store("_modality", modality)
         # Vision-language rows: a digest of each row's own pictures (None where not known), part of the row.
         store("image_digests", image_digests)
+        # With a VLM trainer: the errors of the batches its collator refused while preflight drew them.
+        store("refused_batches", list(refused_batches))
         store("reencode_rows", False)
         store("_scratch_dir", None)
         # Under torchrun, scan only this process's shard and judge on rank 0 (see measure.distributed).
@@ -419,6 +422,15 @@ class Context:
         from hf_sanity.measure.vision import vision_tokens
 
         return vision_tokens(self.encoded, self.modality)
+
+    @cached_property
+    def image_spans(self):
+        """With a VLM trainer: its dataset's rows whose image placeholders max_length cuts (`measure.vision`)."""
+        from hf_sanity.measure.vision import image_spans
+
+        if self.trainer is None or not self.modality.is_vision:
+            return None
+        return image_spans(self.trainer, self.modality, self.refused_batches)
 
     # -- model -------------------------------------------------------------------------------------
     @property

@@ -223,3 +223,43 @@ def vision_tokens(encoded, modality: Modality) -> VisionTokens:
             supervised[r] = len(hit)
             first[r] = int(hit[0]) if len(hit) else -1
     return VisionTokens(total, supervised, first)
+
+
+SPAN_ROWS = 2000  # rows of the trainer's dataset whose image spans are checked (each one collated alone)
+
+
+@dataclass(frozen=True)
+class ImageSpans:
+    """Per checked row of the trainer's dataset: the vision tokens the processor writes for its pictures and
+    those that survive the collator's ``max_length`` (it keeps the start)."""
+
+    max_length: int
+    rows_checked: int
+    rows_total: int
+    cut: list[dict[str, int]]  # {"row", "expected", "surviving", "length"} for every cut row
+    refused: list[str]  # errors of the batches the collator refused while preflight drew them
+
+
+def image_spans(trainer, modality: Modality, refused: list[str], limit: int = SPAN_ROWS) -> ImageSpans | None:
+    """Each row of ``trainer.train_dataset`` (up to ``limit``) through a copy of the trainer's own collator
+    without its ``max_length``: the placeholders it expands the row's pictures into (the processor's count:
+    patches and merge size, image splitting) against those in the first ``max_length`` tokens. None when the
+    collator has no ``max_length`` (a collator of the user's: its cut is not known) or no dataset."""
+    import copy
+
+    collator = getattr(trainer, "data_collator", None)
+    max_length = getattr(collator, "max_length", None)
+    data = getattr(trainer, "train_dataset", None)
+    if not max_length or data is None or not hasattr(data, "__len__"):
+        return None
+    whole = copy.copy(collator)
+    whole.max_length = None
+    cut = []
+    checked = min(len(data), limit)
+    for row in range(checked):
+        ids = whole([dict(data[row])])["input_ids"][0].tolist()
+        expected = sum(1 for t in ids if t in modality.placeholder_ids or t < 0)
+        surviving = sum(1 for t in ids[:max_length] if t in modality.placeholder_ids or t < 0)
+        if surviving < expected:
+            cut.append({"row": row, "expected": expected, "surviving": surviving, "length": len(ids)})
+    return ImageSpans(int(max_length), checked, len(data), cut, list(refused))

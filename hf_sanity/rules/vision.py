@@ -97,3 +97,55 @@ def check_vision_tokens_in_loss(ctx):
         example=ctx.view(first, focus=int(counts.first_supervised[first])),
         rows=np.asarray(rows_hit),
     )
+
+
+IMAGE_SPAN_TRUNCATED = define(
+    "image-span-truncated",
+    severity="error",
+    stage="trainer",
+    symptom="A vision-language run crashes hours in, when the batch of one long row comes up: its image "
+    "placeholders were cut by `max_length` while the image's features stay whole (\"Mismatch in `image` token "
+    'count", "Image features and image tokens do not match").',
+    detects="With a VLM trainer whose collator cuts at `max_length` (TRL's): every row of its dataset (up to "
+    "2,000) through a copy of that collator without the cut, the placeholders the processor expands the row's "
+    "pictures into (patches and merge size, image splitting) against those in the first `max_length` tokens. "
+    "Every cut row is an error, its index in the evidence; the batches the collator refused while preflight "
+    "drew them are counted (cause `collator-refuses`: the processor raises on that batch; "
+    "`features-mismatch`: the cut ids reach the model, whose forward raises).",
+    fix="Raise `max_length` above the longest row (`SFTConfig(max_length=...)`, or None for no cut), or drop "
+    "the rows with too many or too large pictures (`dataset.filter`), or lower the image resolution "
+    "(`max_pixels`, no image splitting) so each picture takes fewer tokens.",
+)
+
+
+def has_vision_trainer(ctx) -> bool:
+    return ctx.trainer is not None and ctx.modality.is_vision
+
+
+@IMAGE_SPAN_TRUNCATED.check(applies=has_vision_trainer)
+def check_image_span_truncated(ctx):
+    spans = ctx.image_spans
+    if spans is None or not spans.cut:
+        return
+    rows = [c["row"] for c in spans.cut]
+    longest = max(c["length"] for c in spans.cut)
+    cause = "collator-refuses" if ctx.refused_batches else "features-mismatch"
+    worst = min(spans.cut, key=lambda c: c["surviving"] - c["expected"])
+    yield IMAGE_SPAN_TRUNCATED.finding(
+        f"max_length={spans.max_length} cuts the image placeholders of {len(rows)} of {spans.rows_checked} rows "
+        f"(row {worst['row']}: {worst['surviving']} of {worst['expected']} survive); the run crashes when their "
+        "batch comes up",
+        evidence={
+            "cause": cause,
+            "rows": rows,
+            "max_length": spans.max_length,
+            "cut": spans.cut[:20],
+            "longest_row": longest,
+            "rows_checked": spans.rows_checked,
+            "rows_total": spans.rows_total,
+            "batches_refused": len(ctx.refused_batches),
+            "refused_error": ctx.refused_batches[0] if ctx.refused_batches else None,
+        },
+        fix=f"Raise max_length to {longest} or more (`SFTConfig(max_length={longest})`, or None), or drop rows "
+        f"{rows[:10]} (`dataset.filter`), or lower the image resolution so each picture takes fewer tokens.",
+    )
