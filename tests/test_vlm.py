@@ -180,3 +180,25 @@ def test_max_length_above_every_row_cuts_no_image(tmp_path):
 
     spans = image_spans(trainer, measure_modality(trainer.processing_class, trainer.model), [])
     assert spans.rows_checked == 16 and spans.cut == []  # the detector ran over every row
+
+
+# -- vision-token-budget --------------------------------------------------------------------------------------
+@pytest.mark.planted("vision-token-budget")
+def test_pictures_that_fill_max_length_leave_no_room_for_text(tmp_path):
+    # Every row carries three pictures (48 placeholders) under max_length=56: 86% of it, text gets 8 tokens.
+    data = vlm.vlm_prompt_completion(8, images_in=dict.fromkeys(range(8), 3))
+    trainer = vlm.vlm_sft_trainer(tmp_path, data, max_length=56)
+    found = [f for f in preflight(trainer=trainer).findings if f.rule == "vision-token-budget"]
+    assert len(found) == 1
+    evidence = found[0].evidence
+    assert evidence["p95_share"] == pytest.approx(48 / 56, abs=1e-3)
+    assert set(evidence["tokens_per_image"].values()) == {16}  # every resolution: 16 tokens a picture
+    assert len(evidence["rows"]) == 8
+
+
+@pytest.mark.clean("vision-token-budget")
+def test_one_picture_a_row_in_a_roomy_max_length_is_within_budget(tmp_path):
+    trainer = vlm.vlm_sft_trainer(tmp_path, vlm.vlm_prompt_completion(8), max_length=128)
+    report = preflight(trainer=trainer)
+    assert "vision-token-budget" not in rules(report)
+    assert above_info(report) == []

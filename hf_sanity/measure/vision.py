@@ -238,6 +238,8 @@ class ImageSpans:
     rows_total: int
     cut: list[dict[str, int]]  # {"row", "expected", "surviving", "length"} for every cut row
     refused: list[str]  # errors of the batches the collator refused while preflight drew them
+    vision: list[int]  # per checked row, its vision tokens (placeholders) before the cut
+    per_image: dict[str, int]  # picture size ("WxH") -> the placeholders one picture of it takes
 
 
 def image_spans(trainer, modality: Modality, refused: list[str], limit: int = SPAN_ROWS) -> ImageSpans | None:
@@ -254,12 +256,34 @@ def image_spans(trainer, modality: Modality, refused: list[str], limit: int = SP
         return None
     whole = copy.copy(collator)
     whole.max_length = None
-    cut = []
+    cut, vision, per_image = [], [], {}
     checked = min(len(data), limit)
     for row in range(checked):
-        ids = whole([dict(data[row])])["input_ids"][0].tolist()
+        example = dict(data[row])
+        _tokens_by_size(getattr(trainer, "processing_class", None), example, modality, per_image)
+        ids = whole([example])["input_ids"][0].tolist()
         expected = sum(1 for t in ids if t in modality.placeholder_ids or t < 0)
         surviving = sum(1 for t in ids[:max_length] if t in modality.placeholder_ids or t < 0)
+        vision.append(expected)
         if surviving < expected:
             cut.append({"row": row, "expected": expected, "surviving": surviving, "length": len(ids)})
-    return ImageSpans(int(max_length), checked, len(data), cut, list(refused))
+    return ImageSpans(int(max_length), checked, len(data), cut, list(refused), vision, per_image)
+
+
+RESOLUTIONS = 16  # picture sizes whose token count is measured
+
+
+def _tokens_by_size(processor, example: Mapping[str, Any], modality: Modality, out: dict[str, int]) -> None:
+    """For each picture size ("WxH") of the row not yet in ``out``: the placeholders the processor expands one
+    picture of it into (PIL images in TRL's ``image`` / ``images`` columns; others not read)."""
+    token = getattr(processor, "image_token", None)
+    pictures = example.get("images", example.get("image"))
+    pictures = pictures if isinstance(pictures, list) else [pictures]
+    for picture in pictures:
+        size = getattr(picture, "size", None)
+        if not isinstance(token, str) or not isinstance(size, tuple) or len(out) >= RESOLUTIONS:
+            return
+        key = f"{size[0]}x{size[1]}"
+        if key not in out:
+            ids = processor(text=[token], images=[[picture]], return_tensors="pt")["input_ids"][0].tolist()
+            out[key] = sum(1 for t in ids if t in modality.placeholder_ids or t < 0)

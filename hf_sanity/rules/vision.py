@@ -149,3 +149,44 @@ def check_image_span_truncated(ctx):
         fix=f"Raise max_length to {longest} or more (`SFTConfig(max_length={longest})`, or None), or drop rows "
         f"{rows[:10]} (`dataset.filter`), or lower the image resolution so each picture takes fewer tokens.",
     )
+
+
+VISION_TOKEN_BUDGET = define(
+    "vision-token-budget",
+    severity="warning",
+    stage="trainer",
+    symptom="The pictures fill the context: with most of `max_length` taken by image tokens, little or no room is "
+    "left for the question and the answer, which are cut or crowded out.",
+    detects="With a VLM trainer whose collator cuts at `max_length`: per row of its dataset (up to 2,000), the "
+    "image placeholders the processor writes for its pictures as a share of `max_length`. The 95th percentile "
+    "above 80% is a warning; the evidence holds the tokens one picture takes at each resolution in the data, so "
+    "what the resolution (`max_pixels`, image splitting) costs is seen.",
+    fix="Lower the image resolution (the image processor's `size` / `max_pixels`, no image splitting) so each "
+    "picture takes fewer tokens, or raise `max_length`.",
+)
+
+BUDGET_SHARE = 0.8  # the p95 share of max_length the vision tokens may take
+
+
+@VISION_TOKEN_BUDGET.check(applies=has_vision_trainer)
+def check_vision_token_budget(ctx):
+    spans = ctx.image_spans
+    if spans is None or not spans.vision:
+        return
+    shares = np.asarray(spans.vision, dtype=float) / spans.max_length
+    p95 = float(np.percentile(shares, 95))
+    if p95 <= BUDGET_SHARE:
+        return
+    over = [int(r) for r in np.flatnonzero(shares > BUDGET_SHARE)]
+    yield VISION_TOKEN_BUDGET.finding(
+        f"the image tokens take {p95:.0%} of max_length={spans.max_length} at the 95th percentile of "
+        f"{spans.rows_checked} rows ({len(over)} rows above {BUDGET_SHARE:.0%}): little room is left for text",
+        evidence={
+            "p95_share": round(p95, 4),
+            "max_length": spans.max_length,
+            "median_vision_tokens": float(np.median(spans.vision)),
+            "tokens_per_image": spans.per_image,
+            "rows": over[:50],
+            "rows_checked": spans.rows_checked,
+        },
+    )
