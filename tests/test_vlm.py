@@ -202,3 +202,13 @@ def test_one_picture_a_row_in_a_roomy_max_length_is_within_budget(tmp_path):
     report = preflight(trainer=trainer)
     assert "vision-token-budget" not in rules(report)
     assert above_info(report) == []
+
+
+# -- show -----------------------------------------------------------------------------------------------------
+def test_show_folds_each_pictures_placeholder_run(tmp_path):
+    trainer = vlm.vlm_sft_trainer(tmp_path, vlm.vlm_prompt_completion(4, images_in={1: 2}), max_length=None)
+    report = preflight(trainer=trainer, show=4)
+    text = "\n".join(view.plain() if hasattr(view, "plain") else str(view) for view in report.views)
+    assert "<image>×16" in text  # one picture: one run of 16
+    assert "<image>×32" in text  # two adjacent pictures: one run of 32
+    assert "<image><image>" not in text
