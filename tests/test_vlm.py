@@ -212,3 +212,28 @@ def test_show_folds_each_pictures_placeholder_run(tmp_path):
     assert "<image>×16" in text  # one picture: one run of 16
     assert "<image>×32" in text  # two adjacent pictures: one run of 32
     assert "<image><image>" not in text
+
+
+# -- a dynamic image-token count: Idefics3 (SmolVLM), pictures split into tiles ---------------------------------
+@pytest.mark.planted("image-span-truncated", "vision-tokens-in-loss")
+def test_idefics3_tiles_count_by_resolution_and_the_cut_row_is_found(tmp_path):
+    model, processor = vlm.load_tiny_idefics3()
+    # Square pictures split into 2x2 tiles + the global image (20 placeholders), wide ones into 2x1 (12); row 3
+    # carries three square pictures (60) and is the one max_length cuts.
+    data = vlm.vlm_messages(8, images_in={3: 3}, wide=frozenset({1, 5}))
+    trainer = vlm.vlm_sft_trainer(tmp_path, data, model=model, processor=processor, max_length=120)
+    report = preflight(
+        trainer=trainer
+    )  # the processor refuses row 3's batch (a TypeError): preflight goes on
+    assert report.stats["modality"] == "vision-language"
+    cut = next(f for f in report.findings if f.rule == "image-span-truncated")
+    assert cut.evidence["rows"] == [3]
+    assert cut.evidence["cut"][0]["expected"] == 60
+    assert cut.evidence["batches_refused"] == 1
+    from hf_sanity.measure.vision import image_spans, measure_modality
+
+    spans = image_spans(trainer, measure_modality(processor, model), [])
+    assert sorted(set(spans.per_image.values())) == [12, 20]  # the tokens a picture takes, per resolution
+    vision = next(f for f in report.findings if f.rule == "vision-tokens-in-loss")
+    assert vision.evidence["cause"] == "conversational-default"
+    assert "duplicate-examples" not in rules(report)

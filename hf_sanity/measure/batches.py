@@ -230,7 +230,9 @@ def _vision_batches(trainer, loader, refused: list[str], sample: int) -> list[di
             if rows >= sample:
                 break
         return drawn
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # Idefics3's processor fails with a TypeError on a cut span
+        if not getattr(trainer.data_collator, "max_length", None):
+            raise  # no cut: not a placeholder run max_length cut, the user's error to see
         refused.append(_first_line(exc))
     data, collator = trainer.train_dataset, trainer.data_collator
     size = int(trainer.args.per_device_train_batch_size)
@@ -238,7 +240,7 @@ def _vision_batches(trainer, loader, refused: list[str], sample: int) -> list[di
     for start in range(0, len(data), size):
         try:
             batch = collator([dict(data[i]) for i in range(start, min(start + size, len(data)))])
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             refused.append(_first_line(exc))
             continue
         drawn.append(dict(batch))

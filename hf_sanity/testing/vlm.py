@@ -6,9 +6,10 @@ renders TRL's image content parts and marks the assistant turns with ``{% genera
 Plus the VLM datasets the tests and the recipe train on: conversational rows (``messages`` + ``images``) and
 prompt-completion rows, each with its own small PIL images.
 
-Idefics3 / SmolVLM (a dynamic image-token count, image splitting) cannot be built here: its image processor
-needs torchvision for its resize path, and the registry's torchvision is a CUDA build that fails to import
-beside the CPU torch of this venv; Qwen2-VL's processor fails the same way.
+:func:`tiny_idefics3_dir` is the family with a dynamic image-token count (Idefics3 / SmolVLM: each picture split
+into tiles, a global image beside them), through transformers' PIL image processor. Qwen2-VL's processor cannot
+be built here: its video processor needs torchvision, and the registry's torchvision is a CUDA build that fails
+beside the CPU torch of this venv.
 """
 
 from __future__ import annotations
@@ -123,20 +124,22 @@ ANSWERS = (
 )
 
 
-def image(index: int):
-    """A distinct small RGB picture for ``index`` (no two indices alike)."""
+def image(index: int, wide: bool = False):
+    """A distinct small RGB picture for ``index`` (no two indices alike); ``wide``: 4:1 (fewer tiles for a
+    processor that splits images)."""
     from PIL import Image
 
     r, g, b = (index * 37) % 256, (index * 91 + 40) % 256, (index * 53 + 90) % 256
-    picture = Image.new("RGB", (IMAGE_SIZE + 8 * (index % 3), IMAGE_SIZE), (r, g, b))
+    size = (4 * IMAGE_SIZE, IMAGE_SIZE) if wide else (IMAGE_SIZE + 8 * (index % 3), IMAGE_SIZE)
+    picture = Image.new("RGB", size, (r, g, b))
     picture.putpixel((index % IMAGE_SIZE, 0), (255 - r, 255 - g, 255 - b))
     return picture
 
 
-def vlm_messages(rows: int = 16, images_in: dict[int, int] | None = None):
+def vlm_messages(rows: int = 16, images_in: dict[int, int] | None = None, wide: frozenset[int] = frozenset()):
     """A TRL conversational VLM dataset: ``messages`` whose user turn holds image parts, and ``images``.
-    ``images_in`` maps a row index to its number of images (default 1); the same questions recur over
-    different pictures, as in real VLM data."""
+    ``images_in`` maps a row index to its number of images (default 1), ``wide`` the rows of wide pictures;
+    the same questions recur over different pictures, as in real VLM data."""
     import datasets
 
     images_in = images_in or {}
@@ -151,15 +154,17 @@ def vlm_messages(rows: int = 16, images_in: dict[int, int] | None = None):
                 {"role": "assistant", "content": [{"type": "text", "text": ANSWERS[row % len(ANSWERS)]}]},
             ]
         )
-        out["images"].append([image(row * 4 + k) for k in range(count)])
+        out["images"].append([image(row * 4 + k, wide=row in wide) for k in range(count)])
     return datasets.Dataset.from_dict(out)
 
 
-def vlm_prompt_completion(rows: int = 16, images_in: dict[int, int] | None = None):
+def vlm_prompt_completion(
+    rows: int = 16, images_in: dict[int, int] | None = None, wide: frozenset[int] = frozenset()
+):
     """The same rows as TRL's conversational prompt-completion VLM data (completion-only loss by default)."""
     import datasets
 
-    data = vlm_messages(rows, images_in)
+    data = vlm_messages(rows, images_in, wide)
     return datasets.Dataset.from_dict(
         {
             "prompt": [m[:1] for m in data["messages"]],
@@ -219,3 +224,64 @@ def vlm_sft_trainer(
         model=model, args=SFTConfig(**config), train_dataset=data, processing_class=processor,
         data_collator=collator, callbacks=list(callbacks),
     )  # fmt: skip
+
+
+IDEFICS_TILE = 32  # each tile (and the global image) 32x32 in 8x8 patches, merged 2x2: 4 tokens a tile
+
+
+def tiny_idefics3_dir(seed: int = 0) -> Path:
+    """A cached tiny Idefics3 (SmolVLM's architecture: image splitting into tiles, a dynamic image-token count
+    that grows with the resolution): a 1-layer SigLIP-style tower, a 2-layer Llama text model, on the real
+    Qwen2.5 tokenizer with Idefics3's image tokens added."""
+    source = real_qwen_tokenizer_dir()
+    final = cache_root() / f"tiny-idefics3-{_key(kind='idefics3', seed=seed, template=CHAT_TEMPLATE, v=2)}"
+
+    def build(folder: Path) -> None:
+        import torch
+        from transformers import (
+            AutoTokenizer,
+            Idefics3Config,
+            Idefics3ForConditionalGeneration,
+            Idefics3ImageProcessor,
+            Idefics3Processor,
+        )
+
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer.add_special_tokens(
+            {"additional_special_tokens": [IMAGE_TOKEN, "<fake_token_around_image>", "<global-img>"]}
+        )
+        tokenizer.chat_template = CHAT_TEMPLATE
+        image_processor = Idefics3ImageProcessor(
+            size={"longest_edge": 2 * IDEFICS_TILE}, max_image_size={"longest_edge": IDEFICS_TILE},
+            do_image_splitting=True,
+        )  # fmt: skip
+        processor = Idefics3Processor(
+            image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=CHAT_TEMPLATE
+        )
+        config = Idefics3Config(
+            vision_config={
+                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "image_size": IDEFICS_TILE, "patch_size": 8,
+            },
+            text_config={
+                "model_type": "llama", "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "max_position_embeddings": 1024, "pad_token_id": tokenizer.pad_token_id,
+                "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"), "tie_word_embeddings": False,
+            },
+            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN), scale_factor=2,
+            pad_token_id=tokenizer.pad_token_id,
+        )  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            Idefics3ForConditionalGeneration(config).save_pretrained(folder)
+        processor.save_pretrained(folder)
+
+    return _build_atomically(final, build)
+
+
+def load_tiny_idefics3(seed: int = 0):
+    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+    folder = tiny_idefics3_dir(seed)
+    return Idefics3ForConditionalGeneration.from_pretrained(folder), AutoProcessor.from_pretrained(folder)
