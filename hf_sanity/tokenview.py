@@ -27,6 +27,13 @@ BOUNDARY = "‖"  # where a packed sequence starts (its position id is 0)
 BOUNDARY_STYLE = "bold magenta"
 
 
+# The placeholder tokens a VLM processor repeats once per image feature (LLaVA, Qwen2-VL, Gemma 3, Idefics3):
+# shown folded, ``<image>×16``.
+PLACEHOLDER_TEXTS = frozenset(
+    {"<image>", "<video>", "<|image_pad|>", "<|video_pad|>", "<image_soft_token>", "<image_token>"}
+)
+
+
 @dataclass(frozen=True)
 class TokenCell:
     pos: int
@@ -138,14 +145,31 @@ class TokenView:
             return "no tokens"
         return f"tokens {self.cells[0].pos}-{self.cells[-1].pos} of {self.total}"
 
-    def segments(self) -> list[tuple[str, bool | None]]:
-        """Consecutive cells merged by loss flag: the text as the model reads it."""
-        out: list[tuple[str, bool | None]] = []
+    def collapsed(self) -> list[tuple[TokenCell, str]]:
+        """The cells as they are read, each run of one image placeholder (a VLM's expanded picture) folded into
+        its first cell as ``<image>×16``; every other cell as it is."""
+        out: list[tuple[TokenCell, str]] = []
+        run = 0
         for cell in self.cells:
+            previous = out[-1][0] if out else None
+            same = previous is not None and cell.text in PLACEHOLDER_TEXTS and cell.id == previous.id
+            if same and cell.loss == previous.loss and cell.pos != self.cut and cell.pos != self.focus:
+                run += 1
+                out[-1] = (previous, f"{previous.text}×{run}")
+                continue
+            run = 1
+            out.append((cell, cell.text))
+        return out
+
+    def segments(self) -> list[tuple[str, bool | None]]:
+        """Consecutive cells merged by loss flag: the text as the model reads it (image placeholder runs
+        folded, ``<image>×16``)."""
+        out: list[tuple[str, bool | None]] = []
+        for cell, text in self.collapsed():
             if out and out[-1][1] == cell.loss:
-                out[-1] = (out[-1][0] + cell.text, cell.loss)
+                out[-1] = (out[-1][0] + text, cell.loss)
             else:
-                out.append((cell.text, cell.loss))
+                out.append((text, cell.loss))
         return out
 
     def columns(self) -> tuple[str, ...]:
@@ -196,14 +220,14 @@ class TokenView:
             f"{head}{self.span} (⟦…⟧ carries loss, [n x pad] attention 0, {BOUNDARY} a packed sequence starts)"
         ]
         inline, run = [], 0
-        for cell in self.cells:
+        for cell, shown in self.collapsed():
             if cell.padding:
                 run += 1
                 continue
             if run:
                 inline.append(f"[{run} x pad]")
                 run = 0
-            text = f"⟦{cell.text}⟧" if cell.loss else cell.text
+            text = f"⟦{shown}⟧" if cell.loss else shown
             inline.append((BOUNDARY if cell.starts_sequence else "") + text)
         if run:
             inline.append(f"[{run} x pad]")
@@ -239,12 +263,12 @@ class TokenView:
         text = Text()
         if self.cells and self.cells[0].pos > 0:
             text.append("…", NO_LOSS_STYLE)
-        for cell in self.cells:
+        for cell, shown in self.collapsed():
             if cell.pos == self.cut:
                 text.append(f"✂max_len={self.cut}✂", "bold red")
             if cell.starts_sequence:
                 text.append(BOUNDARY, BOUNDARY_STYLE)
-            text.append(cell.text, self._style(cell))
+            text.append(shown, self._style(cell))
         if self.cells and self.cells[-1].pos < self.total - 1:
             text.append("…", NO_LOSS_STYLE)
         return text

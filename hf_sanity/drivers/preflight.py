@@ -166,6 +166,7 @@ def preflight(
         tokens=int(ctx.col("n_tokens").sum()),
         supervised_tokens=int(ctx.col("n_supervised_kept").sum()),
         max_len=ctx.options.max_len,
+        modality=ctx.modality.kind,
         seconds=round(time.perf_counter() - started, 2),
     )
     step0 = ctx.step0_measured

@@ -71,17 +71,32 @@ def batches_context(
     first_batch=None,
     init_loss=None,
     rows_given: int | None = None,
+    modality=None,
+    refused_batches: list[str] | None = None,
 ) -> Context:
     """A context over already-collated batches (what the model sees), up to ``sample`` examples; where the
-    ``trainer`` cut its rows is read from its arguments (``trainer_cuts``)."""
+    ``trainer`` cut its rows is read from its arguments (``trainer_cuts``). With a vision-language
+    ``modality``, each row's pictures are digested (`measure.vision.row_image_digests`)."""
     import datasets
 
+    from hf_sanity.measure.vision import row_image_digests
+
     rows: list[dict[str, list[int]]] = []
+    digests: list[str | None] | None = [] if modality is not None and modality.is_vision else None
     for batch in batches:
-        rows.extend(batch_rows(batch))
+        batch_of = batch_rows(batch)
+        rows.extend(batch_of)
+        if digests is not None:
+            per_row = row_image_digests(batch, modality)
+            # A row split by packing, or pictures not assigned to rows: no row of this batch is judged alike.
+            if per_row is None or len(per_row) != len(batch_of):
+                per_row = [f"unassigned-{len(digests) + i}" for i in range(len(batch_of))]
+            digests.extend(per_row)
         if len(rows) >= sample:
             break
     rows = rows[:sample]
+    if digests is not None:
+        digests = digests[:sample]
     if rows and any("labels" not in r for r in rows):
         rows = [{"input_ids": r["input_ids"]} for r in rows]
     data = datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({"input_ids": []})
@@ -97,6 +112,9 @@ def batches_context(
         first_batch=first_batch,
         init_loss=init_loss,
         rows_given=rows_given,
+        modality=modality,
+        image_digests=digests,
+        refused_batches=refused_batches or [],
     )
 
 
@@ -161,9 +179,17 @@ def trainer_context(
             trainer, objective, tokenizer=tokenizer, sample=sample, rows_given=rows_given,
             reward_dry_run=reward_dry_run,
         )  # fmt: skip
+    from hf_sanity.measure.vision import measure_modality
+
+    refused: list[str] = []  # a VLM collator's errors on the batches it refused (`image-span-truncated`)
+    told = measure_modality(getattr(trainer, "processing_class", None), trainer.model)
     with preserved_rng():
         loader = iter(trainer.get_train_dataloader())
-        first = next(loader, None)
+        if told.is_vision:
+            drawn = iter(_vision_batches(trainer, loader, refused, sample))
+            first = next(drawn, None)
+        else:
+            drawn, first = loader, next(loader, None)
         first = (
             dict(first) if first is not None else None
         )  # as the model receives it, non-tensor keys included
@@ -171,8 +197,10 @@ def trainer_context(
         def batches():
             if first is None:
                 return
-            for batch in itertools.chain([first], loader):
+            for batch in itertools.chain([first], drawn):
                 yield {k: v for k, v in batch.items() if hasattr(v, "shape")}
+
+        modality = measure_modality(getattr(trainer, "processing_class", None), trainer.model, first)
 
         ctx = batches_context(
             tokenizer,
@@ -183,9 +211,49 @@ def trainer_context(
             trainer=trainer,
             first_batch=first,
             rows_given=rows_given,
+            modality=modality,
+            refused_batches=refused,
         )
         ctx.encoded  # noqa: B018 - materialise while the RNG is preserved
     return ctx
+
+
+def _vision_batches(trainer, loader, refused: list[str], sample: int) -> list[dict]:
+    """A VLM trainer's first batches (up to ``sample`` rows). Its collator may refuse a batch (the processor
+    finds a row's image placeholders cut by max_length): the run would crash there, and the loader's iterator
+    ends with that error. Then its dataset is collated in order, batch by batch, the refused batches skipped
+    and their errors kept in ``refused`` (`image-span-truncated` says which rows)."""
+    drawn: list[dict] = []
+    rows = 0
+    try:
+        for batch in loader:
+            drawn.append(dict(batch))
+            rows += int(batch["input_ids"].shape[0])
+            if rows >= sample:
+                break
+        return drawn
+    except (ValueError, TypeError) as exc:  # Idefics3's processor fails with a TypeError on a cut span
+        if not getattr(trainer.data_collator, "max_length", None):
+            raise  # no cut: not a placeholder run max_length cut, the user's error to see
+        refused.append(_first_line(exc))
+    data, collator = trainer.train_dataset, trainer.data_collator
+    size = int(trainer.args.per_device_train_batch_size)
+    drawn, rows, refused[:] = [], 0, []
+    for start in range(0, len(data), size):
+        try:
+            batch = collator([dict(data[i]) for i in range(start, min(start + size, len(data)))])
+        except (ValueError, TypeError) as exc:
+            refused.append(_first_line(exc))
+            continue
+        drawn.append(dict(batch))
+        rows += int(batch["input_ids"].shape[0])
+        if rows >= sample:
+            break
+    return drawn
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
 
 
 def objective_context(

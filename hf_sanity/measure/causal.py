@@ -30,13 +30,16 @@ def _real_positions(batch: Mapping[str, Any], row: int) -> list[int]:
     return list(range(width))
 
 
-def changed_future(ids, positions: list[int], t: int):
+def changed_future(ids, positions: list[int], t: int, keep_ids: frozenset[int] = frozenset()):
     """``ids`` (one row) with every real token after position ``t`` replaced by a different token of the same
-    row (so no id the model has never been fed): deterministic, no RNG."""
+    row (so no id the model has never been fed): deterministic, no RNG. Tokens in ``keep_ids`` (a VLM's image
+    placeholders, which must stay as many as its image features) are neither replaced nor drawn."""
     row = ids.clone()
-    before = [int(ids[i]) for i in positions if i <= t]
+    before = [int(ids[i]) for i in positions if i <= t and int(ids[i]) not in keep_ids and int(ids[i]) >= 0]
     for k, i in enumerate(p for p in positions if p > t):
         old = int(ids[i])
+        if old in keep_ids or old < 0:
+            continue
         pool = [x for x in before if x != old]
         if pool:
             row[i] = pool[(7 * k + 3) % len(pool)]
@@ -49,7 +52,9 @@ def _logits(model, batch: Mapping[str, Any]):
     return logits_of(model(**forward_kwargs(model, batch, use_cache=False)))
 
 
-def future_token_leak(model, batch: Mapping[str, Any], *, rows: int = LEAK_ROWS) -> dict[str, Any] | None:
+def future_token_leak(
+    model, batch: Mapping[str, Any], *, rows: int = LEAK_ROWS, vision_ids: frozenset[int] = frozenset()
+) -> dict[str, Any] | None:
     """On up to ``rows`` rows of ``batch`` (2 real tokens or more): how far the logits at positions <= t move
     when only the tokens after t change, against the noise of running the same batch twice. With the batch's
     own 4-D attention mask, the same is measured without any attention mask (the model's own causal mask):
@@ -71,7 +76,11 @@ def future_token_leak(model, batch: Mapping[str, Any], *, rows: int = LEAK_ROWS)
             break
     if not picked:
         return None
-    keep = [r for r, _, _ in picked]
+    # A VLM batch's pictures are not per row (LLaVA: one entry per picture; Qwen2-VL: flattened patches):
+    # every row goes in, so that the placeholders and the image features still match.
+    keep = list(range(int(ids.shape[0]))) if vision_ids else [r for r, _, _ in picked]
+    plan = {r: (positions, t) for r, t, positions in picked}
+    slot = {r: i for i, r in enumerate(keep)}  # each checked row's place in the forwarded batch
     device = model_device(model)
 
     def select(tensors: Mapping[str, Any], drop=()) -> dict[str, Any]:
@@ -86,31 +95,32 @@ def future_token_leak(model, batch: Mapping[str, Any], *, rows: int = LEAK_ROWS)
     base = select(batch)
     changed = dict(base)
     changed["input_ids"] = torch.stack(
-        [changed_future(ids[r], positions, t).to(device) for r, t, positions in picked]
-    )
+        [changed_future(ids[r], *plan[r], vision_ids) if r in plan else ids[r] for r in keep]
+    ).to(device)
     mask = batch.get("attention_mask")
     mask_dims = int(mask.dim()) if mask is not None else 0
     with untouched(model):
         first, again, moved = _logits(model, base), _logits(model, base), _logits(model, changed)
-        measured = _compare(first, again, moved, picked)
+        measured = _compare(first, again, moved, picked, slot)
         if mask_dims == 4:  # the collator's own mask: the same without it tells the mask from the model
             plain = select(batch, drop=NO_MASK_KEYS)
             plain_changed = {**plain, "input_ids": changed["input_ids"]}
             measured["without_mask"] = _compare(
-                _logits(model, plain), _logits(model, plain), _logits(model, plain_changed), picked
+                _logits(model, plain), _logits(model, plain), _logits(model, plain_changed), picked, slot
             )
     half = first.dtype in (torch.float16, torch.bfloat16)
     return {**measured, "mask_dims": mask_dims, "half": half}
 
 
-def _compare(first, again, moved, picked) -> dict[str, Any]:
+def _compare(first, again, moved, picked, slot) -> dict[str, Any]:
     """Per checked row: how far the logits at each position <= t moved, relative to the row's logit scale
     (their largest |value|); and the noise, the same batch run twice, the same way."""
     import torch
 
     per_row = []
     noise = 0.0
-    for k, (r, t, _) in enumerate(picked):
+    for r, t, _ in picked:
+        k = slot[r]
         x, y, z = first[k, : t + 1].float(), again[k, : t + 1].float(), moved[k, : t + 1].float()
         finite = torch.isfinite(x) & torch.isfinite(y) & torch.isfinite(z)
         zero = torch.zeros_like(x)

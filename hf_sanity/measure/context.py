@@ -128,6 +128,9 @@ class Context:
         unpaired=None,
         rl=None,
         loss_mask=None,
+        modality=None,
+        image_digests=None,
+        refused_batches=(),
     ):
         store = super().__setattr__
         store("tokenizer", tokenizer)
@@ -171,6 +174,12 @@ class Context:
             "rl", rl
         )  # an RL trainer's rollouts and reward functions, measured lazily (`measure.rl.Rollouts`)
         store("_generation_config", generation_config)
+        # Text, or vision-language (`measure.vision`): measured once where the context is built.
+        store("_modality", modality)
+        # Vision-language rows: a digest of each row's own pictures (None where not known), part of the row.
+        store("image_digests", image_digests)
+        # With a VLM trainer: the errors of the batches its collator refused while preflight drew them.
+        store("refused_batches", list(refused_batches))
         store("reencode_rows", False)
         store("_scratch_dir", None)
         # Under torchrun, scan only this process's shard and judge on rank 0 (see measure.distributed).
@@ -388,7 +397,9 @@ class Context:
         if batch is None:
             batches = self.sample_batches(batch_size=LEAK_ROWS, limit=LEAK_ROWS)
             batch = batches[0] if batches else None
-        return None if batch is None else future_token_leak(self.model, batch)
+        if batch is None:
+            return None
+        return future_token_leak(self.model, batch, vision_ids=self.modality.vision_ids)
 
     @cached_property
     def served(self):
@@ -407,6 +418,28 @@ class Context:
         base_logits = logits(self.model, batch)  # before the adapter's layers go into the model
         with attached_adapter(self.model, self.adapter_path) as trained:
             return compare_served(trained, self.served_model, batch, base_logits=base_logits)
+
+    @property
+    def modality(self):
+        from hf_sanity.measure.vision import TEXT_MODALITY
+
+        return self._modality or TEXT_MODALITY
+
+    @cached_property
+    def vision_tokens(self):
+        """Per row: its vision tokens and those that carry loss (`measure.vision.VisionTokens`)."""
+        from hf_sanity.measure.vision import vision_tokens
+
+        return vision_tokens(self.encoded, self.modality)
+
+    @cached_property
+    def image_spans(self):
+        """With a VLM trainer: its dataset's rows whose image placeholders max_length cuts (`measure.vision`)."""
+        from hf_sanity.measure.vision import image_spans
+
+        if self.trainer is None or not self.modality.is_vision:
+            return None
+        return image_spans(self.trainer, self.modality, self.refused_batches)
 
     # -- model -------------------------------------------------------------------------------------
     @property

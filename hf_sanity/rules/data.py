@@ -108,6 +108,12 @@ def check_duplicates(ctx):
     whole = ctx.valid & ~ctx.col("piece").astype(bool)  # pieces cut by a packing are not examples
     hashes = ctx.col("hash")[whole]
     rows = np.flatnonzero(whole)
+    if (
+        ctx.image_digests is not None
+    ):  # a VLM row is its text and its pictures: same text, other image, not alike
+        hashes = np.array(
+            [hash((int(h), ctx.image_digests[r])) for h, r in zip(hashes, rows)], dtype=np.int64
+        )
     _, first_index, counts = np.unique(hashes, return_index=True, return_counts=True)
     repeats = np.delete(rows, first_index)  # every row that repeats an earlier one: the rows to drop
     duplicates = len(hashes) - len(first_index)

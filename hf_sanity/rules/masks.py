@@ -47,7 +47,9 @@ PROMPT_IN_LOSS = define(
     "completion or assistant loss was asked for (`--loss-on`, the trainer's config) and the prompt still "
     "carries loss (an error); `labels`: the labels the rows or the collator bring. Silent with `--loss-on all` "
     "(or `completion_only_loss=False`): every token is then intended. A packed row that starts inside an answer "
-    "(split across rows by the packing) starts with the rest of that answer, not with a prompt.",
+    "(split across rows by the packing) starts with the rest of that answer, not with a prompt. In a "
+    "vision-language run the image placeholders count as neither prompt nor answer (`vision-tokens-in-loss` "
+    "judges them).",
     fix="Compute the loss on the answers only: TRL `SFTConfig(assistant_only_loss=True)` with a chat template "
     "that marks them with `{% generation %}` (TRL ships them in trl/chat_templates/ and swaps one in for the "
     "families it knows; else `chat_template_path=`), or prompt-completion rows (completion-only loss by default); "
@@ -85,12 +87,19 @@ def check_prompt_in_loss(ctx):
     located = ctx.valid & (prompt_sup >= 0)
     if not located.any() or mask.intended_all:  # every token carries loss, as the user said it should
         return
+    supervised_by_row = ctx.col("n_supervised")
+    if ctx.modality.is_vision:  # image placeholders are neither prompt nor completion (vision-tokens-in-loss)
+        vision = ctx.vision_tokens.supervised
+        prompt_sup = np.where(prompt_sup >= 0, np.maximum(prompt_sup - vision, 0), prompt_sup)
+        supervised_by_row = supervised_by_row - vision
     prompt_tokens = int(prompt_sup[located].sum())
-    supervised = int(ctx.col("n_supervised")[located].sum())
+    supervised = int(supervised_by_row[located].sum())
     share = prompt_tokens / max(supervised, 1)
     if share <= PROMPT_SHARE_THRESHOLD:
         return
     affected = located & (prompt_sup > 0)
+    if not affected.any():
+        return
     rows = ctx.first(affected)
     if mask.trainer_default_all:
         cause, severity = "trainer-default", "warning"
@@ -125,12 +134,13 @@ def check_prompt_in_loss(ctx):
 
 
 def _first_prompt_loss(ctx, index: int) -> int | None:
-    labels = ctx.row(index)["labels"]
+    row = ctx.row(index)
+    labels = row["labels"]
     inside = np.zeros(len(labels), dtype=bool)
     for span in ctx.spans(index):
         inside[span.start : span.end] = True
     for pos, label in enumerate(labels):
-        if label != IGNORE_INDEX and not inside[pos]:
+        if label != IGNORE_INDEX and not inside[pos] and not ctx.modality.is_vision_id(row["input_ids"][pos]):
             return pos
     return None
 

@@ -38,11 +38,15 @@ def token_findings(
 
     if tokenizer is None or "input_ids" not in batch:
         return []
+    from hf_sanity.measure.vision import measure_modality
+
     tensors = {k: v.detach().cpu() for k, v in batch.items() if k in TOKEN_KEYS and hasattr(v, "shape")}
+    # The modality from the whole batch (its pixel_values), the processor and the model's config.
+    modality = measure_modality(getattr(trainer, "processing_class", None), model, batch)
     with preserved_rng():
         ctx = batches_context(
             tokenizer, [tensors], model=model, max_len=max_len, trainer=trainer, init_loss=step0,
-            first_batch=tensors,
+            first_batch=tensors, modality=modality,
         )  # fmt: skip
         findings = catalog.run_all("context", ctx, selection, stages=("tokens",))
         if step0:

@@ -1,0 +1,192 @@
+"""Vision-language rules: the image tokens in the loss (`vision-tokens-in-loss`) and the image spans that
+``max_length`` cuts (`image-span-truncated`).
+
+They judge a run measured vision-language (`hf_sanity.measure.vision`); a text run is never judged here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hf_sanity.catalog import define
+
+VISION_TOKENS_IN_LOSS = define(
+    "vision-tokens-in-loss",
+    severity="error",
+    stage="tokens",
+    symptom="A vision-language fine-tune trains the model to emit image placeholders: every image's expanded "
+    "`<image>` run (and the vision start/end tokens) carries loss, the loss is diluted by tokens no answer "
+    "holds, and the model may write placeholders at inference.",
+    detects="On a vision-language run (a processor with an image processor, vision tensors in the batch, or an "
+    "image token id in the model's config), in the trainer's real collated batches (preflight) and the "
+    "callback's first batch: the image/video placeholders and vision start/end tokens (and negative ids) whose "
+    "label is not -100. Any is an error; evidence: how many of how many, the rows, a token view. Causes by "
+    "format: `conversational-default` (TRL's collator on `messages` rows sets labels = input_ids without "
+    "`assistant_only_loss`), `completion-only-loss-off` (prompt-completion rows with `completion_only_loss=False`), "
+    "`collator` (the user's own collator).",
+    fix="By format: prompt-completion rows (`prompt` holding the image turn, `completion` the answer) with "
+    "completion-only loss (TRL's default for them); or `SFTConfig(assistant_only_loss=True)` with a chat template "
+    "that marks the assistant turns with `{% generation %}`; or, in your own collator, set the label of every "
+    "vision token to -100 (`labels[torch.isin(labels, vision_ids)] = -100`).",
+)
+
+COLLATOR_DIFF = """\
+ labels = batch["input_ids"].clone()
+ labels[batch["attention_mask"] == 0] = -100
++vision_ids = torch.tensor({ids})  # image placeholders, vision start/end
++labels[torch.isin(labels, vision_ids)] = -100"""
+
+
+def is_vision_run(ctx) -> bool:
+    return ctx.modality.is_vision
+
+
+def _cause(ctx) -> str:
+    """Which format put the vision tokens in the loss: TRL's collator on conversations or prompt-completion
+    rows without completion-only loss, or a collator of the user's."""
+    trainer = ctx.trainer
+    collator = type(getattr(trainer, "data_collator", None)).__name__
+    if trainer is None or collator != "DataCollatorForVisionLanguageModeling":
+        return "collator"
+    columns = getattr(getattr(trainer, "train_dataset", None), "column_names", None) or ()
+    if "prompt" in columns and "completion" in columns:
+        return "completion-only-loss-off"
+    return "conversational-default"
+
+
+FIXES = {
+    "conversational-default": "TRL's collator trains every token of `messages` rows, the image placeholders "
+    "included. Set `SFTConfig(assistant_only_loss=True)` with a chat template that marks the assistant turns "
+    "with `{% generation %}` (the processor's `chat_template`), or convert the rows to prompt-completion "
+    "(`prompt` = the turns up to the answer, `completion` = the answer), which TRL trains on the completion only.",
+    "completion-only-loss-off": "Set `SFTConfig(completion_only_loss=True)` (or leave it unset: TRL's default "
+    "for prompt-completion rows), so that the prompt and its image placeholders carry no loss.",
+    "collator": "Your collator labels the vision tokens: set their labels to -100, as in this diff:\n"
+    + COLLATOR_DIFF,
+}
+
+
+@VISION_TOKENS_IN_LOSS.check(applies=is_vision_run)
+def check_vision_tokens_in_loss(ctx):
+    counts = ctx.vision_tokens
+    valid = ctx.valid
+    supervised = counts.supervised[valid]
+    if int(supervised.sum()) == 0:
+        return
+    rows_hit = valid & (counts.supervised > 0)
+    rows = ctx.first(rows_hit)
+    total_vision = int(counts.total[valid].sum())
+    hit = int(supervised.sum())
+    cause = _cause(ctx)
+    first = rows[0]
+    ids = sorted(ctx.modality.vision_ids)
+    yield VISION_TOKENS_IN_LOSS.finding(
+        f"{hit:,} of {total_vision:,} vision tokens (image placeholders, vision start/end) carry loss in "
+        f"{int(rows_hit.sum())} of {int(valid.sum())} collated rows: the model is trained to emit them",
+        evidence={
+            "cause": cause,
+            "vision_tokens_supervised": hit,
+            "vision_tokens": total_vision,
+            "supervised_tokens": int(ctx.col("n_supervised")[valid].sum()),
+            "rows": rows,
+            "rows_affected": int(rows_hit.sum()),
+            "vision_token_ids": ids,
+            "said_by": list(ctx.modality.said_by),
+        },
+        fix=FIXES[cause].replace("{ids}", str(ids)),
+        example=ctx.view(first, focus=int(counts.first_supervised[first])),
+        rows=np.asarray(rows_hit),
+    )
+
+
+IMAGE_SPAN_TRUNCATED = define(
+    "image-span-truncated",
+    severity="error",
+    stage="trainer",
+    symptom="A vision-language run crashes hours in, when the batch of one long row comes up: its image "
+    "placeholders were cut by `max_length` while the image's features stay whole (\"Mismatch in `image` token "
+    'count", "Image features and image tokens do not match").',
+    detects="With a VLM trainer whose collator cuts at `max_length` (TRL's): every row of its dataset (up to "
+    "2,000) through a copy of that collator without the cut, the placeholders the processor expands the row's "
+    "pictures into (patches and merge size, image splitting) against those in the first `max_length` tokens. "
+    "Every cut row is an error, its index in the evidence; the batches the collator refused while preflight "
+    "drew them are counted (cause `collator-refuses`: the processor raises on that batch; "
+    "`features-mismatch`: the cut ids reach the model, whose forward raises).",
+    fix="Raise `max_length` above the longest row (`SFTConfig(max_length=...)`, or None for no cut), or drop "
+    "the rows with too many or too large pictures (`dataset.filter`), or lower the image resolution "
+    "(`max_pixels`, no image splitting) so each picture takes fewer tokens.",
+)
+
+
+def has_vision_trainer(ctx) -> bool:
+    return ctx.trainer is not None and ctx.modality.is_vision
+
+
+@IMAGE_SPAN_TRUNCATED.check(applies=has_vision_trainer)
+def check_image_span_truncated(ctx):
+    spans = ctx.image_spans
+    if spans is None or not spans.cut:
+        return
+    rows = [c["row"] for c in spans.cut]
+    longest = max(c["length"] for c in spans.cut)
+    cause = "collator-refuses" if ctx.refused_batches else "features-mismatch"
+    worst = min(spans.cut, key=lambda c: c["surviving"] - c["expected"])
+    yield IMAGE_SPAN_TRUNCATED.finding(
+        f"max_length={spans.max_length} cuts the image placeholders of {len(rows)} of {spans.rows_checked} rows "
+        f"(row {worst['row']}: {worst['surviving']} of {worst['expected']} survive); the run crashes when their "
+        "batch comes up",
+        evidence={
+            "cause": cause,
+            "rows": rows,
+            "max_length": spans.max_length,
+            "cut": spans.cut[:20],
+            "longest_row": longest,
+            "rows_checked": spans.rows_checked,
+            "rows_total": spans.rows_total,
+            "batches_refused": len(ctx.refused_batches),
+            "refused_error": ctx.refused_batches[0] if ctx.refused_batches else None,
+        },
+        fix=f"Raise max_length to {longest} or more (`SFTConfig(max_length={longest})`, or None), or drop rows "
+        f"{rows[:10]} (`dataset.filter`), or lower the image resolution so each picture takes fewer tokens.",
+    )
+
+
+VISION_TOKEN_BUDGET = define(
+    "vision-token-budget",
+    severity="warning",
+    stage="trainer",
+    symptom="The pictures fill the context: with most of `max_length` taken by image tokens, little or no room is "
+    "left for the question and the answer, which are cut or crowded out.",
+    detects="With a VLM trainer whose collator cuts at `max_length`: per row of its dataset (up to 2,000), the "
+    "image placeholders the processor writes for its pictures as a share of `max_length`. The 95th percentile "
+    "above 80% is a warning; the evidence holds the tokens one picture takes at each resolution in the data, so "
+    "what the resolution (`max_pixels`, image splitting) costs is seen.",
+    fix="Lower the image resolution (the image processor's `size` / `max_pixels`, no image splitting) so each "
+    "picture takes fewer tokens, or raise `max_length`.",
+)
+
+BUDGET_SHARE = 0.8  # the p95 share of max_length the vision tokens may take
+
+
+@VISION_TOKEN_BUDGET.check(applies=has_vision_trainer)
+def check_vision_token_budget(ctx):
+    spans = ctx.image_spans
+    if spans is None or not spans.vision:
+        return
+    shares = np.asarray(spans.vision, dtype=float) / spans.max_length
+    p95 = float(np.percentile(shares, 95))
+    if p95 <= BUDGET_SHARE:
+        return
+    over = [int(r) for r in np.flatnonzero(shares > BUDGET_SHARE)]
+    yield VISION_TOKEN_BUDGET.finding(
+        f"the image tokens take {p95:.0%} of max_length={spans.max_length} at the 95th percentile of "
+        f"{spans.rows_checked} rows ({len(over)} rows above {BUDGET_SHARE:.0%}): little room is left for text",
+        evidence={
+            "p95_share": round(p95, 4),
+            "max_length": spans.max_length,
+            "median_vision_tokens": float(np.median(spans.vision)),
+            "tokens_per_image": spans.per_image,
+            "rows": over[:50],
+            "rows_checked": spans.rows_checked,
+        },
+    )
