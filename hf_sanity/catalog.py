@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import pkgutil
 import sys
 import traceback
@@ -370,6 +371,44 @@ class NotMeasured(Exception):
         self.why = why
 
 
+# -- which detectors ran -----------------------------------------------------------------------------
+# A clean test counts for a rule only where the rule's detector really ran (tests/conftest.py checks each
+# @pytest.mark.clean against this). The runner notes every rule whose detector ran to its end on an input it
+# applies to: into ``ran`` while a test records (:func:`recording`), and, for the processes a test starts (the
+# CLI, torchrun's ranks), one line per rule into the file HF_SANITY_RECORD_RAN names. Off, as in every real
+# run, a note is one test of two globals.
+_ran: set[str] | None = None
+_ran_file: str | None = os.environ.get("HF_SANITY_RECORD_RAN") or None
+_ran_written: set[str] = set()
+
+
+def note_ran(slugs: Iterable[str]) -> None:
+    """Record that the detectors of ``slugs`` ran (see :func:`recording`)."""
+    if _ran is None and _ran_file is None:
+        return
+    for slug in slugs:
+        if _ran is not None:
+            _ran.add(slug)
+        if _ran_file is not None and slug not in _ran_written:
+            _ran_written.add(slug)
+            with open(_ran_file, "a", encoding="utf-8") as handle:
+                handle.write(slug + "\n")
+
+
+@contextlib.contextmanager
+def recording():
+    """``with recording() as ran:``: the slugs of the rules whose detectors ran inside the block (in this
+    process; a subprocess records into the file named by the environment variable HF_SANITY_RECORD_RAN)."""
+    global _ran
+    outer, _ran = _ran, set()
+    try:
+        yield _ran
+    finally:
+        if outer is not None:
+            outer |= _ran
+        _ran = outer
+
+
 def run(detector: Detector, subject: Any, *, step: int | None = None) -> list[Finding]:
     """One detector on what it reads, guarded (nothing when its ``applies`` says the input holds nothing for it);
     one that cannot measure this input says so (an info finding of ``checks-skipped``, merged by :func:`run_all`
@@ -379,7 +418,9 @@ def run(detector: Detector, subject: Any, *, step: int | None = None) -> list[Fi
         if detector.applies is not None and not detector.applies(subject):
             return []
         try:
-            return list(detector.fn(subject) or ())
+            found = list(detector.fn(subject) or ())
+            note_ran((detector.rule,))
+            return found
         except NotMeasured as unmeasured:
             return [_not_measured([detector.rule], unmeasured.why, step)]
     return errors
