@@ -421,8 +421,9 @@ def fix_command(
     out: Annotated[
         Path | None,
         typer.Option(
-            help="A new folder for the repaired copy: a complete model folder, with dataset.jsonl when the "
-            "data changed, and fixes.json / fixes.md."
+            help="A new folder for the repaired copy: a complete model folder (unchanged files hard-linked to "
+            "yours), the data in its own format when it changed (dataset.jsonl, dataset.parquet, ...), and "
+            "fixes.json / fixes.md. Not inside your model or data folders."
         ),
     ] = None,
     unsafe_fixes: UnsafeFixesOpt = False,
