@@ -131,8 +131,9 @@ class Rule:
             raise ValueError(f"{self.slug}: detector kind must be one of {list(KINDS)}")
 
         def register(fn: Callable) -> Callable:
-            self.detectors.append(Detector(self.slug, kind, fn, online, final, reads, applies))
-            return fn
+            noted = _noting(self.slug, fn)
+            self.detectors.append(Detector(self.slug, kind, noted, online, final, reads, applies))
+            return noted
 
         return register
 
@@ -196,6 +197,21 @@ def _objectives_text(objectives: frozenset[str]) -> str:
     if objectives >= ANY - {"unknown"}:
         return "any training objective."
     return ", ".join(f"`{kind}`" for kind in OBJECTIVE_KINDS if kind in objectives) + "."
+
+
+def _noting(slug: str, fn: Callable) -> Callable:
+    """``fn`` as registered: each call that returns notes that the rule's detector ran (:func:`note_ran`),
+    whoever calls it (the runner, or a test calling the detector on a hand-made input)."""
+    import functools
+
+    @functools.wraps(fn)
+    def detector(*args, **kwargs):
+        found = fn(*args, **kwargs)
+        if _ran is not None or _ran_file is not None:
+            note_ran((slug,))
+        return found
+
+    return detector
 
 
 _RULES: dict[str, Rule] = {}
