@@ -43,6 +43,7 @@ format: install
 
 docs: install
 	$(BIN)/python -m hf_sanity.docs docs/rules.md
+	$(BIN)/python -m hf_sanity.docs docs/report.schema.json
 
 bench: install
 	$(BIN)/python -m benchmarks.run

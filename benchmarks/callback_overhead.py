@@ -340,7 +340,7 @@ def run(*, quick: bool = False, device: str | None = None, dtype=None, only: str
 if __name__ == "__main__":  # python -m benchmarks.callback_overhead issue-300 [--quick]: one setup's rows
     import sys
 
-    from benchmarks.run import table
+    from benchmarks.tables import table
 
     for name in [a for a in sys.argv[1:] if not a.startswith("--")] or [None]:
         rows, clocks = run(quick="--quick" in sys.argv, only=name)

@@ -9,21 +9,10 @@ import argparse
 import os
 import platform
 
+from benchmarks.tables import table
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def table(rows: list[dict]) -> str:
-    if not rows:
-        return "(no rows)"
-    keys = list(rows[0])
-    fmt = {k: (lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)) for k in keys}
-    cells = [[fmt[k](r[k]) for k in keys] for r in rows]
-    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    line = "| " + " | ".join(k.ljust(w) for k, w in zip(keys, widths)) + " |"
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    body = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
-    return "\n".join([line, rule, *body])
 
 
 def machine() -> str:

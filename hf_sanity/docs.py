@@ -1,4 +1,5 @@
-"""Generate docs/rules.md from the rule catalog: `python -m hf_sanity.docs docs/rules.md` (`make docs`)."""
+"""Generate docs/rules.md from the rule catalog (`python -m hf_sanity.docs docs/rules.md`) and the report's JSON
+Schema from its typed model (`python -m hf_sanity.docs docs/report.schema.json`): `make docs` writes both."""
 
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     target = Path(argv[0] if argv else "docs/rules.md")
+    if target.name.endswith(".schema.json"):
+        from hf_sanity.report_schema import SCHEMA_VERSION, render_schema
+
+        write_atomic(target, render_schema())
+        print(f"wrote {target} (report schema version {SCHEMA_VERSION})")
+        return
     write_atomic(target, render())
     print(f"wrote {target} ({len(catalog.all_rules())} rules)")
 

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
+
+from hf_sanity.jsonvalues import jsonable
+from hf_sanity.report_schema import SEVERITIES, FindingRecord, Severity
 
 if TYPE_CHECKING:
     from hf_sanity.outputview import OutputView
     from hf_sanity.remedies import Remedy
     from hf_sanity.tokenview import TokenView
 
-Severity = Literal["error", "warning", "info"]
-SEVERITIES: tuple[Severity, ...] = ("error", "warning", "info")
 SEVERITY_RANK = {"error": 0, "warning": 1, "info": 2}
 
 
@@ -43,38 +43,5 @@ class Finding:
         self.evidence = jsonable(self.evidence)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "rule": self.rule,
-            "severity": self.severity,
-            "message": self.message,
-            "evidence": self.evidence,
-            "fix": self.fix,
-            "step": self.step,
-        }
-        if self.example is not None:
-            out["example"] = self.example.plain()
-            if hasattr(self.example, "data"):  # a side-by-side view: its columns as fields too
-                out["side_by_side"] = self.example.data()
-        if self.remedy is not None:
-            out["remedy"] = self.remedy.to_dict()
-        return out
-
-
-def jsonable(value: Any) -> Any:
-    """Turn numpy/torch scalars, tuples, sets and non-finite floats into plain JSON values."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
-        return [jsonable(v) for v in items]
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else str(value)
-    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # numpy / torch scalar
-        return jsonable(value.item())
-    if hasattr(value, "tolist"):
-        return jsonable(value.tolist())
-    return str(value)
+        """The finding as the report file has it (hf_sanity.report_schema.FindingRecord)."""
+        return FindingRecord.from_finding(self).to_dict()

@@ -18,7 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hf_sanity.findings import SEVERITIES, Finding, jsonable
+from hf_sanity.findings import SEVERITIES, Finding
+from hf_sanity.jsonvalues import jsonable
 from hf_sanity.outputview import OutputView
 from hf_sanity.report import Report, version, write_atomic
 from hf_sanity.tokenview import TokenCell, TokenView

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_sanity.jsonvalues import jsonable
+
 SAFETIES = ("safe", "unsafe", "display")
 # What a remedy may change (fixes.json names them).
 TARGETS = ("tokenizer", "special-tokens", "generation-config", "chat-template", "dataset", "eval-dataset",
@@ -75,8 +77,6 @@ class Remedy:
         return {k: v for k, v in vars(self).items() if k != "apply"}
 
     def to_dict(self) -> dict[str, Any]:
-        from hf_sanity.findings import jsonable
-
         return {"title": self.title, "safety": self.safety, "changes": list(self.changes),
                 "detail": jsonable(self.detail)}  # fmt: skip
 

@@ -15,8 +15,10 @@ from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.padding import Padding
 from rich.text import Text
 
-from hf_sanity.findings import SEVERITY_RANK, Finding, jsonable
+from hf_sanity.findings import SEVERITY_RANK, Finding
+from hf_sanity.jsonvalues import jsonable
 from hf_sanity.numbers import fmt
+from hf_sanity.report_schema import ReportRecord
 
 if TYPE_CHECKING:
     from hf_sanity.remedies import Remedy
@@ -94,14 +96,28 @@ class Report:
 
     # -- JSON --------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "hf_sanity_version": version(),
-            "title": self.title,
-            "findings": [f.to_dict() for f in self.ordered()],
-            "notes": list(self.notes),
-            **({"views": [jsonable(view.data()) for view in self.views]} if self.views else {}),
-            "stats": jsonable(self.stats),
-        }
+        """The report as its file has it: hf_sanity.report_schema.ReportRecord, with ``schema_version``."""
+        return ReportRecord.from_report(self).to_dict()
+
+    @classmethod
+    def from_record(cls, record: ReportRecord) -> Report:
+        """A report read from its file (``report_schema.read``): its findings without their example objects
+        (the text is in the file) and without the code of their remedies, which only the process that found
+        them can apply (a display-only remedy, which has none, is kept)."""
+        from hf_sanity.remedies import Remedy
+
+        report = cls(title=record.title, stats=dict(record.stats), notes=list(record.notes))
+        for found in record.findings:
+            remedy = found.remedy
+            report.add(
+                Finding(
+                    rule=found.rule, severity=found.severity, message=found.message,
+                    evidence=dict(found.evidence), fix=found.fix, step=found.step,
+                    remedy=Remedy(remedy.title, remedy.safety, tuple(remedy.changes), detail=remedy.detail)
+                    if remedy is not None and remedy.safety == "display" else None,
+                )
+            )  # fmt: skip
+        return report
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)

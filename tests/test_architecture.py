@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import itertools
 import os
 import subprocess
 import sys
@@ -189,58 +190,139 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Every import of every module of hf_sanity, function-level ones included (they run too), plus the
-    packages an import runs on the way (importing ``a.b.c`` runs ``a.b``'s ``__init__``). Imports under
-    ``if TYPE_CHECKING:`` never run and are left out."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph: dict[str, set[str]] = {}
+OURS = ("hf_sanity", "benchmarks")  # the packages whose imports are checked (tests and recipes import them)
+IMPORT_KINDS = ("module", "function", "type")  # at import, in a function body, under ``if TYPE_CHECKING:``
+
+
+def labelled_import_graph() -> dict[str, dict[str, set[str]]]:
+    """``{module: {imported module: the kinds of its imports of it}}`` for every module of hf_sanity and
+    benchmarks, plus the packages an import runs on the way (importing ``a.b.c`` runs ``a.b``'s ``__init__``).
+    Each import is labelled with its kind, :data:`IMPORT_KINDS`: a module-level one runs at import, a
+    function-level one when the function first runs, a type-only one never, yet it still ties the two
+    modules' designs together."""
+    modules = {module_name(p): p for package in OURS for p in (ROOT / package).rglob("*.py")}
+    graph: dict[str, dict[str, set[str]]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        skip = {
+        typing_only = {
             id(n)
             for node in ast.walk(tree)
             if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
             for n in ast.walk(node)
         }
-        targets: set[str] = set()
+        top_level = {id(n) for n in tree.body}
+        targets: dict[str, set[str]] = {}
         for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hf_sanity"):
-                for alias in node.names:
-                    full = f"{node.module}.{alias.name}"
-                    targets.add(full if full in modules else node.module)
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in OURS:
+                found = {
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names
+                }
             elif isinstance(node, ast.Import):
-                targets |= {a.name for a in node.names if a.name.startswith("hf_sanity")}
-        edges = set()
-        for target in targets:
-            parts = target.split(".")
-            edges |= {".".join(parts[:i]) for i in range(2, len(parts) + 1)}  # the packages on the way
+                found = {a.name for a in node.names if a.name.split(".")[0] in OURS}
+            else:
+                continue
+            kind = "type" if id(node) in typing_only else "module" if id(node) in top_level else "function"
+            for target in found:
+                parts = target.split(".")
+                for i in range(2, len(parts) + 1):  # the packages on the way
+                    targets.setdefault(".".join(parts[:i]), set()).add(kind)
         # A module's own enclosing packages are initialised before it, whatever it imports: not an edge.
         own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
-        graph[name] = {t for t in edges if t in modules and t != name and t not in own}
+        graph[name] = {
+            t: kinds for t, kinds in targets.items() if t in modules and t != name and t not in own
+        }
     return graph
 
 
-def test_no_import_cycle_inside_hf_sanity():
-    graph = import_graph()
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    cycles: list[list[str]] = []
+def import_graph() -> dict[str, set[str]]:
+    """Every import of hf_sanity's modules of each other that runs: module-level and function-level ones."""
+    return {
+        name: {t for t, kinds in targets.items() if kinds - {"type"} and t.startswith("hf_sanity")}
+        for name, targets in labelled_import_graph().items()
+        if name.startswith("hf_sanity")
+    }
 
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                cycles.append(path[path.index(nxt) :] + [nxt])
-            elif nxt not in state:
-                visit(nxt, [*path, nxt])
-        state[node] = 2
 
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [node])
-    assert cycles == []
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, successors = work[-1]
+            nxt = next(successors, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    groups.append(sorted(group))
+    cycles = []
+    for group in groups:  # the shortest path from the group's first module back to it
+        start, members = group[0], set(group)
+        came_from: dict[str, str] = {}
+        queue, end = [start], None
+        while queue and end is None:
+            node = queue.pop(0)
+            for nxt in sorted(graph[node] & members):
+                if nxt == start:
+                    end = node
+                    break
+                if nxt not in came_from:
+                    came_from[nxt] = node
+                    queue.append(nxt)
+        path = [end]
+        while path[-1] != start:
+            path.append(came_from[path[-1]])
+        cycles.append([*reversed(path), start])
+    return cycles
+
+
+def test_the_import_graph_sees_every_kind_of_import():
+    """The check below reads what it claims to: each kind of import is in the graph (an ast walk that missed
+    function bodies once hid a cycle)."""
+    graph = labelled_import_graph()
+    assert graph["hf_sanity.report"]["hf_sanity.findings"] == {"module"}
+    assert "type" in graph["hf_sanity.findings"]["hf_sanity.remedies"]
+    assert "function" in graph["benchmarks.run"]["benchmarks.callback_overhead"]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycle_in_hf_sanity_or_the_benchmarks():
+    """No two modules import each other, by any path and any kind of import (module-level, function-level or
+    type-only): no exceptions."""
+    labelled = labelled_import_graph()
+    cycles = import_cycles({name: set(targets) for name, targets in labelled.items()})
+    described = [
+        " -> ".join(
+            [path[0]] + [f"({'/'.join(sorted(labelled[a][b]))}) {b}" for a, b in itertools.pairwise(path)]
+        )
+        for path in cycles
+    ]
+    assert described == []
 
 
 def test_rules_read_the_measurement_core_not_the_drivers():

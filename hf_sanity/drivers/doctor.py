@@ -55,18 +55,18 @@ NOT_EVIDENCE = {"run", "source", "report", "rank"}  # what marks a finding's ori
 def _from_callback(run: Run) -> list[Finding]:
     """The findings SanityCallback wrote while the run trained, marked as such."""
     out = []
-    for data in run.callback_findings:
-        evidence = {"source": CALLBACK, "report": str(run.callback_report), **data["evidence"]}
-        if "example" in data:  # a token view, written as plain text
-            evidence["example"] = str(data["example"])
+    for record in run.callback_findings:
+        evidence = {"source": CALLBACK, "report": str(run.callback_report), **record.evidence}
+        if record.example is not None:  # a token view, written as plain text
+            evidence["example"] = record.example
         out.append(
             Finding(
-                rule=data["rule"],
-                severity=data["severity"],
-                message=f"{data['message']} (found by {CALLBACK} during training)",
+                rule=record.rule,
+                severity=record.severity,
+                message=f"{record.message} (found by {CALLBACK} during training)",
                 evidence=evidence,
-                fix=data["fix"],
-                step=data.get("step"),
+                fix=record.fix,
+                step=record.step,
             )
         )
     return out

@@ -24,7 +24,8 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.text import Text
 
 from hf_sanity.errors import UserInputError
-from hf_sanity.findings import Finding, jsonable
+from hf_sanity.findings import Finding
+from hf_sanity.jsonvalues import jsonable
 from hf_sanity.remedies import Remedy, Repair
 from hf_sanity.report import SEVERITY_STYLE, Report, _umask, version
 
@@ -362,7 +363,7 @@ def fix(
     max_len: int | None = None,
     generation_config=None,
     model_config=None,
-    report: Report | None = None,
+    report: Report | str | os.PathLike | None = None,
     select=None,
     ignore=None,
     use_config: bool = True,
@@ -375,7 +376,11 @@ def fix(
     config in memory, the training arguments to use (``max_length``), what changed, and per finding ``fixed``,
     ``not fixed`` or ``display only``. Your objects are not changed. ``data_format``: how changed data is
     written (:data:`DATA_FORMATS`; the CLI passes the format of the file given). ``options``: preflight's
-    (``loss_on``, ``format``, ``alpaca_template``, ``task``, ``adapter``, ``inference_tokenizer``, ...)."""
+    (``loss_on``, ``format``, ``alpaca_template``, ``task``, ``adapter``, ``inference_tokenizer``, ...).
+    ``report`` may also be the path of a report's JSON (``preflight --json``, read through
+    :mod:`hf_sanity.report_schema`): then only the rules whose findings there have a remedy are checked,
+    before and after the repair, and the remedies are built afresh on these objects (a file holds what a
+    remedy does, not the code that does it)."""
     from hf_sanity.drivers.preflight import preflight
 
     if tokenizer is None or dataset is None:
@@ -386,6 +391,8 @@ def fix(
     if generation_config is None and given_model:
         generation_config = getattr(model, "generation_config", None)
     check = dict(select=select, ignore=ignore, use_config=use_config, model_config=model_config, **options)
+    if report is not None and not isinstance(report, Report):
+        report, check["select"] = _saved(report, select, ignore, use_config)
     if report is None:
         report = preflight(model=model, tokenizer=tokenizer, dataset=dataset, eval_dataset=eval_dataset,
                            max_len=max_len, generation_config=generation_config, **check)  # fmt: skip
@@ -453,6 +460,24 @@ def _synced_ids(repair: Repair, tokenizer) -> dict[str, Any]:
         if getattr(repair.model, "generation_config", None) is not None:
             repair.model.generation_config.pad_token_id = new
     return {"pad_token_id": new}
+
+
+def _saved(path, select, ignore, use_config: bool) -> tuple[Report | None, list[str] | None]:
+    """(None, the rules to check again) for the report file at ``path``: those of its findings with a remedy
+    that can be applied, within ``select``/``ignore``; (the report as read, None) when it has none."""
+    from hf_sanity.report_schema import read
+    from hf_sanity.selection import resolve
+
+    saved = read(path)
+    selection = resolve(select, ignore, use_config=use_config)
+    rules = sorted(
+        {
+            f.rule
+            for f in saved.findings
+            if f.remedy is not None and f.remedy.safety != "display" and selection.enabled(f.rule)
+        }
+    )
+    return (None, rules) if rules else (Report.from_record(saved), None)
 
 
 def _reloaded(tokenizer, folder: Path):

@@ -131,19 +131,16 @@ def _reports(exchange: str) -> list[tuple[dict[str, Any], Any]]:
 
 
 def from_json(data: dict[str, Any]):
-    """A :class:`~hf_sanity.report.Report` from its JSON (``Report.to_dict``)."""
-    from hf_sanity.findings import Finding
-    from hf_sanity.measure.runs import FINDING_FIELDS
+    """A :class:`~hf_sanity.report.Report` from its JSON (``Report.to_dict``), read through the report's schema;
+    one this hf-sanity cannot read is said in the report's notes rather than misread."""
+    from hf_sanity.errors import UserInputError
     from hf_sanity.report import Report
+    from hf_sanity.report_schema import ReportRecord
 
-    report = Report(title=data.get("title") or "hf-sanity", stats=dict(data.get("stats") or {}))
-    report.notes = [n for n in data.get("notes") or [] if isinstance(n, str)]
-    for found in data.get("findings") or []:
-        if isinstance(found, dict) and all(
-            isinstance(found.get(k), kind) for k, kind in FINDING_FIELDS.items()
-        ):
-            report.add(Finding(**{k: found[k] for k in FINDING_FIELDS}, step=found.get("step")))
-    return report
+    try:
+        return Report.from_record(ReportRecord.from_dict(data, "a launched process's report"))
+    except UserInputError as exc:
+        return Report(title="hf-sanity", notes=[str(exc)])
 
 
 def combined(outcome: Outcome, command: list[str]):

@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hf_sanity import report_schema
 from hf_sanity.errors import UserInputError
-from hf_sanity.findings import SEVERITIES
 from hf_sanity.measure.curves import Curves
 from hf_sanity.measure.training_args import read_training_args_bin
+from hf_sanity.report_schema import FindingRecord, ReportRecord
 
 STATE = "trainer_state.json"
 ARGS_FILES = ("training_args.json", "args.json")
 ARGS_BIN = "training_args.bin"
 CALLBACK_REPORT = Path("hf-sanity") / "report.json"  # where SanityCallback writes its report in output_dir
-FINDING_FIELDS = {"rule": str, "severity": str, "message": str, "evidence": dict, "fix": str}
 RUN_HELP = "pass a trainer_state.json, a checkpoint folder or a Trainer output_dir"
 
 
@@ -43,7 +43,7 @@ class Run:
     args: dict[str, Any] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)  # the side files that were read
     callback_report: Path | None = None  # SanityCallback's report.json, when it watched this run
-    callback_findings: list[dict[str, Any]] = field(default_factory=list)  # the findings it holds, as written
+    callback_findings: list[FindingRecord] = field(default_factory=list)  # the findings it holds, as written
     missing: str | None = None  # what could not be read and so was not analysed, in one line
 
     @property
@@ -170,24 +170,14 @@ def _safeguards(args: dict[str, Any], planned_steps: int | None) -> tuple[float 
     return max_grad_norm, warmup
 
 
-def _read_callback_report(folders: list[Path]) -> tuple[Path | None, list[dict[str, Any]]]:
-    """SanityCallback's report beside the run and its well-formed findings (a finding of another shape, from
-    another version, is left out rather than guessed at)."""
+def _read_callback_report(folders: list[Path]) -> tuple[Path | None, ReportRecord | None]:
+    """SanityCallback's report beside the run, read through the report's schema (one of an older version is
+    read, its findings of another shape left out and counted; a newer or malformed one is bad input)."""
     for folder in folders:
         path = folder / CALLBACK_REPORT
         if path.is_file():
-            data = read_json(path, "SanityCallback report")
-            found = data.get("findings") if isinstance(data, dict) else None
-            findings = [
-                f
-                for f in (found if isinstance(found, list) else [])
-                if isinstance(f, dict)
-                and all(isinstance(f.get(key), kind) for key, kind in FINDING_FIELDS.items())
-                and f["severity"] in SEVERITIES
-                and (f.get("step") is None or type(f["step"]) is int)
-            ]
-            return path, findings
-    return None, []
+            return path, report_schema.read(path, "SanityCallback report")
+    return None, None
 
 
 def read_run(path: str | Path) -> Run:
@@ -222,7 +212,7 @@ def read_run(path: str | Path) -> Run:
                 model_config = data
                 files.append(str(config_path))
     args = _read_args(folders, files)
-    callback_report, callback_findings = _read_callback_report(folders)
+    callback_report, callback_record = _read_callback_report(folders)
     if callback_report is not None:
         files.append(str(callback_report))
     curves = Curves.from_log_history(state["log_history"], vocab_size=_vocab_size(model_config))
@@ -236,8 +226,15 @@ def read_run(path: str | Path) -> Run:
                 f"{no_loss}; train with logging_steps set so that at least one step is logged"
             )
         missing = f"{no_loss}: its curves were not analysed"
+    if callback_record is not None and callback_record.left_out:
+        left_out = (
+            f"{callback_record.left_out} finding(s) of {callback_report} have a shape this hf-sanity does not "
+            "know (an older one wrote the file) and were left out"
+        )
+        missing = f"{missing}; {left_out}" if missing else left_out
     return Run(
-        str(path), state_path, state, curves, model_config, args, files, callback_report, callback_findings,
+        str(path), state_path, state, curves, model_config, args, files, callback_report,
+        callback_record.findings if callback_record is not None else [],
         missing,
     )  # fmt: skip
 

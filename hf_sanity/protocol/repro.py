@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_sanity.errors import UserInputError
-from hf_sanity.findings import jsonable
+from hf_sanity.jsonvalues import jsonable
 from hf_sanity.report import write_atomic
 
 DEFAULT_FOLDER = "hf-sanity-repro"
