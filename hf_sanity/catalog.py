@@ -27,6 +27,7 @@ needs neither torch nor transformers, so `hf-sanity rules` and option validation
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import os
 import pkgutil
@@ -294,8 +295,27 @@ def all_rules() -> list[Rule]:
 def get(slug: str) -> Rule:
     rules = load()
     if slug not in rules:
-        raise UserInputError(f"unknown rule {slug!r}; `hf-sanity rules` lists the {len(rules)} rules")
+        hint = did_you_mean(slug, rules)
+        listing = f"`hf-sanity rules` lists the {len(rules)} rules"
+        raise UserInputError(f"unknown rule {slug!r}; " + (f"{hint} ({listing})" if hint else listing))
     return rules[slug]
+
+
+SUGGESTIONS = 3  # close matches named for a mistyped slug
+
+
+def did_you_mean(word: str, names: Iterable[str]) -> str:
+    """ "did you mean 'a' or 'b'?" for the names closest to ``word``, or "" when none is close: the names that
+    contain it whole (a slug's stem, as `stop-token` of `stop-token-mismatch`) first, then difflib's closest
+    (a typo)."""
+    names = sorted(names)
+    key = word.strip().lower()
+    close = [n for n in names if key in n] if len(key) >= 3 else []
+    close += [n for n in difflib.get_close_matches(key, names, n=SUGGESTIONS, cutoff=0.6) if n not in close]
+    close = close[:SUGGESTIONS]
+    if not close:
+        return ""
+    return "did you mean " + " or ".join(repr(n) for n in close) + "?"
 
 
 def detectors(

@@ -41,9 +41,11 @@ def _expand(selectors: Sequence[str], origin: str) -> set[str]:
         elif selector in rules:
             slugs.add(selector)
         else:
+            hint = catalog.did_you_mean(selector, [*rules, *catalog.STAGES])
             raise UserInputError(
                 f"unknown rule or stage {selector!r} in {origin}; "
-                f"use a slug from `hf-sanity rules`, a stage ({', '.join(catalog.STAGES)}) or ALL"
+                + (f"{hint} Otherwise use" if hint else "use")
+                + f" a slug from `hf-sanity rules`, a stage ({', '.join(catalog.STAGES)}) or ALL"
             )
     return slugs
 

@@ -49,7 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-len", type=int, default=512)
     # 200 steps at 1e-2: the tiny default then shows the new style on 11 or 12 of 12 held-out prompts (at 2e-2:
     # 8 to 12 after 100 steps, 9 to 12 after 200), in about 20 s of CPU. Longer runs nearly memorise the demo
-    # rows, and an isolated late gradient spike (which the callback reports) becomes likelier.
+    # rows, and an isolated late gradient spike (which the callback reports as info: the clip bounds it) becomes likelier.
     parser.add_argument("--max-steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-2)

@@ -17,7 +17,9 @@ Run it:
         --max-steps 1000 --lr 2e-4 --bf16 --output-dir out/qwen-sft
 
 On the embedded tiny model (random weights) a few dozen LoRA steps teach no chat format: step 5 reports what
-such a model says (never-stops) and the recipe exits 1; on a real model and run it is the last gate.
+such a model says (by default it answers nearly every held-out prompt with one cut-off sentence, `The capital
+of.`: identical-outputs; with fewer steps it never stops or answers empty) and the recipe exits 1; on a real
+model and run it is the last gate.
 """
 
 from __future__ import annotations

@@ -144,14 +144,22 @@ def test_nonfinite_grad_with_a_finite_loss(tmp_path):
 
 @pytest.mark.planted("grad-explosion")
 def test_grad_explosion_names_the_step_and_saves_its_batch(tmp_path):
+    """Clipping on (Trainer's default): one batch 1000x too heavy at step 8 is bounded by the clip and the run
+    recovers at step 9 (info); a second such batch at step 11 makes them repeated (a warning, its batch saved)."""
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = super(type(self), self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        return loss * 1000 if self.state.global_step == 7 else loss  # one batch 1000x too heavy
+        return loss * 1000 if self.state.global_step in (7, 10) else loss  # two batches 1000x too heavy
 
     _, cb = train(tmp_path, ["grad-explosion"], cls=subclass(compute_loss))
-    finding = only(cb, "grad-explosion")
-    assert finding.step == 8 and finding.evidence["ratio"] > 100
-    assert finding.evidence["batch_file"].endswith("grad-explosion-step8.safetensors")
+    first, second = cb.report.findings
+    assert (first.rule, first.step, first.severity) == ("grad-explosion", 8, "info")
+    assert first.evidence["recovered"] is True and first.evidence["max_grad_norm"] == 1.0
+    assert first.evidence["ratio"] > 100
+    assert first.evidence["batch_file"].endswith("grad-explosion-step8.safetensors")
+    assert (second.rule, second.step, second.severity) == ("grad-explosion", 11, "warning")
+    assert second.evidence["explosion_steps"] == [8, 11]
+    assert second.evidence["batch_file"].endswith("grad-explosion-step11.safetensors")
 
 
 @pytest.mark.planted("stale-gradients")

@@ -36,7 +36,21 @@ def test_explain_prints_one_rule():
 
 
 def test_explain_unknown_slug():
-    assert_one_line_error(cli("explain", "nope"), "unknown rule 'nope'")
+    result = cli("explain", "nope")
+    assert_one_line_error(result, "unknown rule 'nope'", "`hf-sanity rules` lists")
+    assert "did you mean" not in result.stderr  # nothing is close: no guess
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("stop-token", "'stop-token-mismatch'"),
+        ("prompt-in-los", "'prompt-in-loss'"),
+        ("eos-not-lerned", "'eos-not-learned'"),
+    ],
+)
+def test_explain_a_near_slug_says_did_you_mean(typed, meant):
+    assert_one_line_error(cli("explain", typed), f"unknown rule '{typed}'", f"did you mean {meant}")
 
 
 def test_clean_preflight_exits_0_and_writes_json(model_dir, data_file, tmp_path):
@@ -100,6 +114,8 @@ def test_model_folder_without_weights(tmp_path, data_file):
 def test_unknown_select(model_dir, data_file):
     assert_one_line_error(cli("preflight", "--model", model_dir, "--dataset", data_file, "--select", "nope"),
                           "unknown rule or stage 'nope'")  # fmt: skip
+    assert_one_line_error(cli("preflight", "--model", model_dir, "--dataset", data_file, "--ignore", "loss-spik"),
+                          "unknown rule or stage 'loss-spik'", "did you mean 'loss-spike'")  # fmt: skip
 
 
 def test_usage_errors_are_one_line_too(model_dir):

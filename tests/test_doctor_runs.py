@@ -47,6 +47,9 @@ RUNS = {
     "bug-warmup": (True, {"learning_rate": 3e-3, "warmup_steps": 5}),
     "bug-batch": (True, {"learning_rate": 3e-3, "warmup_steps": 5, "per_device_train_batch_size": 8}),
     "bug-two": (True, {"learning_rate": 3e-4, "per_device_train_batch_size": 8}),  # two changes after "bug"
+    # the held-out case: flat at chance at three LRs (each with another seed), a warmup that starts the logged
+    # LR near 0
+    **{f"chance-{lr:g}": (True, {"learning_rate": lr, "warmup_steps": 30}) for lr in (1e-5, 1e-4, 1e-3)},
 }
 
 
@@ -147,14 +150,53 @@ def test_three_failed_hyperparameter_changes_mean_a_bug(trained):
     assert report.by_rule("several-changes-at-once") == []  # one change at a time: the law, not stacking
 
 
-@pytest.mark.clean("hyperparameter-churn")
+@pytest.mark.planted("hyperparameter-churn")
 @pytest.mark.parametrize("seed", SLOW_SEEDS)
-def test_two_failed_changes_are_not_yet_the_iron_law(trained, seed):
+def test_three_failed_runs_two_hyperparameter_changes_are_the_iron_law(trained, seed):
     report = doctor([trained(name, seed) for name in CHURN[:3]], use_config=False)
-    assert report.by_rule("hyperparameter-churn") == []
+    (churn,) = report.by_rule("hyperparameter-churn")
+    assert "3 runs in a row fail" in churn.message and "2 hyperparameter-only changes" in churn.message
     # Each run fails (flat, or underfitting where a seed's noise lets the loss drift): the class does not matter.
     assert [outcome != "no failure" for _, outcome in table(report)] == [True] * 3
     assert table(report)[2][0] == ["warmup 0 → 5"]
+
+
+@pytest.mark.clean("hyperparameter-churn")
+@pytest.mark.parametrize("seed", SLOW_SEEDS)
+def test_two_failed_runs_are_not_yet_the_iron_law(trained, seed):
+    report = doctor([trained(name, seed) for name in CHURN[:2]], use_config=False)
+    assert report.by_rule("hyperparameter-churn") == []
+    assert [outcome != "no failure" for _, outcome in table(report)] == [True] * 2
+    assert table(report)[1][0] == ["learning rate 0.001 → 0.003"]  # the detector compared them
+
+
+@pytest.mark.planted("hyperparameter-churn")
+@pytest.mark.slow
+def test_cli_three_runs_flat_at_chance_at_three_lrs_and_seeds_are_the_iron_law(trained, tmp_path):
+    """The held-out case through the command line: three runs that each sit flat at chance, at learning rates
+    1e-5, 1e-4 and 1e-3, each with another seed (the seed is a hyperparameter too). doctor said loss-flat per run
+    and nothing of the law; its table showed no learning rate, where the logs' first one is ~0 (warmup)."""
+    runs = [trained(f"chance-{lr:g}", seed) for seed, lr in enumerate((1e-5, 1e-4, 1e-3))]
+    out = tmp_path / "r.json"
+    result = cli("doctor", *runs, "--json", out, cwd=tmp_path, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    (churn,) = [f for f in report["findings"] if f["rule"] == "hyperparameter-churn"]
+    assert churn["severity"] == "error" and "3 runs in a row fail" in churn["message"]
+    assert [c["changed"] for c in churn["evidence"]["changes"]] == [
+        {"learning rate": [1e-5, 1e-4], "seed": [0, 1]},
+        {"learning rate": [1e-4, 1e-3], "seed": [1, 2]},
+    ]
+    assert list(churn["evidence"]["learning_rates"].values()) == [1e-5, 1e-4, 1e-3]
+    rows = report["stats"]["runs"]
+    assert [(row["learning_rate"], row["learning_rate_source"]) for row in rows] == [
+        (lr, "arguments") for lr in (1e-5, 1e-4, 1e-3)
+    ]
+    first_logged = [json.loads((run / "checkpoint-120" / "trainer_state.json").read_text())["log_history"][0]
+                    ["learning_rate"] for run in runs]  # fmt: skip
+    assert first_logged[2] <= 1e-3 / 30 + 1e-12  # warmup: the first logged LR is not the configured one
+    shown = " ".join(result.stdout.split())
+    assert "learning rate" in shown and "1e-05" in shown and "0.001 " in shown
 
 
 @pytest.mark.clean("hyperparameter-churn")

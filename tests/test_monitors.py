@@ -112,6 +112,51 @@ def test_grad_explosion_at_the_spike():
     assert found[0].evidence["ratio"] > 30
 
 
+def _norms(spikes: dict[int, float], n: int = 40) -> list[tuple[int, dict]]:
+    return [
+        (s, {"grad_norm": spikes.get(s, 1.0 + 0.1 * math.sin(s)), "loss_finite": True})
+        for s in range(1, n + 1)
+    ]
+
+
+@pytest.mark.clean("grad-explosion")
+def test_one_late_explosion_the_clip_bounded_and_the_run_recovered_from_is_info():
+    """The LoRA recipe's case: clipping on, one late batch with a 40x norm, the next step back to normal."""
+    found = feed(GradientMonitor(max_grad_norm=1.0, warmup_steps=2), _norms({30: 40.0}))
+    (explosion,) = found
+    assert (explosion.rule, explosion.step, explosion.severity) == ("grad-explosion", 30, "info")
+    assert explosion.evidence["recovered"] is True and explosion.evidence["explosions"] == 1
+    assert explosion.evidence["ratio"] > 30 and explosion.evidence["clipping_off"] is False
+    assert "bounded that update" in explosion.message and explosion.fix.startswith("Nothing to change")
+
+
+@pytest.mark.planted("grad-explosion")
+def test_an_explosion_the_next_step_does_not_recover_from_is_a_warning():
+    found = feed(GradientMonitor(max_grad_norm=1.0, warmup_steps=2), _norms({30: 40.0, 31: 35.0}))
+    (explosion,) = found
+    assert (explosion.step, explosion.severity, explosion.evidence["recovered"]) == (30, "warning", False)
+    assert "still far up" in explosion.message
+
+
+@pytest.mark.planted("grad-explosion")
+def test_repeated_explosions_under_clipping_are_a_warning():
+    monitor = GradientMonitor(max_grad_norm=1.0, warmup_steps=2)
+    found = feed(monitor, _norms({12: 40.0, 25: 50.0, 33: 45.0}))
+    assert [(f.step, f.severity) for f in found] == [(12, "info"), (25, "warning")]
+    assert found[1].evidence["explosions"] == 2 and found[1].evidence["explosion_steps"] == [12, 25]
+    assert "2 explosions in the run so far (steps 12, 25)" in found[1].message
+    assert not monitor.done or monitor._severity == "warning"
+
+
+def test_an_explosion_with_clipping_off_is_a_warning_at_once():
+    found = feed(GradientMonitor(max_grad_norm=0.0, warmup_steps=2), _norms({30: 40.0}, n=30))
+    (explosion,) = found
+    assert (explosion.step, explosion.severity) == (30, "warning") and explosion.evidence[
+        "clipping_off"
+    ] is True
+    assert explosion.fix.startswith("First turn gradient clipping back on")
+
+
 def test_noisy_healthy_grad_norms_are_silent():
     rng = random.Random(1)
     norms = [2.0 * math.exp(-s / 50) * rng.uniform(0.5, 2.0) for s in range(200)]

@@ -46,6 +46,7 @@ OUTPUT_RULES = [
     "adapter-no-effect",
     "repetition-loop",
     "answer-truncated",
+    "identical-outputs",
 ]
 
 
@@ -333,6 +334,60 @@ def test_adapter_no_effect_needs_nearly_all_identical():
     assert (
         fired(rules.adapter_no_effect, gens(*same[:8], differs, sample(10, base_ids=(7,)), has_base=True))
         == []
+    )
+
+
+@pytest.mark.planted("identical-outputs")
+def test_one_answer_to_every_prompt_is_identical_outputs():
+    """The sft_trl recipe's model: every held-out prompt answered with the same cut-off 'The capital of.'; each
+    answer stops, none loops, none echoes: no other rule sees it."""
+    questions = [
+        "What is 2+2?",
+        "Name a colour.",
+        "Who wrote Hamlet?",
+        "Spell cat.",
+        "Largest planet?",
+        "Say hi.",
+    ]
+    same = [
+        sample(i, prompt=q, text="The capital of.", reference=f"Answer {i}.") for i, q in enumerate(questions)
+    ]
+    others = [sample(6, prompt="Capital of Peru?", text="Lima."), sample(7, prompt="3 times 3?", text="9.")]
+    (finding,) = fired(rules.identical_outputs, gens(*same, *others))
+    assert finding.rule == "identical-outputs" and finding.severity == "warning"  # 6 of 8: 75%
+    assert finding.evidence["answer"] == "The capital of." and finding.evidence["share"] == 0.75
+    assert finding.evidence["same_answer"] == 6 and finding.evidence["prompts"] == 8
+    assert finding.evidence["other_rows"] == [6, 7] and finding.rows == list(range(6))
+    assert "'The capital of.'" in finding.message and "75%" in finding.message
+    (most,) = fired(rules.identical_outputs, gens(*same, *others[:1]))  # 6 of 7, as the recipe's: 86%
+    assert most.severity == "error" and "whatever they ask" in most.message
+    (every,) = fired(rules.identical_outputs, gens(*same))
+    assert every.severity == "error" and every.evidence["share"] == 1.0
+    assert every.example.examples[0].columns[1][1] == "The capital of."  # side by side: the generation
+
+
+@pytest.mark.clean("identical-outputs")
+def test_varied_answers_a_repeated_prompt_and_a_one_label_set_are_not_identical_outputs():
+    questions = [
+        "What is 2+2?",
+        "Name a colour.",
+        "Who wrote Hamlet?",
+        "Spell cat.",
+        "Largest planet?",
+        "Say hi.",
+    ]
+    varied = [sample(i, prompt=q, text=f"Answer number {i}.") for i, q in enumerate(questions)]
+    two_same = varied[:4] + [sample(4, prompt="Spell dog.", text="Answer number 0.")]
+    assert fired(rules.identical_outputs, gens(*two_same)) == []  # 2 of 5: under half
+    one_prompt = [sample(i, prompt="What is it?", text="Paris.") for i in range(8)]
+    assert fired(rules.identical_outputs, gens(*one_prompt)) == []  # one prompt, asked 8 times
+    labels = [sample(i, prompt=q, text="positive", reference="positive") for i, q in enumerate(questions)]
+    assert fired(rules.identical_outputs, gens(*labels)) == []  # the references repeat it: a one-label set
+    empty = [sample(i, prompt=q, text="", ids=[3]) for i, q in enumerate(questions)]
+    assert fired(rules.identical_outputs, gens(*empty)) == []  # empty answers: answer-truncated's to judge
+    # The detector judged these: the same samples with one answer fire.
+    assert fired(
+        rules.identical_outputs, gens(*[sample(i, prompt=q, text="Paris.") for i, q in enumerate(questions)])
     )
 
 
@@ -669,9 +724,10 @@ def test_output_rules_read_the_generations_and_never_change_them():
     cut = [
         sample(
             4 + i,
+            prompt=f"What is it, {i}?",  # four prompts, one answer: identical-outputs
             text="The",
             ids=[1, 3],
-            reference="The answer is long.",
+            reference=f"The answer {i} is long.",
             reference_tokens=8,
             base_ids=(1, 3),
         )

@@ -120,18 +120,50 @@ def test_eos_masked_by_pad_equal_eos_collator(conversations):
         ids = tok.apply_chat_template(row["messages"])["input_ids"]
         rows.append({"input_ids": ids, "labels": [IGNORE_INDEX if i == tok.pad_token_id else i for i in ids]})
     (finding,) = run(tok, rows, select="eos-not-learned").findings
-    assert finding.evidence["pad_is_eos"] is True
+    assert finding.evidence["pad_is_eos"] is True and finding.evidence["cause"] == "pad-is-eos"
     assert finding.evidence["end_tokens_without_loss"] == sum(
         sum(m["role"] == "assistant" for m in r["messages"]) for r in conversations
     )
     assert finding.example.cells[finding.example.focus - finding.example.cells[0].pos].text == "<|im_end|>"
 
 
+@pytest.mark.planted("eos-not-learned")
+def test_a_collator_that_keeps_one_label_per_answer_is_named_not_a_pad_token(chatml, conversations):
+    """pad is not EOS here: the end of turn carries no loss because the labels keep one token of each row. The fix
+    used to be the pad == EOS one (set a pad token distinct from EOS) although pad_is_eos was false."""
+    assert chatml.pad_token_id != chatml.eos_token_id
+    rows = []
+    for row in correct_token_rows(chatml, conversations):
+        first = next(i for i, label in enumerate(row["labels"]) if label != IGNORE_INDEX)
+        rows.append({"input_ids": row["input_ids"],
+                     "labels": [label if i == first else IGNORE_INDEX for i, label in enumerate(row["labels"])]})  # fmt: skip
+    (finding,) = run(chatml, rows, select="eos-not-learned").findings
+    assert finding.evidence["pad_is_eos"] is False and finding.evidence["cause"] == "completion-masked"
+    assert finding.evidence["completion_tokens_masked"] >= 0.5 * finding.evidence["completion_tokens"] > 0
+    assert "pad_token =" not in finding.fix and "distinct from EOS" not in finding.fix
+    assert finding.fix.startswith("The labels mask the answers themselves, not padding")
+    assert "the labels mask the answers, not padding" in finding.message
+
+
+def test_an_end_token_masked_while_pad_is_not_eos_says_so(chatml, conversations):
+    rows = []
+    for row in correct_token_rows(chatml, conversations):
+        labels = list(row["labels"])
+        for i, token in enumerate(row["input_ids"]):
+            if token == chatml.convert_tokens_to_ids("<|im_end|>") and labels[i] != IGNORE_INDEX:
+                labels[i] = IGNORE_INDEX  # a span mask one token short
+        rows.append({"input_ids": row["input_ids"], "labels": labels})
+    (finding,) = run(chatml, rows, select="eos-not-learned").findings
+    assert (finding.evidence["cause"], finding.evidence["pad_is_eos"]) == ("end-masked", False)
+    assert "one token short" in finding.fix and "pad_token =" not in finding.fix
+
+
 def test_eos_missing_at_the_end_of_pretokenized_text():
     tok = build_tokenizer("base", "distinct")
     rows = [{"input_ids": tok(f"The sum of {i} and {i} is {2 * i}.")["input_ids"]} for i in range(10)]
     (finding,) = run(tok, rows, select="eos-not-learned").findings
-    assert finding.evidence["completions_without_end"] == 10
+    assert finding.evidence["completions_without_end"] == 10 and finding.evidence["cause"] == "no-end-token"
+    assert finding.fix.startswith("Append the end-of-turn/EOS token")
     with_eos = [{"input_ids": r["input_ids"] + [tok.eos_token_id]} for r in rows]
     assert run(tok, with_eos, select="eos-not-learned").findings == []
 
@@ -153,3 +185,36 @@ def test_pad_token_fix_names_this_tokenizers_tokens():
     (finding,) = run(llama2, rows, select="pad-token-missing").findings
     assert finding.evidence["pad_candidate"] == "<unk>" and "'<unk>'" in finding.fix
     assert "<|finetune_right_pad_id|>" not in finding.fix  # no other family's token
+
+
+@pytest.mark.planted("eos-not-learned")
+def test_a_trainers_collator_that_masks_all_but_one_label_gets_the_fix_of_that_cause(tmp_path):
+    """The held-out case on a Trainer's own batches: a collator that masks every label but the first supervised
+    one of each row, with a pad token that is not EOS. The fix named the pad token; the cause is the collator."""
+    import torch
+    from dist import tinytrain as tt
+    from transformers import DataCollatorForSeq2Seq
+
+    from hf_sanity import preflight
+
+    model, tok = tt.setup()
+    assert tok.pad_token_id != tok.eos_token_id
+    base = DataCollatorForSeq2Seq(tok)
+
+    def keep_one_label(features):
+        batch = base(features)
+        labels = batch["labels"]
+        first = (labels != IGNORE_INDEX).int().argmax(dim=1)
+        kept = labels.gather(1, first[:, None])
+        batch["labels"] = torch.full_like(labels, IGNORE_INDEX).scatter(1, first[:, None], kept)
+        return batch
+
+    trainer = tt.trainer(tmp_path, model=model, tok=tok, collator=keep_one_label)
+    report = preflight(trainer=trainer, select="eos-not-learned", use_config=False)
+    (finding,) = report.findings
+    assert finding.evidence["pad_is_eos"] is False and finding.evidence["cause"] == "completion-masked"
+    assert "pad_token =" not in finding.fix and "mask the answers themselves" in finding.fix
+    assert (
+        finding.remedy.title
+        == "build labels that cover each whole completion and its end-of-turn token in your collator"
+    )

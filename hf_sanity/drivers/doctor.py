@@ -10,6 +10,7 @@ files runs (``training_args.bin`` is read inert) and nothing is written into the
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Iterable
@@ -35,6 +36,7 @@ from hf_sanity.measure.runs import (
     global_step,
     read_predictions,
     read_run,
+    series,
 )
 from hf_sanity.report import Report, _short
 from hf_sanity.selection import Selection, resolve
@@ -233,7 +235,7 @@ def doctor(
         per_run.append([_with_run(f, run, several) for f in found if narrowed.enabled(f.rule)])
 
     run_set = RunSet(
-        descriptions=[describe(run) for run in loaded],
+        descriptions=[describe(run, kind) for run, kind in zip(loaded, objectives)],
         failures=[_failures(findings, selection) for findings in per_run],
         predictions=rows,
         baseline=baseline,
@@ -290,13 +292,20 @@ def doctor(
 # -- the runs table --------------------------------------------------------------------------------
 def run_table(runs: RunSet) -> list[dict]:
     """Per run, in the order given: what changed from the run before (readable in both) and its outcome."""
+    previous: dict[int, int] = {}  # each run's predecessor among the runs of its objective
+    for group in series(runs.descriptions):
+        previous.update(itertools.pairwise(group[::-1]))
     rows = []
     for i, (description, failed) in enumerate(zip(runs.descriptions, runs.failures)):
-        found = changes(runs.descriptions[i - 1], description) if i else []
+        before = previous.get(i)
+        found = changes(runs.descriptions[before], description) if before is not None else []
+        lr, lr_source = description.learning_rate
         rows.append(
             {
-                "changed": [c.describe() for c in found] if i else None,
+                "changed": [c.describe() for c in found] if before is not None else None,
                 "outcome": ", ".join(sorted(failed)) if failed else "no failure",
+                "learning_rate": lr,
+                "learning_rate_source": lr_source,
             }
         )
     return rows
@@ -304,8 +313,9 @@ def run_table(runs: RunSet) -> list[dict]:
 
 @dataclass
 class DoctorReport(Report):
-    """doctor's report: with several runs, a table of them in the order given (what changed from the run
-    before, outcome) under the findings."""
+    """doctor's report: with several runs, a table of them in the order given (the objective where they mix,
+    the configured learning rate, what changed from the run before of the same objective, outcome) under the
+    findings."""
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         runs = self.stats.get("runs") or []
@@ -317,15 +327,31 @@ class DoctorReport(Report):
         )
         table = Table(title="runs, in the order given", title_justify="left", title_style="bold",
                       show_edge=False, header_style="bold")  # fmt: skip
-        for column in ("#", "run", "changed from the run before", "outcome"):
+        kinds = {row["objective"] for row in runs}
+        columns = ["#", "run", *(["objective"] if len(kinds) > 1 else []), "learning rate"]
+        for column in (*columns, "changed from the run before", "outcome"):
             table.add_column(column, overflow="fold")
         labels = short_labels([row["run"] for row in runs])
+        seen: set[str] = set()
         for i, (row, label) in enumerate(zip(runs, labels), 1):
+            kind = row["objective"]
+            first = kind not in seen
+            seen.add(kind)
             changed = (
-                "; ".join(row["changed"]) if row["changed"] else "(first)" if i == 1 else "nothing readable"
+                "; ".join(row["changed"])
+                if row["changed"]
+                else (f"(first {kind} run)" if len(kinds) > 1 else "(first)")
+                if first
+                else "nothing readable"
             )
             outcome = Text(row["outcome"], style="green" if row["outcome"] == "no failure" else "red")
-            table.add_row(str(i), label, changed, outcome)
+            lr = row.get("learning_rate")
+            shown = (
+                "?"
+                if lr is None
+                else f"{lr:.3g}" + ("" if row["learning_rate_source"] == "arguments" else " (peak logged)")
+            )
+            table.add_row(str(i), label, *([kind] if len(kinds) > 1 else []), shown, changed, outcome)
         yield Text()
         yield table
         rest = {k: v for k, v in self.stats.items() if k != "runs"}

@@ -381,15 +381,37 @@ class RunDescription:
     setup: dict[str, Any]
     hyperparameters: dict[str, Any]
     curves: Curves
+    objective: str = "sft"  # the objective's kind (`measure.objective`): runs are compared within one kind
+
+    @property
+    def learning_rate(self) -> tuple[float | None, str | None]:
+        """(the learning rate the run was configured with, where it was read): the training arguments'
+        ``learning_rate`` (or ``lr``), else the peak of the logged LR. Never the first logged one, which a
+        warmup starts near 0."""
+        for key in ("learning_rate", "lr"):
+            value = self.hyperparameters.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value), "arguments"
+        peak = self.hyperparameters.get("peak_learning_rate")
+        return (float(peak), "peak of the logged LR") if peak is not None else (None, None)
+
+
+def series(descriptions: list[RunDescription]) -> list[list[int]]:
+    """The runs' indices grouped by objective, each group in the order given: a DPO run and a GRPO run are not
+    one series of tries (what changed between them is the whole method)."""
+    groups: dict[str, list[int]] = {}
+    for i, description in enumerate(descriptions):
+        groups.setdefault(description.objective, []).append(i)
+    return list(groups.values())
 
 
 def canonical(value: Any) -> Any:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def describe(run: Any) -> RunDescription:
+def describe(run: Any, objective: str = "sft") -> RunDescription:
     """Split what a run records (``run.state``, ``run.model_config``, ``run.args``, ``run.curves``) into
-    setup and hyperparameters."""
+    setup and hyperparameters; ``objective``: the kind of objective it trained for."""
     setup: dict[str, Any] = {}
     hyper: dict[str, Any] = {}
     for key, value in run.model_config.items():
@@ -408,7 +430,7 @@ def describe(run: Any) -> RunDescription:
     lrs = [lr for lr in run.curves.lr if math.isfinite(lr)]
     if lrs:
         hyper["peak_learning_rate"] = float(f"{max(lrs):.6g}")
-    return RunDescription(run.label, setup, hyper, run.curves)
+    return RunDescription(run.label, setup, hyper, run.curves, objective)
 
 
 @dataclass

@@ -72,6 +72,9 @@ SPIKE_OVER_PAST = (
 )
 SPIKE_BIG = 2.0  # ... and is either 2x the running median or held (the next point is 50% above it too)
 SPIKE_MAX_FINDINGS = 3
+SPIKE_REPEATS = 3  # repeated: 3+ such jumps (whether or not each stands out) ...
+SPIKE_UNLEARNED = 0.9  # ... whose median height in the later half is >= 90% of that in the earlier half
+SPIKE_LISTED = 10  # steps and ratios listed in a repeated-spikes finding
 
 OSC_MIN_POINTS = 20
 OSC_AMPLITUDE = 0.10  # the typical step-to-step swing is >= 10% of the loss level ...
@@ -123,7 +126,13 @@ LOSS_SPIKE = define(
     "(the next point is still up), since a one-step bump that falls straight back is one harder batch. Only once "
     "that running median is below the median of the first points (the loss had decreased). Reports the step, "
     "the learning rate there, how long the loss stayed up, and whether gradient clipping is off or warmup "
-    f"absent; up to {SPIKE_MAX_FINDINGS} spikes per run.",
+    f"absent; up to {SPIKE_MAX_FINDINGS} spikes per run. `evidence.cause`: transient (it fell back at the next "
+    "step, or it is the last logged point: `info`), held (it stayed up some steps) or not-recovered (it never came "
+    f"back down): warnings; and repeated: {SPIKE_REPEATS}+ jumps of that size (>= {SPIKE_RATIO:g}x, the noise "
+    f"test, {SPIKE_BIG:g}x or held, whether or not each stands out from the ones before) whose median height in "
+    f"the later half of them is >= {SPIKE_UNLEARNED:.0%} of that in the earlier half: batches the run does not "
+    "learn down keep coming back (a warning, with the steps, the ratios and the period where it is regular); "
+    "harder rows the model learns come back lower each time and are not.",
     fix="Lower the LR or lengthen warmup, keep gradient clipping on, inspect the batch that preceded the spike.",
 )
 
@@ -227,15 +236,30 @@ def _is_flat(steps: np.ndarray, loss: np.ndarray) -> bool:
 def _spike_finding(
     steps, loss, lr, i: int, end: int, base: float, noise: float, guards: dict[str, Any]
 ) -> Finding:
-    recovered = end + 1 < len(loss)
+    n = len(loss)
+    recovered = end + 1 < n
+    pending = (
+        end == i == n - 1
+    )  # a one-point jump at the last logged step: whether it falls back is not known
+    at_once = recovered and end == i
     lr_here = lr_at(lr, i)
     sigmas = (loss[i] - base) / noise if noise > 0 else math.inf
+    if at_once or pending:
+        how = "transient"
+        tail = (
+            "; it fell straight back at the next step: one harder batch, nothing the run did not recover from"
+            if at_once
+            else "; it is the last logged step, so whether it falls back is not known yet"
+        )
+    else:
+        how = "held" if recovered else "not-recovered"
+        tail = f"; it stayed up until step {int(steps[end])}" if recovered else "; it never came back down"
     return LOSS_SPIKE.finding(
         f"train loss jumped to {loss[i]:.4g} at step {int(steps[i])}, {loss[i] / base:.2f}x its running "
-        f"median {base:.4g}"
-        + (f" (lr {lr_here:.3g})" if lr_here is not None else "")
-        + ("" if recovered else "; it never came back down"),
+        f"median {base:.4g}" + (f" (lr {lr_here:.3g})" if lr_here is not None else "") + tail,
+        severity="info" if how == "transient" else None,
         evidence={
+            "cause": how,
             "step": int(steps[i]),
             "loss": rounded(float(loss[i])),
             "running_median": rounded(base),
@@ -244,17 +268,68 @@ def _spike_finding(
             "learning_rate": lr_here,
             "previous_step": int(steps[i - 1]),
             "elevated_until_step": int(steps[end]),
-            "recovered": recovered,
+            "recovered": None if pending else recovered,
             **guards,
         },
         step=int(steps[i]),
-        fix=guarded_fix(LOSS_SPIKE.fix, guards),
+        fix=guarded_fix(TRANSIENT_FIX if how == "transient" else LOSS_SPIKE.fix, guards),
     )
+
+
+def _repeated_finding(steps, loss, jumps: list[tuple[int, int, float]], guards: dict[str, Any]) -> Finding:
+    """One warning for spikes that keep coming back at a height the run does not learn down."""
+    idx = [i for i, _, _ in jumps]
+    ratios = [float(loss[i] / base) for i, _, base in jumps]
+    half = len(jumps) // 2
+    early, late = median(loss[idx[:half]]), median(loss[idx[-half:]])
+    gaps = np.diff(steps[idx])
+    every = int(gaps[0]) if len(gaps) and (gaps == gaps[0]).all() else None
+    first = int(steps[idx[0]])
+    return LOSS_SPIKE.finding(
+        f"train loss jumped {len(jumps)} times, {min(ratios):.2f}x to {max(ratios):.2f}x its running median "
+        f"(steps {', '.join(str(int(steps[i])) for i in idx[:SPIKE_LISTED])}"
+        + (", ..." if len(idx) > SPIKE_LISTED else "")
+        + ")"
+        + (f", every {every} steps" if every else "")
+        + f": the loss falls back after each, but the jumps do not come down as the run learns (median "
+        f"{early:.4g} in the first {half}, {late:.4g} in the last {half}): batches the model cannot learn keep "
+        "coming back",
+        evidence={
+            "cause": "repeated",
+            "spikes": len(jumps),
+            "steps": [int(steps[i]) for i in idx[:SPIKE_LISTED]],
+            "ratios": [rounded(r, 3) for r in ratios[:SPIKE_LISTED]],
+            "min_ratio": rounded(min(ratios), 3),
+            "max_ratio": rounded(max(ratios), 3),
+            "losses": [rounded(float(loss[i])) for i in idx[:SPIKE_LISTED]],
+            "early_spike_loss": rounded(early),
+            "late_spike_loss": rounded(late),
+            "every_steps": every,
+            # a one-point jump at the last step is not known not to recover
+            "recovered": all(end + 1 < len(loss) or end == i for i, end, _ in jumps),
+            **guards,
+        },
+        step=first,
+        fix=guarded_fix(REPEATED_FIX, guards),
+    )
+
+
+TRANSIENT_FIX = (
+    "Nothing to change for one batch the run recovered from at once; if it recurs, inspect the batch at that step "
+    "(rerun with SanityCallback, which saves it)."
+)
+REPEATED_FIX = (
+    "Inspect the batches at the listed steps (a regular period points at the data order: a shard or a collator "
+    "path that corrupts every k-th batch, shuffled or misaligned labels): filter the rows the model cannot learn; "
+    "if the batches are sound, lower the learning rate and keep gradient clipping on."
+)
 
 
 @LOSS_SPIKE.detector("curve", online=True)
 def loss_spike(curves: Curves) -> list[Finding]:
-    """Sudden jumps of the train loss above its running median, once the loss had decreased."""
+    """Sudden jumps of the train loss above its running median, once the loss had decreased: repeated ones the
+    run does not learn down and ones it does not recover from are warnings, one it recovers from at the next
+    step is info."""
     steps, loss, lr = train_points(curves)
     n = len(loss)
     if n <= SPIKE_MIN_HISTORY:
@@ -266,33 +341,45 @@ def loss_spike(curves: Curves) -> list[Finding]:
         rise = np.where(np.isfinite(base), loss - base, -np.inf)
         highest = np.maximum(trailing(rise, SPIKE_NOISE_HISTORY, max_rows, SPIKE_MIN_HISTORY), 0.0)
         held = np.append(loss[1:] >= SPIKE_RATIO * base[:-1], False)
-        candidate = (
+        jump = (
             (base > 0)
             & (base < start)
             & (loss >= SPIKE_RATIO * base)
             & ((noise == 0) | (rise >= SPIKE_NOISE * noise))
-            & (rise >= SPIKE_OVER_PAST * highest)
             & ((loss >= SPIKE_BIG * base) | held)
         )
+        stands_out = jump & (rise >= SPIKE_OVER_PAST * highest)
     guards = safeguards(curves.max_grad_norm, curves.warmup_steps)
+    jumps: list[tuple[int, int, float]] = []  # (first index, last index, running median) of each jump
     events: list[Finding] = []
     total = 0
-    after = -1  # the last index of the previous event
-    for i in np.flatnonzero(candidate):
+    after = -1  # the last index of the previous jump
+    for i in np.flatnonzero(jump):
         i = int(i)
         if i <= after:
             continue
-        # The event lasts while the loss stays above the spike threshold.
+        # The jump lasts while the loss stays above the spike threshold.
         end = i
         while end + 1 < n and loss[end + 1] >= SPIKE_RATIO * base[i]:
             end += 1
         after = end
+        jumps.append((i, end, float(base[i])))
+        if not stands_out[i]:
+            continue
         total += 1
         if len(events) < SPIKE_MAX_FINDINGS:
             events.append(_spike_finding(steps, loss, lr, i, end, float(base[i]), float(noise[i]), guards))
     if total > len(events):
         for finding in events:
             finding.evidence["spikes_in_run"] = total
+    if len(jumps) >= SPIKE_REPEATS:
+        half = len(jumps) // 2
+        idx = [i for i, _, _ in jumps]
+        if median(loss[idx[-half:]]) >= SPIKE_UNLEARNED * median(loss[idx[:half]]):
+            # The one warning that says what the run shows; the single jumps' own findings would repeat it.
+            return [_repeated_finding(steps, loss, jumps, guards)] + [
+                f for f in events if f.evidence["cause"] == "not-recovered"
+            ]
     return events
 
 

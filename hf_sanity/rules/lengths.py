@@ -64,10 +64,12 @@ def check_truncated_completion(ctx):
         grow += f"; max_len={for_99:,} keeps 99% of the examples whole"
     grow += ")"
     first, second = (drop, grow) if fraction < ERROR_FRACTION else (grow, drop)
+    think = _think_lost(ctx, cut)
     yield TRUNCATED_COMPLETION.finding(
         f"max_len={max_len:,} cuts into the completion of {n_cut} of {n} examples ({fraction:.1%}); the longest "
-        f"is {for_all:,} tokens",
+        f"is {for_all:,} tokens" + _think_said(think),
         evidence={
+            **think,
             "max_len": max_len,
             "cut": n_cut,
             "fraction": fraction,
@@ -118,9 +120,11 @@ def _cut_by_trainer(ctx, max_len: int):
         )
     share = max(n_cut / max(n, 1), dropped / given if given else 0.0)
     rows = ctx.first(cut) if n_cut else []
+    think = _think_lost(ctx, cut)
     yield TRUNCATED_COMPLETION.finding(
-        f"the trainer's max_length={max_len:,} " + " and ".join(parts),
+        f"the trainer's max_length={max_len:,} " + " and ".join(parts) + _think_said(think),
         evidence={
+            **think,
             "max_len": max_len,
             "cut": n_cut,
             "fraction": n_cut / max(n, 1),
@@ -140,6 +144,21 @@ def _cut_by_trainer(ctx, max_len: int):
         "end-of-turn token: the model learns to stop mid-answer; the answers removed whole are never trained.",
         rows=cut if n_cut else None,
     )
+
+
+def _think_lost(ctx, cut) -> dict:
+    """Of the cut rows, those whose answer opened a think block the cut left without its close (evidence keys;
+    none when no cut row did): the model is also trained on thinking that never ends (see think-unclosed)."""
+    from hf_sanity.measure.agents import think_unclosed
+
+    measured = think_unclosed(ctx)
+    lost = [i for i in (measured or {}).get("rows", ()) if cut[i]]
+    return {"think_unclosed": len(lost), "think_unclosed_rows": lost[:10]} if lost else {}
+
+
+def _think_said(think: dict) -> str:
+    n = think.get("think_unclosed")
+    return f"; {n} of them lose the close of their think block (`</think>`)" if n else ""
 
 
 def model_window(config) -> tuple[int | None, int | None]:

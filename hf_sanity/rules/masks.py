@@ -237,7 +237,11 @@ EOS_NOT_LEARNED = define(
     "completions without it and end tokens whose label is -100 — the classic trap is pad == EOS with a "
     "collator that masks every pad token, EOS included. On a trainer's batches, an answer its max_length cut "
     "is truncated-completion's, and one a packing split across rows (TRL's wrapped or bfd_split packing: it "
-    "ends in the next row) is not judged.",
+    "ends in the next row) is not judged. `evidence.cause`, and the fix that follows it: pad-is-eos (pad == EOS "
+    "and the end tokens masked: a pad token of its own), completion-masked (pad is not EOS and half or more of "
+    "those answers' own tokens carry no loss too: the labels mask the answers, e.g. a collator that keeps one "
+    "label per row), end-masked (only the end token is masked: labels built one token short), no-end-token "
+    "(the completions do not end with one).",
     fix="Keep the end-of-turn/EOS token in the labels: use a pad token distinct from EOS (an unused reserved "
     "token of this tokenizer, or add one), or a collator that masks padding by attention_mask rather than by "
     "token id; for text data append EOS.",
@@ -274,29 +278,73 @@ def check_eos_not_learned(ctx):
     if n_missing:
         what.append(f"{n_missing:,} completions do not end with an end-of-turn token")
     candidate = pad_candidate(tok, _in_use(ctx)) if trap else None
-    fix = (
-        f"Keep the end-of-turn/EOS token in the labels: set a pad token distinct from EOS ({tok.eos_token!r}), "
-        f"e.g. `tokenizer.pad_token = {candidate!r}` (unused by this tokenizer's template), or use a collator "
-        "that masks padding by attention_mask rather than by token id."
-        if candidate
-        else None
-    )
+    # What the labels show beside the end token: the completions of the rows whose end carries no loss, and how
+    # much of them is masked too (a collator that keeps one label per answer masks the answer, not padding).
+    masked_rows = ctx.valid & (unsup > 0)
+    completion = int(ctx.col("n_completion")[masked_rows].sum())
+    completion_masked = int(ctx.col("n_completion_unsupervised")[masked_rows].sum())
+    masked_share = completion_masked / completion if completion else 0.0
+    if trap:
+        cause = "pad-is-eos"
+    elif n_unsup and masked_share >= EOS_COMPLETION_MASKED:
+        cause = "completion-masked"
+    elif n_unsup:
+        cause = "end-masked"
+    else:
+        cause = "no-end-token"
+    if trap:
+        fix = (
+            f"Keep the end-of-turn/EOS token in the labels: set a pad token distinct from EOS ({tok.eos_token!r}), "
+            f"e.g. `tokenizer.pad_token = {candidate!r}` (unused by this tokenizer's template), or use a collator "
+            "that masks padding by attention_mask rather than by token id."
+            if candidate
+            else None
+        )
+    else:
+        fix = _EOS_FIX_BY_CAUSE[cause].format(
+            pad=tok.pad_token, eos=tok.eos_token, masked=completion_masked, completion=completion
+        )
     yield EOS_NOT_LEARNED.finding(
-        f"{' and '.join(what)} (of {completions:,} completions)" + (" — pad == EOS" if trap else ""),
+        f"{' and '.join(what)} (of {completions:,} completions)"
+        + (
+            " — pad == EOS"
+            if trap
+            else f" — {completion_masked:,} of the {completion:,} completion tokens of those answers carry no loss"
+            " either: the labels mask the answers, not padding"
+            if cause == "completion-masked"
+            else ""
+        ),
         fix=fix,
         evidence={
+            "cause": cause,
             "end_tokens_without_loss": n_unsup,
             "completions_without_end": n_missing,
             "completions": completions,
             "rows": rows,
             "pad_is_eos": trap,
-            **({"cause": "pad-is-eos"} if trap else {}),
+            "completion_tokens_masked": completion_masked,
+            "completion_tokens": completion,
             "end_tokens": sorted(tok.convert_ids_to_tokens(sorted(ctx.markers.stop_ids))),
         },
         example=ctx.view(first, focus=focus),
         rows=bad,
-        remedy=_end_labels_remedy(ctx, ctx.valid & (unsup > 0), trap, candidate) if n_unsup else None,
+        remedy=_end_labels_remedy(ctx, masked_rows, trap, candidate, cause) if n_unsup else None,
     )
+
+
+EOS_COMPLETION_MASKED = 0.5  # half the answers' tokens masked too: the labels mask the answers, not the end
+# The fix by the measured cause where pad is not EOS (padding is then not what masks the end).
+_EOS_FIX_BY_CAUSE = {
+    "completion-masked": "The labels mask the answers themselves, not padding (pad {pad!r} is not EOS {eos!r}): "
+    "{masked:,} of {completion:,} completion tokens carry no loss. Build labels that cover the whole completion and "
+    "its end-of-turn token: TRL's completion_only_loss / assistant_only_loss, or a collator that masks the prompt "
+    "and the padding only (a response-template mask runs from the template to the end of the answer).",
+    "end-masked": "The end-of-turn token's label is -100 while the rest of the answer carries loss, and pad {pad!r} "
+    "is not EOS {eos!r}: the labels were built to stop one token short (an off-by-one at the end of each span), or "
+    "a collator masks special tokens by id. Keep the end-of-turn token in each answer's labels.",
+    "no-end-token": "Append the end-of-turn/EOS token ({eos!r}) to every completion: text data needs "
+    "tokenizer.eos_token at the end of each example, and a template that renders no end of turn needs one.",
+}
 
 
 def _in_use(ctx) -> set[int]:
@@ -305,15 +353,25 @@ def _in_use(ctx) -> set[int]:
     return used | set(ctx.markers.turn_marker_ids) | set(ctx.markers.stop_ids)
 
 
-def _end_labels_remedy(ctx, masked, pad_is_eos: bool, candidate: str | None) -> Remedy | None:
+def _end_labels_remedy(
+    ctx, masked, pad_is_eos: bool, candidate: str | None, cause: str = "pad-is-eos"
+) -> Remedy | None:
     """Pre-tokenized rows whose end-of-turn tokens carry no loss get those labels back; with pad == EOS the
     tokenizer gets a pad token of its own (``candidate``), or ``<pad>`` and resized embeddings, so that a
     collator that masks pad ids no longer masks EOS. On a trainer's batches the labels are the collator's."""
     if ctx.trainer is not None:
+        if cause == "completion-masked":
+            return display(
+                "build labels that cover each whole completion and its end-of-turn token in your collator"
+            )
+        if cause != "pad-is-eos":
+            return display("keep the end-of-turn token's label in your collator")
         return display(
             "mask padding by attention_mask in your collator"
             + (f", or set `tokenizer.pad_token = {candidate!r}` before building it" if candidate else "")
         )
+    if cause == "completion-masked":
+        return None  # the answers' labels are not this repair's to guess
     if ctx.source_format != "tokens" or not ctx.rows_are_dataset:
         return None
     rows = [int(i) for i in np.flatnonzero(masked)]

@@ -543,21 +543,29 @@ ABOVE_BASE_TOKENS = 256  # ... on this many answer tokens each way (the gap it l
 def check_init_loss_above_base(ctx):
     if not ctx.has_model or ctx.fmt not in ("messages", "prompt-completion") or ctx.dataset is None:
         return
+    from hf_sanity.measure.encode import text_of
+
     tok = ctx.tokenizer
     templated, plain = [], []
     for i in ctx.sample_indices[:ABOVE_BASE_SAMPLE]:
         messages = ctx.conversation(i)
         spans = ctx.spans(i)
+        # A last turn that is only a tool call (`content: null`, valid OpenAI format) has no answer text to
+        # score as plain text.
         if not messages or not spans or messages[-1].get("role") != "assistant":
+            continue
+        answer_text = messages[-1].get("content")
+        if not isinstance(answer_text, str) or not answer_text:
             continue
         row = ctx.row(i)
         span = spans[-1]
         stop = span.stop - 1 if row["input_ids"][span.stop - 1] in ctx.markers.stop_ids else span.stop
         ids = row["input_ids"][:stop]
         templated.append((ids, [IGNORE_INDEX] * span.start + ids[span.start : stop]))
-        context = "\n\n".join(m["content"] for m in messages[:-1]) + "\n\n"
+        # The context as plain text: each turn's text and its tool calls (a call turn's content is often null).
+        context = "\n\n".join(text_of(m) for m in messages[:-1]) + "\n\n"
         prefix = tok(context)["input_ids"]
-        answer = tok(messages[-1]["content"], add_special_tokens=False)["input_ids"]
+        answer = tok(answer_text, add_special_tokens=False)["input_ids"]
         plain.append((prefix + answer, [IGNORE_INDEX] * len(prefix) + answer))
     if len(templated) < 2:
         return

@@ -31,6 +31,11 @@ ECHO_SHARE = 0.2
 LOOP_SHARE = 0.2
 TRUNCATED_SHARE = 0.2
 IDENTICAL_SHARE = 0.9
+# One answer repeated across prompts: the most common non-empty answer on IDENTICAL_OUTPUTS_SHARE of the distinct
+# prompts (an error from IDENTICAL_OUTPUTS_ERROR), judged on IDENTICAL_MIN_PROMPTS distinct prompts or more.
+IDENTICAL_OUTPUTS_SHARE = 0.5
+IDENTICAL_OUTPUTS_ERROR = 0.8
+IDENTICAL_MIN_PROMPTS = 5
 # One generation echoes a prompt text when it starts (within its first ECHO_OFFSET words) with that text's
 # first words, at least ECHO_MIN_WORDS of them and ECHO_COVER of the text.
 ECHO_OFFSET = 3
@@ -394,6 +399,76 @@ def answer_truncated(gens):
         },
         example=side_by_side(gens, "answer cut short", bad),
         rows=[s.row for s in bad],
+    )
+
+
+# -- identical-outputs -------------------------------------------------------------------------------------
+IDENTICAL_OUTPUTS = define(
+    "identical-outputs",
+    severity="warning",
+    stage="outputs",
+    objectives=ANY,
+    symptom="The model gives one answer to every prompt (the same sentence whatever it is asked).",
+    detects=f"Among {IDENTICAL_MIN_PROMPTS}+ distinct held-out prompts with a non-empty answer (whitespace "
+    "collapsed), the most common answer is given to "
+    f"{IDENTICAL_OUTPUTS_SHARE:.0%} or more of them: a warning; an error at {IDENTICAL_OUTPUTS_ERROR:.0%} or more "
+    "(the model ignores its prompt). Not where the reference answers are themselves that repetitive (a "
+    f"classification set whose references share one label on {IDENTICAL_OUTPUTS_SHARE:.0%} or more of the "
+    "prompts). The evidence names the answer, its share and the prompts that got another one.",
+    fix="The model answers without reading its prompt: it is barely trained (a few steps on random weights "
+    "collapse to one likely sentence: train longer or at a higher LR, check the loss fell), or it was trained to "
+    "say one thing (the completions in the data are all the same text: a column mapped wrong, a constant "
+    "target; look at them with `hf-sanity show`), or the prompt does not reach it (check attention-mask and "
+    "truncation findings). Compare with the base model (--base) to see whether the fine-tuning did it.",
+)
+
+
+def _answer(text: str) -> str:
+    return " ".join(text.split())
+
+
+@IDENTICAL_OUTPUTS.detector("outputs")
+def identical_outputs(gens):
+    by_prompt = {}  # one sample per distinct prompt: a held-out set that repeats a prompt repeats its answer
+    for sample in gens.samples:
+        if _answer(sample.text):
+            by_prompt.setdefault(sample.prompt, sample)
+    judged = list(by_prompt.values())
+    if len(judged) < IDENTICAL_MIN_PROMPTS:
+        return
+    answers = Counter(_answer(s.text) for s in judged)
+    answer, count = answers.most_common(1)[0]
+    share = _share(count, len(judged))
+    if count < 2 or share < IDENTICAL_OUTPUTS_SHARE:
+        return
+    references = [_answer(s.reference) for s in judged if s.reference]
+    reference_share = (
+        _share(Counter(references).most_common(1)[0][1], len(references)) if references else None
+    )
+    if reference_share is not None and reference_share >= IDENTICAL_OUTPUTS_SHARE:
+        return  # the expected answers repeat too: the set asks one question many ways
+    same = [s for s in judged if _answer(s.text) == answer]
+    other = [s.row for s in judged if _answer(s.text) != answer]
+    severity = "error" if share >= IDENTICAL_OUTPUTS_ERROR else "warning"
+    shown = answer if len(answer) <= 80 else answer[:77] + "..."
+    yield IDENTICAL_OUTPUTS.finding(
+        f"{count} of {len(judged)} distinct prompts ({share:.0%}) get the same answer {shown!r}"
+        + (", whatever they ask" if share >= IDENTICAL_OUTPUTS_ERROR else "")
+        + f"; {len(answers)} distinct answer{'s' if len(answers) != 1 else ''} in all",
+        severity=severity,
+        evidence={
+            "answer": answer,
+            "share": round(share, 4),
+            "same_answer": count,
+            "prompts": len(judged),
+            "distinct_answers": len(answers),
+            "stopped": sum(1 for s in same if s.stopped),
+            "reference_share": None if reference_share is None else round(reference_share, 4),
+            "rows": [s.row for s in same[:10]],
+            "other_rows": other[:10],
+        },
+        example=side_by_side(gens, "the same answer to every prompt", same),
+        rows=[s.row for s in same],
     )
 
 

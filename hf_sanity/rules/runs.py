@@ -21,6 +21,7 @@ from hf_sanity.measure.runs import (
     canonical,
     changes,
     label_key,
+    series,
 )  # fmt: skip
 from hf_sanity.numbers import median, noise
 
@@ -28,7 +29,7 @@ ARGS_NAMES = (ARGS_BIN, *ARGS_FILES)
 SEED_MIN_COMMON = 10  # common logged steps needed to compare two curves
 SEED_REL = 0.01  # curves differ when the median |difference| at common steps is >= 1% of the level ...
 SEED_NOISE = 0.5  # ... and >= half the curves' own step-to-step noise sigma
-CHURN_CHANGES = 3  # the iron law: three failed hyperparameter changes (four runs) mean it is a bug
+CHURN_RUNS = 3  # the iron law: three failed runs that differ only in hyperparameters mean it is a bug
 SEVERAL_CHANGES = 2  # settings changed at once after a failure: the outcome cannot be attributed
 ACCURACY_HIGH = 0.99  # accuracy at or above this is too good to be true: check leakage first
 MAJORITY_SE = 2.0  # accuracy within 2 standard errors above the majority-class rate (or below it)
@@ -78,10 +79,12 @@ HYPERPARAMETER_CHURN = define(
     stage="runs",
     objectives=ANY,
     symptom="Days spent tuning hyperparameters, every run failing.",
-    detects=f"The iron law: {CHURN_CHANGES} failed hyperparameter changes mean it is a bug, not a "
-    f"hyperparameter. In the order the runs are given, {CHURN_CHANGES + 1}+ consecutive runs that each fail (an "
+    detects=f"The iron law: {CHURN_RUNS} failed runs that differ only in hyperparameters mean it is a bug, not a "
+    f"hyperparameter. In the order the runs are given, among the runs of one objective (a DPO run and a GRPO run "
+    f"are not one series), {CHURN_RUNS}+ consecutive runs that each fail (an "
     "error or warning finding of any kind: the failure class may change from run to run, a flat loss at one LR "
-    "and a spike at the next), each changed from the one before in hyperparameters only. Hyperparameters are "
+    "and a spike at the next), each changed from the one before in hyperparameters only (the seed is one, so a "
+    "new learning rate with a new seed is still a hyperparameter-only change). Hyperparameters are "
     "the knobs of TrainingArguments/LoRA (learning rate, schedule, warmup, batch size, epochs, seed, rank, ...) "
     "and the peak LR of the logs where no argument records the LR; the setup is everything else readable: the "
     "model's identity in config.json and the other fields of the training arguments beside the state "
@@ -163,7 +166,7 @@ def hyperparameter_churn(runs: list[RunDescription], failures: list[frozenset[st
     steps: dict[int, list[Change]] = {}
 
     def close() -> None:
-        if len(chain) > CHURN_CHANGES:
+        if len(chain) >= CHURN_RUNS:
             findings.append(_churn_finding(runs, failures, list(chain), steps))
 
     for i in range(len(runs)):
@@ -194,8 +197,8 @@ def _churn_finding(
     compared = sorted({k for item in items for k in item.setup})
     return HYPERPARAMETER_CHURN.finding(
         f"{len(items)} runs in a row fail ({how}) across {len(chain) - 1} hyperparameter-only changes "
-        f"({tried}): three failed hyperparameter changes mean it is a bug, not a hyperparameter — stop tuning, "
-        "run `hf-sanity diagnose`",
+        f"({tried}): {CHURN_RUNS} failed runs that differ only in hyperparameters mean it is a bug, not a "
+        "hyperparameter — stop tuning, run `hf-sanity diagnose`",
         evidence={
             "runs": [item.label for item in items],
             "changes": [{"run": runs[i].label, "changed": _changed(steps[i])} for i in chain[1:]],
@@ -203,6 +206,8 @@ def _churn_finding(
             "failure_classes": classes,
             "failures_by_run": per_run,
             "differing_hyperparameters": _differing(items),
+            "learning_rates": {item.label: item.learning_rate[0] for item in items},
+            "objective": items[0].objective,
             "setup_fields_compared": compared or "none readable (no config.json or args file)",
         },
     )
@@ -436,19 +441,28 @@ def eval_scores_cluster(rows: list[dict[str, Any]]) -> list[Finding]:
 
 
 # -- registered detectors: what doctor runs on the set of runs ---------------------------------------
+def _per_series(rule, runs: RunSet) -> list[Finding]:
+    """``rule(descriptions, failures)`` on each objective's runs, in the order given."""
+    return [
+        finding
+        for group in series(runs.descriptions)
+        for finding in rule([runs.descriptions[i] for i in group], [runs.failures[i] for i in group])
+    ]
+
+
 @HYPERPARAMETER_CHURN.detector("runs")
 def detect_hyperparameter_churn(runs: RunSet) -> list[Finding]:
-    return hyperparameter_churn(runs.descriptions, runs.failures)
+    return _per_series(hyperparameter_churn, runs)
 
 
 @SEVERAL_CHANGES_AT_ONCE.detector("runs")
 def detect_several_changes_at_once(runs: RunSet) -> list[Finding]:
-    return several_changes_at_once(runs.descriptions, runs.failures)
+    return _per_series(several_changes_at_once, runs)
 
 
 @SEED_UNFIXED.detector("runs")
 def detect_seed_unfixed(runs: RunSet) -> list[Finding]:
-    return seed_unfixed(runs.descriptions)
+    return _per_series(lambda descriptions, _: seed_unfixed(descriptions), runs)
 
 
 @METRIC_SUSPICIOUS.detector("runs")

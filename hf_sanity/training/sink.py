@@ -15,7 +15,7 @@ from typing import Any
 
 from hf_sanity import catalog
 from hf_sanity.catalog import explained
-from hf_sanity.findings import Finding
+from hf_sanity.findings import SEVERITY_RANK, Finding
 from hf_sanity.measure.objective import SFT_OBJECTIVE, Objective
 from hf_sanity.report import Report
 from hf_sanity.selection import Selection
@@ -172,7 +172,12 @@ class FindingSink:
                 f.evidence.get("check") == finding.evidence.get("check")
                 for f in self.report.by_rule(finding.rule)
             )
-        return finding.rule in self.counts
+        if finding.rule not in self.counts:
+            return False
+        # A rule fires once, unless what it sees grows worse: a loss spike reported as a transient info at one
+        # evaluation is a warning at a later one when the spikes keep coming back.
+        rank = SEVERITY_RANK[finding.severity]
+        return any(SEVERITY_RANK[f.severity] <= rank for f in self.report.by_rule(finding.rule))
 
     def _add(self, finding: Finding) -> None:
         self.report.add(finding)

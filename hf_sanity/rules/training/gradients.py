@@ -40,7 +40,11 @@ GRAD_EXPLOSION = define(
     "`evidence.cause` (as for loss-diverged): warmup-ended, lr-too-high (an update/weight ratio far above "
     "healthy, or the LR still rising), bad-batch (that step's loss stands far above the steps before; the batch "
     "is saved) or unknown. The evidence says whether gradient clipping is off (max_grad_norm 0) and whether "
-    "there is no warmup, and the fix starts there.",
+    "there is no warmup, and the fix starts there. With clipping on, a first explosion is judged at the next "
+    "step: back under the bar there, the clip bounded one batch's update and the run recovered, so it is `info` "
+    "(cause kept, `recovered: true`); one the next step does not recover from, a second one (`explosions`, "
+    "`explosion_steps`), or any with clipping off is a warning. A first explosion at the very last step is not "
+    "judged.",
     fix="Turn gradient clipping back on (max_grad_norm=1.0) if it is off; then follow evidence.cause: lower the "
     "learning rate or lengthen warmup (warmup-ended, lr-too-high), inspect and filter the saved batch (bad-batch).",
 )
@@ -62,6 +66,10 @@ EXPLOSION_MIN_HISTORY = 5  # ... once there are 5 of them
 SCALER_PATIENCE = 10  # with a GradScaler, inf gradients on 10 consecutive steps are no longer calibration
 STALE_STEPS = 3  # gradients present at the start of 3 consecutive steps ...
 STALE_GROWTH = 1.2  # ... while the norm grew 20% over them
+TRANSIENT_FIX = (
+    "Nothing to change for one batch whose update the clip bounded; if it recurs, inspect the saved batch "
+    "(evidence.batch_file) and the learning rate."
+)
 
 
 @monitor
@@ -87,6 +95,11 @@ class GradientMonitor(Monitor):
             tuple[int, float]
         ] = []  # (step, grad norm) of consecutive steps that began with stale grads
         self._pending_stale: dict[int, float] = {}
+        self.explosions: list[int] = []  # the steps whose norm exploded
+        self._pending: dict[str, Any] | None = (
+            None  # a first explosion under clipping, judged at the next step
+        )
+        self._severity = ""  # of the grad-explosion finding reported so far
 
     @classmethod
     def from_setup(cls, setup: TrainingSetup) -> GradientMonitor:
@@ -133,12 +146,22 @@ class GradientMonitor(Monitor):
         )
 
     def _explosion(self, step: int, norm: float) -> list[Finding]:
+        """A norm far above the running median. With clipping on, the first one is judged a step later: back
+        under the bar at once, it was one batch the clip bounded (info); still up, or a second one, a warning."""
+        out: list[Finding] = []
+        pending, self._pending = self._pending, None
         history = self.norms[-EXPLOSION_HISTORY:]
-        if len(history) < EXPLOSION_MIN_HISTORY:
-            return []
-        base = median(history)
-        if base <= 0 or norm <= self.explosion_factor * base:
-            return []
+        base = median(history) if len(history) >= EXPLOSION_MIN_HISTORY else 0.0
+        exploded = base > 0 and norm > self.explosion_factor * base
+        if pending is not None:
+            # The step after the first explosion: its norm against the median from before that explosion.
+            recovered = not exploded and norm <= self.explosion_factor * pending["running_median"]
+            self.explosions.append(pending["step"])
+            out += self._report(pending, recovered=recovered)
+            if recovered:
+                return out
+        if not exploded:
+            return out
         cause, why = blowup_cause(
             step,
             warmup_steps=self.warmup_steps,
@@ -155,14 +178,51 @@ class GradientMonitor(Monitor):
             "history": len(history),
             **self.safeguards,
         }
-        return self.fire(
-            GRAD_EXPLOSION,
-            f"the gradient norm is {fmt(norm)} at step {step}, {norm / base:.0f}x its running median {fmt(base)} "
-            f"(cause: {cause}: {why})",
-            step=step,
-            fix=guarded_fix(FIX_BY_CAUSE[cause], evidence),
-            evidence=evidence,
+        if self.safeguards.get("clipping_off") is False and not self.explosions:
+            self._pending = {"step": step, **evidence}  # counted once judged
+            return out
+        self.explosions.append(step)
+        return out + self._report({"step": step, **evidence}, recovered=None)
+
+    def _report(self, explosion: dict[str, Any], *, recovered: bool | None) -> list[Finding]:
+        """A grad-explosion finding: info for one the clip bounded and the next step recovered from, else a
+        warning (a rule fires once, but an info can be followed by a warning when the explosions repeat)."""
+        evidence = dict(explosion)
+        step = evidence.pop("step")
+        norm, base = evidence["grad_norm"], evidence["running_median"]
+        repeated = len(self.explosions) > 1
+        transient = recovered is True and not repeated
+        severity = "info" if transient else "warning"
+        if GRAD_EXPLOSION.slug in self.fired and (severity == "info" or self._severity == "warning"):
+            return []
+        self.fired.add(GRAD_EXPLOSION.slug)
+        self._severity = severity
+        evidence.update(
+            recovered=recovered, explosions=len(self.explosions), explosion_steps=self.explosions[-10:]
         )
+        what = (
+            f"the gradient norm is {fmt(norm)} at step {step}, {norm / base:.0f}x its running median {fmt(base)} "
+            f"(cause: {evidence['cause']}: {evidence['why']})"
+        )
+        if transient:
+            what += (
+                f"; gradient clipping (max_grad_norm={evidence['max_grad_norm']:g}) bounded that update and the "
+                "next step's norm is back down: one batch, recovered"
+            )
+            fix = TRANSIENT_FIX
+        else:
+            if repeated:
+                listed = ", ".join(map(str, self.explosions[-10:]))
+                what += f"; {len(self.explosions)} explosions in the run so far (steps {listed})"
+            elif recovered is False:
+                what += "; the next step's norm is still far up"
+            fix = guarded_fix(FIX_BY_CAUSE[evidence["cause"]], evidence)
+        return [GRAD_EXPLOSION.finding(what, step=step, fix=fix, evidence=evidence, severity=severity)]
+
+    @property
+    def done(self) -> bool:
+        # An info grad-explosion still watches: a second explosion makes it a warning.
+        return super().done and self._severity != "info"
 
     def _stale_check(self, step: int, norm: float) -> list[Finding]:
         stale = self._pending_stale.pop(step, None)
