@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
+import os
 import pkgutil
 import sys
 import traceback
@@ -131,8 +132,9 @@ class Rule:
             raise ValueError(f"{self.slug}: detector kind must be one of {list(KINDS)}")
 
         def register(fn: Callable) -> Callable:
-            self.detectors.append(Detector(self.slug, kind, fn, online, final, reads, applies))
-            return fn
+            noted = _noting(self.slug, fn)
+            self.detectors.append(Detector(self.slug, kind, noted, online, final, reads, applies))
+            return noted
 
         return register
 
@@ -196,6 +198,21 @@ def _objectives_text(objectives: frozenset[str]) -> str:
     if objectives >= ANY - {"unknown"}:
         return "any training objective."
     return ", ".join(f"`{kind}`" for kind in OBJECTIVE_KINDS if kind in objectives) + "."
+
+
+def _noting(slug: str, fn: Callable) -> Callable:
+    """``fn`` as registered: each call that returns notes that the rule's detector ran (:func:`note_ran`),
+    whoever calls it (the runner, or a test calling the detector on a hand-made input)."""
+    import functools
+
+    @functools.wraps(fn)
+    def detector(*args, **kwargs):
+        found = fn(*args, **kwargs)
+        if _ran is not None or _ran_file is not None:
+            note_ran((slug,))
+        return found
+
+    return detector
 
 
 _RULES: dict[str, Rule] = {}
@@ -390,6 +407,44 @@ class NotMeasured(Exception):
         self.why = why
 
 
+# -- which detectors ran -----------------------------------------------------------------------------
+# A clean test counts for a rule only where the rule's detector really ran (tests/conftest.py checks each
+# @pytest.mark.clean against this). The runner notes every rule whose detector ran to its end on an input it
+# applies to: into ``ran`` while a test records (:func:`recording`), and, for the processes a test starts (the
+# CLI, torchrun's ranks), one line per rule into the file HF_SANITY_RECORD_RAN names. Off, as in every real
+# run, a note is one test of two globals.
+_ran: set[str] | None = None
+_ran_file: str | None = os.environ.get("HF_SANITY_RECORD_RAN") or None
+_ran_written: set[str] = set()
+
+
+def note_ran(slugs: Iterable[str]) -> None:
+    """Record that the detectors of ``slugs`` ran (see :func:`recording`)."""
+    if _ran is None and _ran_file is None:
+        return
+    for slug in slugs:
+        if _ran is not None:
+            _ran.add(slug)
+        if _ran_file is not None and slug not in _ran_written:
+            _ran_written.add(slug)
+            with open(_ran_file, "a", encoding="utf-8") as handle:
+                handle.write(slug + "\n")
+
+
+@contextlib.contextmanager
+def recording():
+    """``with recording() as ran:``: the slugs of the rules whose detectors ran inside the block (in this
+    process; a subprocess records into the file named by the environment variable HF_SANITY_RECORD_RAN)."""
+    global _ran
+    outer, _ran = _ran, set()
+    try:
+        yield _ran
+    finally:
+        if outer is not None:
+            outer |= _ran
+        _ran = outer
+
+
 def run(detector: Detector, subject: Any, *, step: int | None = None) -> list[Finding]:
     """One detector on what it reads, guarded (nothing when its ``applies`` says the input holds nothing for it);
     one that cannot measure this input says so (an info finding of ``checks-skipped``, merged by :func:`run_all`
@@ -399,7 +454,9 @@ def run(detector: Detector, subject: Any, *, step: int | None = None) -> list[Fi
         if detector.applies is not None and not detector.applies(subject):
             return []
         try:
-            return list(detector.fn(subject) or ())
+            found = list(detector.fn(subject) or ())
+            note_ran((detector.rule,))
+            return found
         except NotMeasured as unmeasured:
             return [_not_measured([detector.rule], unmeasured.why, step)]
     return errors

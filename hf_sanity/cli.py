@@ -289,7 +289,7 @@ def preflight_command(
         raise UserInputError(f"--num-proc must be at least 1, got {num_proc}")
     if eval_dataset and eval_split:
         raise UserInputError("pass --eval-dataset or --eval-split, not both")
-    yours = (model, tokenizer, dataset, eval_dataset, adapter)
+    yours = (model, tokenizer, dataset, eval_dataset, adapter, inference_tokenizer)
     if fix:
         _check_fix_out(fix_out, fix_diff, yours)
     _show_progress()
@@ -355,15 +355,16 @@ def preflight_command(
         report.stats["seconds_by_phase"] = {"load": round(loaded, 2), **phases}
     report.fix_command = _fix_command_line(
         model, dataset, tokenizer=tokenizer, split=split, eval_dataset=eval_dataset, eval_split=eval_split,
-        max_len=max_len, loss_on=loss_on, format=format, alpaca_template=alpaca_template, select=select,
-        ignore=ignore, trust_remote_code=trust_remote_code,
+        max_len=max_len, loss_on=loss_on, format=format, alpaca_template=alpaca_template, task=task,
+        adapter=adapter, inference_tokenizer=inference_tokenizer, sample=sample, select=select, ignore=ignore,
+        trust_remote_code=trust_remote_code,
     )  # fmt: skip
     if fix and not fix_only:  # preflight --fix: the report and its files first, then the fix
         _finish(report, json, html, rows_out, exit=False)
         console.print()
     if fix:
         _fix(report, inputs, out=fix_out, unsafe=unsafe_fixes, diff=fix_diff, model=model, yours=yours,
-             json_path=json if fix_only else None)  # fmt: skip
+             json_path=json if fix_only else None, data_format=_data_format(dataset))  # fmt: skip
     _finish(report, json, html, rows_out)
 
 
@@ -423,8 +424,9 @@ def fix_command(
     out: Annotated[
         Path | None,
         typer.Option(
-            help="A new folder for the repaired copy: a complete model folder, with dataset.jsonl when the "
-            "data changed, and fixes.json / fixes.md."
+            help="A new folder for the repaired copy: a complete model folder (unchanged files hard-linked to "
+            "yours), the data in its own format when it changed (dataset.jsonl, dataset.parquet, ...), and "
+            "fixes.json / fixes.md. Not inside your model or data folders."
         ),
     ] = None,
     unsafe_fixes: UnsafeFixesOpt = False,
@@ -439,7 +441,17 @@ def fix_command(
     loss_on: TrlLossOnOpt = None,
     format: FormatOpt = None,
     alpaca_template: AlpacaOpt = None,
+    task: Annotated[
+        str, typer.Option(help="generative, or extractive when answers quote the prompt (see preflight).")
+    ] = "generative",
+    adapter: Annotated[
+        str | None, typer.Option(help="A saved PEFT adapter folder to check against the model.")
+    ] = None,
+    inference_tokenizer: Annotated[
+        str | None, typer.Option(help="Tokenizer used at inference, for template parity.")
+    ] = None,
     sample: Annotated[int, typer.Option(help="Examples for the model-side checks.")] = 256,
+    num_proc: Annotated[int | None, typer.Option(help="Processes for tokenization.")] = None,
     trust_remote_code: TrustOpt = False,
     json: Annotated[
         Path | None, typer.Option("--json", help="Also write what changed and the outcomes as JSON.")
@@ -457,8 +469,9 @@ def fix_command(
     preflight_command(
         model=model, dataset=dataset, tokenizer=tokenizer, split=split, eval_dataset=eval_dataset,
         eval_split=eval_split, max_len=max_len, loss_on=loss_on, format=format, alpaca_template=alpaca_template,
-        sample=sample, trust_remote_code=trust_remote_code, json=json, select=select, ignore=ignore, fix=True,
-        fix_out=out, unsafe_fixes=unsafe_fixes, fix_only=True, fix_diff=diff,
+        task=task, adapter=adapter, inference_tokenizer=inference_tokenizer, sample=sample, num_proc=num_proc,
+        trust_remote_code=trust_remote_code, json=json, select=select, ignore=ignore, fix=True, fix_out=out,
+        unsafe_fixes=unsafe_fixes, fix_only=True, fix_diff=diff,
     )  # fmt: skip
 
 
@@ -476,22 +489,40 @@ def _check_fix_out(out: Path | None, diff: bool, yours) -> None:
 
 
 def _fix_command_line(model: str, dataset: str, **options) -> str:
-    """`hf-sanity fix` with the options preflight ran with that change what is checked (defaults left out)."""
+    """`hf-sanity fix` with the options preflight ran with that change what is checked (those at `fix`'s own
+    default left out), so that the fix checks the run preflight checked."""
+    import inspect
     import shlex
 
+    defaults = {name: p.default for name, p in inspect.signature(fix_command).parameters.items()}
     args = ["hf-sanity", "fix", "--model", model, "--dataset", dataset]
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
+        if name not in defaults:
+            raise TypeError(f"`hf-sanity fix` has no {flag}")  # a preflight option fix does not pass on
+        if value is None or value is False or value == defaults[name]:
+            continue
         if value is True:
             args.append(flag)
-        elif isinstance(value, list):
-            args += [a for v in value for a in (flag, v)]
-        elif value not in (None, False, "train"):
+        elif isinstance(value, (list, tuple)):
+            args += [a for v in value for a in (flag, str(v))]
+        else:
             args += [flag, str(value)]
     return " ".join(shlex.quote(a) for a in args) + " --out DIR"
 
 
-def _fix(report, inputs: dict, *, out, unsafe: bool, diff: bool, model: str, yours, json_path) -> None:
+def _data_format(ref: str) -> str:
+    """The format the repaired data is written in: the format of ``ref`` (a hub id: Parquet, with its types)."""
+    path = Path(ref).expanduser()
+    if path.is_dir():
+        has_info = (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+        return "arrow" if has_info else "parquet"
+    suffix = path.suffix.lower()
+    return {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}.get(suffix, "parquet")
+
+
+def _fix(report, inputs: dict, *, out, unsafe: bool, diff: bool, model: str, yours, json_path,
+         data_format: str) -> None:  # fmt: skip
     """The remedies of ``report`` applied to a copy of ``inputs`` and checked: the outcomes printed (the diff
     first with --diff), the copy written to ``out`` (not with --diff); exits 0 only if no error is left."""
     from hf_sanity import progress
@@ -499,22 +530,34 @@ def _fix(report, inputs: dict, *, out, unsafe: bool, diff: bool, model: str, you
     from hf_sanity.report import write_atomic
 
     with progress.phase("fixing a copy and checking it again"):
-        fixed = fix(report=report, unsafe=unsafe, use_config=True, **inputs)
+        fixed = fix(report=report, unsafe=unsafe, use_config=True, data_format=data_format, **inputs)
     _progress_off()
     if diff:
         console.print(render_diff(fixed.diff()) if fixed.changed else "no changes")
     console.print(fixed)
     if not diff:
-        local = Path(model).expanduser().is_dir()
-        where = fixed.save(out, model_folder=model if local else None, protect=yours)
-        written = sorted(p.name for p in where.iterdir())
-        console.print(f"[dim]wrote {where}: {', '.join(written)}[/dim]", highlight=False)
+        folder = _model_files(model)
+        where = fixed.save(out, model_folder=folder, protect=yours)
+        console.print(f"[dim]{fixed.saved_summary(where, folder)}[/dim]", highlight=False)
     if json_path is not None:
         import json
 
         write_atomic(json_path, json.dumps(fixed.to_dict(), indent=2, ensure_ascii=False) + "\n")
         console.print(f"[dim]fixes written to {json_path}[/dim]")
     raise typer.Exit(fixed.exit_code)
+
+
+def _model_files(model: str) -> str | None:
+    """The folder of the model's files: the folder given, or a hub id's snapshot in the local cache (its
+    files are linked into the repaired copy, not downloaded and saved again); None when not cached."""
+    if Path(model).expanduser().is_dir():
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, local_files_only=True)
+    except Exception:  # not in the cache (or not a hub id): the model object is saved instead
+        return None
 
 
 @app.command("outputs")

@@ -9,11 +9,163 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("HF_SANITY_CACHE", os.path.join(os.path.dirname(__file__), "..", ".cache", "hf-sanity"))
 
+import tempfile
 from pathlib import Path
 
 import pytest
 
-REAL_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "real-tokenizers"
+# The real model families' tokenizers: ../shared/real-tokenizers beside the checkout, or the folder
+# HF_SANITY_REAL_TOKENIZERS names. Without them their tests skip, loudly: the header and the summary say so.
+REAL_TOKENIZERS = Path(
+    os.environ.get("HF_SANITY_REAL_TOKENIZERS")
+    or Path(__file__).resolve().parents[2] / "shared" / "real-tokenizers"
+).expanduser()
+ABSENT = "real tokenizers absent"
+GUARD_RULES = {"internal-error", "checks-skipped"}  # the runner's own, around every detector
+
+
+def _real_tokenizer_families() -> list[str]:
+    return sorted(p.name for p in REAL_TOKENIZERS.glob("*") if p.is_dir()) if REAL_TOKENIZERS.is_dir() else []
+
+
+def pytest_report_header(config):
+    families = _real_tokenizer_families()
+    if families:
+        return f"real tokenizers: {REAL_TOKENIZERS} ({len(families)}: {', '.join(families)})"
+    return (
+        f"real tokenizers: ABSENT at {REAL_TOKENIZERS}: the tests that need them skip; put the shared "
+        "real-tokenizers folder there or set HF_SANITY_REAL_TOKENIZERS=<folder>"
+    )
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Tests skipped for want of the real tokenizers are counted at the end, where no one misses them."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if ABSENT in str(r.longrepr)]
+    if skipped:
+        terminalreporter.section(ABSENT, sep="!", red=True, bold=True)
+        terminalreporter.write_line(
+            f"{len(skipped)} test(s) skipped: no real tokenizers at {REAL_TOKENIZERS} (their parity and "
+            "real-template checks did not run); set HF_SANITY_REAL_TOKENIZERS=<folder> to run them",
+            red=True,
+            bold=True,
+        )
+
+
+# -- clean markers are honest ---------------------------------------------------------------------------
+def unrun(selectors, ran: set[str]) -> list[str]:
+    """The selectors of a ``@pytest.mark.clean(...)`` that nothing in ``ran`` (the rules whose detectors ran)
+    answers: a rule slug whose detector did not run, a stage none of whose rules' detectors ran, ALL with
+    none run. The runner's own rules (internal-error, checks-skipped) are answered by any detector that ran."""
+    from hf_sanity import catalog
+
+    rules = catalog.load()
+    out = []
+    for selector in selectors:
+        if selector == "ALL" or selector in GUARD_RULES:
+            answered = bool(ran)
+        elif selector in catalog.STAGES:
+            answered = any(rules[slug].stage == selector for slug in ran if slug in rules)
+        else:
+            answered = selector in ran
+        if not answered:
+            out.append(selector)
+    return out
+
+
+RAN = pytest.StashKey[set]()
+
+
+def _recorded(item):
+    """A generator for a hook wrapper: the rules whose detectors ran in its phase (in this process, and in
+    the processes it starts, through HF_SANITY_RECORD_RAN) are added to ``item``'s record."""
+    from hf_sanity import catalog
+
+    handle, log = tempfile.mkstemp(prefix="hf-sanity-ran-", suffix=".txt")
+    os.close(handle)
+    outer = os.environ.get("HF_SANITY_RECORD_RAN")
+    os.environ["HF_SANITY_RECORD_RAN"] = log
+    try:
+        with catalog.recording() as ran:
+            result = yield
+        ran |= set(Path(log).read_text(encoding="utf-8").split())
+        item.stash.setdefault(RAN, set()).update(ran)
+    finally:
+        if outer is None:
+            os.environ.pop("HF_SANITY_RECORD_RAN", None)
+        else:
+            os.environ["HF_SANITY_RECORD_RAN"] = outer
+        os.unlink(log)
+    return result
+
+
+_FIXTURE_RAN: dict[int, set[str]] = {}  # id(fixturedef) -> what its last setup ran
+
+
+class _Ran:
+    """Where :func:`_recorded` files what ran: a test item's stash, or a fixture's entry."""
+
+    def __init__(self, key: int) -> None:
+        self.stash = {}
+        self.key = key
+
+    def store(self) -> None:
+        _FIXTURE_RAN[self.key] = self.stash.get(RAN, set())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """A run made once for a module or the session (torchrun's scenarios, a fine-tuned fixture) counts for
+    every clean test that reads it: what its setup ran is kept with the fixture."""
+    if fixturedef.scope == "function":
+        return (yield)
+    holder = _Ran(id(fixturedef))
+    try:
+        return (yield from _recorded(holder))
+    finally:
+        holder.store()
+
+
+def _fixtures_ran(item) -> set[str]:
+    out: set[str] = set()
+    for defs in item._fixtureinfo.name2fixturedefs.values():
+        for fixturedef in defs:
+            out |= _FIXTURE_RAN.get(id(fixturedef), set())
+    return out
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    """A clean test's function fixtures (a run it reads the report of) count as the test's own."""
+    if item.get_closest_marker("clean") is None:
+        return (yield)
+    return (yield from _recorded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test marked ``@pytest.mark.clean(...)`` proves a rule silent only where the rule's detector ran: the
+    catalog's runner records which ran (during the test and its function fixtures, in this process and the
+    processes they start), and a marked rule that did not run fails the test. Costs nothing extra: no
+    detector is run for it. (A test reading a run made once for several tests notes what that run ran,
+    from its report, with ``catalog.note_ran``.)"""
+    marker = item.get_closest_marker("clean")
+    if marker is None:
+        return (yield)
+    result = yield from _recorded(item)
+    ran = item.stash.get(RAN, set()) | _fixtures_ran(item)
+    report = os.environ.get("HF_SANITY_RAN_REPORT")  # for a person fixing markers: what each test ran
+    if report:
+        with open(report, "a", encoding="utf-8") as out:
+            out.write(f"{item.nodeid}\t{' '.join(sorted(ran))}\n")
+    missing = unrun(marker.args, ran)
+    if missing:
+        pytest.fail(
+            f"@pytest.mark.clean names {', '.join(missing)}, whose detector did not run in this test (not "
+            "written for its objective, not applicable, or not selected): a clean test must run the check it "
+            "says stays silent",
+            pytrace=False,
+        )
+    return result
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +201,10 @@ def real_tokenizer(name: str):
 
     folder = REAL_TOKENIZERS / name
     if not folder.is_dir():
-        pytest.skip(f"../shared/real-tokenizers/{name} is absent (it sits beside the checkout in CI)")
+        pytest.skip(
+            f"{ABSENT}: {folder} is not there (the shared real-tokenizers folder beside the checkout; or set "
+            "HF_SANITY_REAL_TOKENIZERS=<folder>)"
+        )
     return AutoTokenizer.from_pretrained(folder)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import copy
 import itertools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,9 +79,103 @@ def test_every_rule_has_a_planted_bug_test():
     assert sorted(set(catalog.load()) - planted) == []
 
 
-def test_every_rule_has_a_clean_test():
-    clean = {slug for selectors in marked("clean").values() for slug in covered(selectors)}
-    assert sorted(set(catalog.load()) - clean) == []
+def test_every_rule_has_a_clean_test_that_names_it():
+    """A clean test counts for a rule only where it names the rule: a stage or ALL says the rules that ran
+    stayed silent, not that a given rule ran (conftest's runtime check fails a test whose named rule's
+    detector did not run: not written for the test's objective, or nothing to check on its input)."""
+    rules = catalog.load()
+    named = {s for selectors in marked("clean").values() for s in selectors if s in rules}
+    for selectors in marked("clean").values():
+        covered(selectors)  # every selector is a rule, a stage or ALL
+    assert sorted(set(rules) - named - GUARD_RULES) == []
+
+
+CONFTEST = """
+import importlib.util
+import sys
+
+sys.path.insert(0, {tests!r})
+spec = importlib.util.spec_from_file_location("project_conftest", {tests!r} + "/conftest.py")
+project = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(project)
+pytest_runtest_call = project.pytest_runtest_call
+pytest_runtest_setup = project.pytest_runtest_setup
+pytest_terminal_summary = project.pytest_terminal_summary
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "clean(*selectors): rules that must stay silent")
+"""
+CLEAN_MARKERS = """
+import pytest
+
+from hf_sanity import catalog
+from hf_sanity.measure.curves import Curves
+
+
+def analyzed(**select):
+    from hf_sanity.drivers.curves import analyze
+    from hf_sanity.selection import Selection
+
+    curves = Curves(train_steps=list(range(1, 41)), train_loss=[3.0 - 0.05 * i for i in range(40)])
+    return analyze(curves, final=True, selection=Selection.build(**select))
+
+
+@pytest.mark.clean("loss-diverged")
+def test_names_a_rule_that_ran():
+    assert analyzed(select="loss-diverged") == []
+
+
+@pytest.mark.clean("loss-diverged")
+def test_names_a_rule_not_selected():
+    assert analyzed(select="overfitting") == []
+
+
+@pytest.mark.clean("curves")
+def test_names_a_stage_nothing_of_which_ran():
+    pass
+
+
+@pytest.mark.clean("never-stops")
+def test_names_a_rule_a_subprocess_ran():
+    import subprocess, sys
+
+    code = "from hf_sanity import catalog; catalog.note_ran(['never-stops'])"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_needs_a_real_tokenizer():
+    import conftest
+
+    conftest.project.real_tokenizer("gpt2")
+"""
+
+
+@pytest.mark.slow
+def test_a_clean_marker_whose_rule_did_not_run_fails_its_test(tmp_path):
+    """conftest's runtime check, on a test file of its own: a marked rule whose detector ran (here, or in a
+    process the test started) passes; one not selected, and a stage none of whose rules ran, fail, naming it.
+    A test that needs the real tokenizers where they are absent skips, and the summary says so out loud."""
+    (tmp_path / "conftest.py").write_text(CONFTEST.format(tests=str(TESTS)))
+    (tmp_path / "test_markers.py").write_text(CLEAN_MARKERS)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider", "-q", "-rfs",
+         "-o", "addopts=", "test_markers.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+             "HF_SANITY_REAL_TOKENIZERS": str(tmp_path / "absent"), "COLUMNS": "400"},
+    )  # fmt: skip
+    out = result.stdout
+    assert "2 failed, 2 passed, 1 skipped" in out, out + result.stderr
+    failed = {line.split(" - ")[0] for line in out.splitlines() if line.startswith("FAILED ")}
+    assert failed == {"FAILED test_markers.py::test_names_a_rule_not_selected",
+                      "FAILED test_markers.py::test_names_a_stage_nothing_of_which_ran"}  # fmt: skip
+    assert "@pytest.mark.clean names loss-diverged, whose detector did not run in this test" in out
+    assert "@pytest.mark.clean names curves, whose detector did not run" in out
+    assert "!!! real tokenizers absent !!!" in out
+    assert f"1 test(s) skipped: no real tokenizers at {tmp_path / 'absent'}" in out
+    assert f"real tokenizers absent: {tmp_path / 'absent' / 'gpt2'} is not there" in out  # the skip's reason
+    assert "set HF_SANITY_REAL_TOKENIZERS=<folder>" in out
 
 
 def test_online_detectors_are_the_step_monitors_and_the_online_curve_detectors():

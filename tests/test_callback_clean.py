@@ -27,8 +27,12 @@ def above_info(callback) -> list[str]:
 
 
 @pytest.mark.clean(
-    "training", "curves", "tokens", "init-loss-off-chance", "no-trainable-params", "internal-error"
-)
+    "training", "curves", "tokens", "init-loss-off-chance", "no-trainable-params", "internal-error",
+    # the step monitors and the eval-based curve detectors (3 evaluations), each named: they all run here
+    "grad-explosion", "nonfinite-grad", "stale-gradients", "loss-plateau-prior", "lr-too-low", "memory-growth",
+    "oom", "optimizer-missing-params", "train-mode-off", "eval-constant", "loss-oscillation", "memorizing",
+    "overfitting", "val-below-train",
+)  # fmt: skip
 def test_clean_full_fine_tune_is_silent(tmp_path):
     model, tok = tt.setup()
     cb = watch()

@@ -52,7 +52,7 @@ def test_replicas_that_bypass_ddp_are_ranks_diverged(ddp_runs):
         assert seen["steps"] == 8 and [f["rule"] for f in seen["findings"]] == ["ranks-diverged"]
 
 
-@pytest.mark.clean("training", "curves", "tokens", "internal-error")
+@pytest.mark.clean("training", "curves", "tokens", "internal-error", "ranks-diverged")
 def test_a_clean_two_process_run_is_silent_and_runs_every_online_detector(ddp_runs):
     run = ddp_runs / "clean"
     assert findings(run / "hf-sanity" / "report.json") == []

@@ -118,7 +118,7 @@ def test_clean_grpo_runs_are_silent_and_never_stopped(tmp_path, conversational, 
     assert sum(zero_std) / len(zero_std) < 0.5  # the rewards vary within most groups: a run that learns
 
 
-@pytest.mark.clean("reward-zero-advantage", "kl-spike", "reference-mismatch", "group-too-small")
+@pytest.mark.clean("reward-zero-advantage", "kl-spike", "reference-mismatch")  # group-too-small: preflight
 def test_a_clean_rloo_run_with_its_kl_penalty_is_silent(tmp_path):
     cb = watch(abort_on="error")
     trainer = setups.rloo(tmp_path, rows(), [setups.length_reward], callbacks=[cb])

@@ -46,7 +46,10 @@ def test_real_template_clean_setup(name, fmt):
 
 
 @pytest.mark.parametrize("template", ["chatml", "llama3", "generation"])
-@pytest.mark.clean("data", "tokens", "template", "model", "internal-error", "checks-skipped")
+@pytest.mark.clean(
+    "data", "tokens", "template", "model", "internal-error", "checks-skipped", "double-bos",
+    "generation-prompt-mismatch", "stray-template-markers", "context-beyond-window",
+)  # fmt: skip
 def test_embedded_tiny_setups_are_clean(template):
     from hf_sanity.testing import tiny_setup
 

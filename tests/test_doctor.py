@@ -430,19 +430,27 @@ def test_accuracy_implausibly_high(tmp_path):
     assert "leakage" in finding.message
 
 
+def predictions_of(rows):
+    """The registered detector's input: a RunSet holding only eval predictions."""
+    from hf_sanity.measure.runs import RunSet
+
+    return RunSet(descriptions=[], failures=[], predictions=rows)
+
+
 @pytest.mark.clean("metric-suspicious")
 def test_honest_accuracy_is_fine():
     labels = ["a", "b", "c", "d"] * 25
     rows = [{"prediction": y if i % 5 else "a", "label": y} for i, y in enumerate(labels)]  # ~80%
-    assert R.metric_suspicious(rows) == []
+    assert R.detect_metric_suspicious(predictions_of(rows)) == []
 
 
 @pytest.mark.clean("eval-scores-cluster")
 def test_scores_cluster():
-    assert R.eval_scores_cluster([{"score": 7 if i % 2 else 8} for i in range(50)] + [{"score": 3}])
-    assert R.eval_scores_cluster([{"score": 1}] * 48 + [{"score": 0}] * 2)
-    assert R.eval_scores_cluster([{"score": 1 + i % 10} for i in range(50)]) == []
-    assert R.eval_scores_cluster([{"score": i % 2} for i in range(50)]) == []  # a balanced pass/fail
+    clusters = R.detect_eval_scores_cluster
+    assert clusters(predictions_of([{"score": 7 if i % 2 else 8} for i in range(50)] + [{"score": 3}]))
+    assert clusters(predictions_of([{"score": 1}] * 48 + [{"score": 0}] * 2))
+    assert clusters(predictions_of([{"score": 1 + i % 10} for i in range(50)])) == []
+    assert clusters(predictions_of([{"score": i % 2} for i in range(50)])) == []  # a balanced pass/fail
 
 
 @pytest.mark.planted("metric-suspicious", "eval-scores-cluster")

@@ -499,6 +499,13 @@ def test_the_pad_fix_is_what_keeps_a_collator_from_masking_eos(tmp_path):
     result = cli("fix", "--model", folder, "--dataset", write_jsonl(tmp_path / "t.jsonl", rows), "--out", out,
                  "--unsafe-fixes", "--select", "eos-not-learned")  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+    pad = AutoTokenizer.from_pretrained(out).pad_token_id
+    assert pad != tok.pad_token_id
+    for name in (
+        "config.json",
+        "generation_config.json",
+    ):  # none, or the old pad (EOS), would come back at load
+        assert json.loads((out / name).read_text())["pad_token_id"] == pad, name
     data = datasets.Dataset.from_list([{"input_ids": r["input_ids"]} for r in rows])
     args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4,
                              report_to=[], use_cpu=True, save_strategy="no")  # fmt: skip
@@ -564,3 +571,162 @@ def test_bad_fix_options_are_one_line(tmp_path):
     )
     assert_one_line_error(cli("preflight", "--model", folder, "--dataset", data, "--fix"), "--fix-out")
     assert not (folder / "fixed").exists()
+
+
+# -- what `fix` writes: only what changed ---------------------------------------------------------------------
+def weight_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.suffix in (".safetensors", ".bin"))
+
+
+@pytest.mark.slow
+def test_a_tokenizer_only_fix_links_the_weights_and_updates_the_pad_ids(tmp_path):
+    """pad-token-missing's remedy changes the tokenizer only: the weights of the copy are hard links to the
+    user's (same inode, two links), not copies; config.json and generation_config.json of the copy name the
+    new pad token's id (the user's said none); the folder loads with from_pretrained, the user's folder is
+    byte for byte as it was, and preflight on the copy no longer finds the rule."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = tiny_setup("chatml", "distinct")
+    model, tok = copy.deepcopy(model), copy.deepcopy(tok)
+    tok.pad_token = None
+    model.config.pad_token_id = model.generation_config.pad_token_id = None
+    folder = folder_of(tmp_path, model, tok)
+    data = write_jsonl(tmp_path / "train.jsonl", demo_conversations(16))
+    before = snapshot(folder, data)
+    out = tmp_path / "fixed"
+    result = cli("fix", "--model", folder, "--dataset", data, "--out", out, "--select", "pad-token-missing")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert snapshot(folder, data) == before
+    (weights,) = weight_files(folder)
+    mine, copied = (folder / weights).stat(), (out / weights).stat()
+    assert (copied.st_ino, copied.st_dev) == (mine.st_ino, mine.st_dev) and copied.st_nlink == 2
+    assert f"hard-linked from {folder}" in " ".join(result.stdout.split()) and weights in result.stdout
+    assert not (out / "dataset.jsonl").exists()  # no remedy changed the data
+    repaired_tok = AutoTokenizer.from_pretrained(out)
+    pad = repaired_tok.pad_token_id
+    assert pad is not None and tok.convert_ids_to_tokens(pad) == repaired_tok.pad_token
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((out / name).read_text())["pad_token_id"] == pad, name
+        assert json.loads((folder / name).read_text()).get("pad_token_id") is None, name
+        assert (out / name).stat().st_ino != (folder / name).stat().st_ino  # written, not linked
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.pad_token_id == pad == loaded.generation_config.pad_token_id
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+    again = cli("preflight", "--model", folder, "--dataset", data, "--json", tmp_path / "before.json")
+    assert "pad-token-missing" in {
+        f["rule"] for f in json.loads((tmp_path / "before.json").read_text())["findings"]
+    }
+    again = cli("preflight", "--model", out, "--dataset", data, "--json", tmp_path / "after.json")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "pad-token-missing" not in {
+        f["rule"] for f in json.loads((tmp_path / "after.json").read_text())["findings"]
+    }
+    assert "hard links to the original model folder's" in (out / "fixes.md").read_text()
+
+
+def test_where_the_file_system_refuses_a_link_the_file_is_copied_and_said(tmp_path, monkeypatch):
+    """os.link fails across file systems (EXDEV): the unchanged file is copied, and the summary says why."""
+    import errno
+    import os
+
+    import hf_sanity
+
+    model, tok, rows, _, _, _ = planted("stop-token")
+    folder = folder_of(tmp_path, model, tok)
+    fixed = hf_sanity.fix(
+        model=model, tokenizer=tok, dataset=datasets.Dataset.from_list(rows), use_config=False
+    )
+
+    def refuse(src, dst, *args, **kwargs):
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src))
+
+    monkeypatch.setattr(os, "link", refuse)
+    where = fixed.save(tmp_path / "fixed", model_folder=folder)
+    (weights,) = weight_files(folder)
+    assert (where / weights).read_bytes() == (folder / weights).read_bytes()
+    assert (where / weights).stat().st_ino != (folder / weights).stat().st_ino
+    assert fixed.written[weights] == "copied"
+    summary = fixed.saved_summary(where, folder)
+    assert f"copied (os.link failed, OSError: {os.strerror(errno.EXDEV)}): " in summary and weights in summary
+
+
+@pytest.mark.slow
+def test_parquet_data_stays_parquet_with_its_types_and_its_nan(tmp_path):
+    """A data remedy on a Parquet file: the repaired data is dataset.parquet with the same schema (an int and a
+    float column, NaN kept as NaN), one duplicate row fewer; JSONL input stays JSONL, with NaN written as NaN
+    (not "nan"), and the copy's data passes preflight without the rule."""
+    import math
+
+    import pyarrow.parquet as pq
+
+    folder = str(tiny_model_dir("chatml", "distinct"))
+    rows = [{**r, "score": float("nan") if i % 3 == 0 else i / 2, "id": i}
+            for i, r in enumerate(demo_conversations(16))]  # fmt: skip
+    rows.append({**rows[4], "id": 99})  # the same conversation again
+    given = datasets.Dataset.from_list(rows)
+    (tmp_path / "data").mkdir()
+    parquet = tmp_path / "data" / "train.parquet"
+    given.to_parquet(str(parquet))
+    out = tmp_path / "fixed"
+    result = cli("fix", "--model", folder, "--dataset", parquet, "--out", out, "--unsafe-fixes",
+                 "--select", "duplicate-examples")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert not (out / "dataset.jsonl").exists()
+    table, original = pq.read_table(out / "dataset.parquet"), pq.read_table(parquet)
+    assert table.schema.types == original.schema.types and table.num_rows == len(rows) - 1
+    scores = table.column("score").to_pylist()
+    assert [math.isnan(s) for s in scores] == [i % 3 == 0 for i in range(16)]
+    assert table.column("id").to_pylist() == list(range(16))
+
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    result = cli("fix", "--model", folder, "--dataset", data, "--out", tmp_path / "fixed-jsonl", "--unsafe-fixes",
+                 "--select", "duplicate-examples")  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = (tmp_path / "fixed-jsonl" / "dataset.jsonl").read_text()
+    assert '"score": NaN' in text and '"nan"' not in text
+    again = [json.loads(line) for line in text.splitlines()]
+    assert len(again) == 16 and math.isnan(again[0]["score"]) and again[1]["score"] == 0.5
+    check = cli("preflight", "--model", folder, "--dataset", out / "dataset.parquet", "--select",
+                "duplicate-examples")  # fmt: skip
+    assert check.returncode == 0 and "no findings" in check.stdout, check.stdout + check.stderr
+
+
+@pytest.mark.slow
+def test_out_inside_the_data_folder_is_refused_and_nothing_is_written(tmp_path):
+    folder = str(tiny_model_dir("chatml", "distinct"))
+    (tmp_path / "data").mkdir()
+    data = write_jsonl(tmp_path / "data" / "train.jsonl", demo_conversations(8))
+    before = snapshot(tmp_path)
+    for command in (("fix", "--out"), ("preflight", "--fix", "--fix-out")):
+        result = cli(
+            *command[:-1], "--model", folder, "--dataset", data, command[-1], tmp_path / "data" / "fixed"
+        )
+        assert_one_line_error(
+            result, "is inside the folder of", "never writes into your model or data folders"
+        )
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+@pytest.mark.slow
+def test_the_options_that_shape_the_checks_pass_through_fix_and_its_suggested_command(tmp_path):
+    """An answer quoted from its context is label-leakage for a generative task and not for an extractive one:
+    preflight --task extractive suggests `hf-sanity fix ... --task extractive`, and fix with it finds nothing
+    to fix, where fix without it drops the row. --adapter and --inference-tokenizer pass through too."""
+    model, tok, rows, _, _, _ = planted("data")
+    folder = folder_of(tmp_path, model, tok)
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    result = cli("preflight", "--model", folder, "--dataset", data, "--select", "label-leakage,pad-token-missing",
+                 "--inference-tokenizer", folder, "--sample", "64")  # fmt: skip
+    flat = " ".join(result.stdout.split())
+    assert (
+        f"hf-sanity fix --model {folder} --dataset {data} --inference-tokenizer {folder} --sample 64" in flat
+    )
+    generative = cli("fix", "--model", folder, "--dataset", data, "--select", "label-leakage", "--diff",
+                     "--unsafe-fixes")  # fmt: skip
+    assert "label-leakage" in generative.stdout and "drop the 1 row" in generative.stdout, generative.stdout
+    extractive = cli("fix", "--model", folder, "--dataset", data, "--select", "label-leakage", "--diff",
+                     "--unsafe-fixes", "--task", "extractive", "--inference-tokenizer", folder)  # fmt: skip
+    assert extractive.returncode == 0, extractive.stdout + extractive.stderr
+    assert "hf-sanity fix: nothing to fix" in extractive.stdout
+    bad = cli("fix", "--model", folder, "--dataset", data, "--diff", "--adapter", tmp_path / "absent")
+    assert_one_line_error(bad, "adapter")

@@ -70,7 +70,14 @@ def held_out():
 
 # -- the fine-tuned fixtures: each planted bug fires its rule, the clean model none ----------------------
 @pytest.mark.slow
-@pytest.mark.clean("outputs")
+@pytest.mark.clean(
+    "outputs",
+    "answer-truncated",
+    "never-stops",
+    "repeats-prompt",
+    "repetition-loop",
+    "stray-markers-in-output",
+)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_correctly_fine_tuned_model_is_silent_with_margin(seed):
     """Three training seeds, each on its own set of held-out prompts: not one generation is judged faulty by

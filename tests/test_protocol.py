@@ -86,7 +86,9 @@ def cause(report) -> str:
 
 # -- a clean setup ---------------------------------------------------------------------------------
 @pytest.mark.planted("lr-range")
-@pytest.mark.clean("protocol", "init-loss-off-chance", "vocab-size-mismatch")
+@pytest.mark.clean(
+    "protocol", "init-loss-off-chance", "vocab-size-mismatch", "lr-range", "precision-mismatch"
+)
 def test_clean_setup_overfits_and_passes_all_five_layers(model, tok):
     started = time.perf_counter()
     report = diagnose(model=model, tokenizer=tok, dataset=demo_conversations(16), lr=1e-2, write_repro=False)

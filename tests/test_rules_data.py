@@ -11,7 +11,7 @@ from hf_sanity.measure.encode import system_merged
 from hf_sanity.testing import as_prompt_completion, tiny_model_for
 
 
-@pytest.mark.clean("data")
+@pytest.mark.clean("data", "bad-input-values", "split-leakage")
 def test_clean_data_is_silent(chatml, conversations):
     report = run(
         chatml, conversations[:40], select="data", eval_dataset=datasets.Dataset.from_list(conversations[40:])

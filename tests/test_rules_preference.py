@@ -194,7 +194,7 @@ def test_kto_rows_sorted_by_label_from_the_cli(tmp_path):
     assert report["findings"][0]["evidence"]["cause"] == "sorted-by-label"
 
 
-@pytest.mark.clean("preference-unmixed-batches", "tokens", "data")
+@pytest.mark.clean("preference-unmixed-batches", "tokens")  # no data-stage rule is written for KTO rows
 def test_kto_on_shuffled_unpaired_rows_is_silent(tmp_path):
     report = check(setups.kto(tmp_path, demo_unpaired(48)))
     silent(report)
@@ -279,7 +279,7 @@ def test_the_cli_reads_preference_pairs_and_says_what_it_checked(tmp_path):
     assert_one_line_error(result, "--format preference-unpaired needs column(s)")
 
 
-@pytest.mark.clean("tokens", "data", "template", "model", "trainer")
+@pytest.mark.clean("tokens", "data", "template", "model")  # no trainer: the trainer stage has nothing to read
 @pytest.mark.parametrize("conversational", [True, False])
 def test_clean_pairs_run_no_sft_rule(conversational):
     model, tok = tiny_setup("chatml", "distinct")

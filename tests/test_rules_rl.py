@@ -297,8 +297,13 @@ def test_the_completions_are_passed_as_trl_passes_them(tmp_path):
     assert isinstance(calls()[-1]["call"][1], str)
 
 
-@pytest.mark.clean("reward-function-broken", "completions-truncated", "group-too-small", "stop-token-mismatch",
-                   "reference-mismatch", "length-runaway")  # fmt: skip
+@pytest.mark.clean(
+    "reward-function-broken",
+    "completions-truncated",
+    "group-too-small",
+    "stop-token-mismatch",
+    "length-runaway",
+)  # fmt: skip  (beta=0: no reference model to compare)
 @pytest.mark.parametrize(("conversational", "seed"), [(True, 0), (True, 1), (False, 0), (False, 2)])
 def test_clean_grpo_setups_are_silent(tmp_path, conversational, seed):
     data = rows() if conversational else setups.rendered(rows())

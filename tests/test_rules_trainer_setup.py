@@ -53,7 +53,7 @@ def test_pad_equal_eos_collator_trap_on_a_plain_trainer(tmp_path, model_tok):
 
 
 @pytest.mark.parametrize("mode", ["assistant_only", "completion_only", "packed"])
-@pytest.mark.clean("trainer", "tokens")
+@pytest.mark.clean("trainer", "tokens", "packing-contamination")
 def test_clean_sft_trainer_runs_are_silent(tmp_path, mode):
     from hf_sanity.testing import build_tokenizer
 
@@ -205,6 +205,7 @@ def test_reentrant_checkpointing_with_frozen_embeddings(tmp_path, model_tok):
     assert preflight(trainer=trainer, select="checkpointing-blocks-grads", use_config=False).findings == []
 
 
+@pytest.mark.clean("checkpointing-blocks-grads")
 def test_checkpointing_is_read_without_the_deprecated_name(tmp_path, model_tok):
     """transformers 5 warns on `is_gradient_checkpointing`; hf-sanity reads `is_activation_checkpointing`, so a
     preflight on a trainer with checkpointing on prints no deprecation warning of a library."""

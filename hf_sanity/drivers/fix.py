@@ -43,7 +43,11 @@ STATUS_STYLE = {
 TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
                    "chat_template.json", "tekken.json"}  # fmt: skip
-DATA_FILES = {"train": "dataset.jsonl", "eval": "eval_dataset.jsonl"}
+# The repaired data is written in the format it was given in (Parquet stays Parquet, with its types; a
+# save_to_disk folder stays one): name per split, extension per format.
+DATA_STEMS = {"train": "dataset", "eval": "eval_dataset"}
+DATA_FORMATS = {"jsonl": ".jsonl", "json": ".json", "csv": ".csv", "parquet": ".parquet", "arrow": ""}
+DATA_NAMES = {stem + ext for stem in DATA_STEMS.values() for ext in DATA_FORMATS.values()}
 DIFF_LINES = 60  # lines of one file's diff shown; fixes.json has every change
 DIFF_ROWS = 8  # rows of the dataset's diff shown (dropped rows first)
 
@@ -89,6 +93,13 @@ class Fixed:
     model_changed: bool = False
     repair: Repair | None = field(default=None, repr=False)
     staging: Any = field(default=None, repr=False)  # the TemporaryDirectory the repaired files are staged in
+    data_format: str = "jsonl"  # the format the repaired data is written in (:data:`DATA_FORMATS`)
+    # Keys of the model's config.json a remedy made stale (the pad token's id): written into the copy's.
+    config_updates: dict[str, Any] = field(default_factory=dict)
+    # What the last save() did with each file of the model folder: "linked" (a hard link to the user's
+    # unchanged file), "copied" (os.link failed: another file system), "written" (changed, or new).
+    written: dict[str, str] = field(default_factory=dict, repr=False)
+    link_error: str = ""  # why os.link failed, when a file was copied instead
 
     @property
     def changed(self) -> bool:
@@ -112,7 +123,7 @@ class Fixed:
         original, repaired = root / "original", root / "repaired"
         names = sorted({p.name for p in original.iterdir()} | {p.name for p in repaired.iterdir()})
         for name in names:
-            if name in DATA_FILES.values():
+            if name in DATA_NAMES:
                 continue
             before, after = _lines(original / name), _lines(repaired / name)
             if before != after:
@@ -121,32 +132,43 @@ class Fixed:
         if self.training_args.get("max_length") != given:
             out += ["--- a/training arguments", "+++ b/training arguments", "@@ max_length @@",
                     f"-max_length: {given}", f"+max_length: {self.training_args.get('max_length')}"]  # fmt: skip
+        if self.config_updates:
+            out += ["--- a/config.json", "+++ b/config.json"]
+            out += [f"@@ {key} @@\n+{key}: {json.dumps(value)}" for key, value in self.config_updates.items()]
         if self.model_changed:
             out += ["--- a/model weights", "+++ b/model weights"]
             out += [f"@@ {f.rule} @@\n {f.remedy.title}" for f in self.applied if "model" in f.remedy.changes]
-        for split, name in DATA_FILES.items():
+        for split, stem in DATA_STEMS.items():
             if self.repair.data_changed(split):
-                out.extend(_rows_diff(self.repair, split, name))
+                out.extend(_rows_diff(self.repair, split, stem + DATA_FORMATS[self.data_format]))
         return "\n".join(out) + "\n"
 
     # -- writing -----------------------------------------------------------------------------------------
     def save(self, out: str | os.PathLike, *, model_folder: str | os.PathLike | None = None,
              protect: tuple = ()) -> Path:  # fmt: skip
         """Write the repaired setup as a new model folder ``out`` (it must not exist, or be empty): the model's
-        files (copied from ``model_folder``, or saved from the model object; the repaired weights when a remedy
-        changed them), the repaired tokenizer and generation_config.json, ``dataset.jsonl`` (and
-        ``eval_dataset.jsonl``) when the data changed, and fixes.json / fixes.md. With nothing changed, only
-        fixes.json and fixes.md. Written to a sibling folder and renamed: never half a folder. ``protect``:
-        the user's paths (model, tokenizer, data), which ``out`` may not be or lie in."""
+        files, the repaired tokenizer and generation_config.json, the data when it changed (``dataset.jsonl``,
+        or ``dataset.parquet`` ... in the format it was given in) and fixes.json / fixes.md. Only what changed
+        is written: the files of ``model_folder`` no remedy changed (the weights, for a tokenizer or
+        generation-config remedy) are hard links to the user's (copied only where the file system refuses a
+        link: :attr:`written` and :attr:`link_error` say so); without a folder the model object is saved.
+        With nothing changed, only fixes.json and fixes.md. Written to a sibling folder and renamed: never
+        half a folder. ``protect``: the user's paths (model, tokenizer, data), which ``out`` may not be or
+        lie in."""
         out = Path(out).expanduser()
         check_out(out, protect=(model_folder, *protect))
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+        self.written, self.link_error = {}, ""
         try:
             if self.changed:
                 self._write_model(tmp, model_folder)
                 for path in (Path(self.staging.name) / "repaired").iterdir():
-                    shutil.copy2(path, tmp / path.name)
+                    if path.is_dir():  # a save_to_disk dataset
+                        shutil.copytree(path, tmp / path.name)
+                    else:
+                        _replace_file(path, tmp / path.name)
+                    self.written[path.name] = "written"
             (tmp / "fixes.json").write_text(
                 json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
             )
@@ -167,11 +189,45 @@ class Fixed:
                 model = model()  # a loader (a hub id): loaded to be saved
             if model is not None:
                 model.save_pretrained(folder)
-            return
-        written = TOKENIZER_FILES | {"generation_config.json", "fixes.json", "fixes.md", *DATA_FILES.values()}
-        for path in Path(model_folder).expanduser().iterdir():
-            if path.is_file() and path.name not in written:
-                shutil.copy2(path, folder / path.name)  # follows links: a hub cache's blobs are copied
+                self.written.update({p.name: "written" for p in folder.iterdir()})
+        else:
+            written = TOKENIZER_FILES | {"generation_config.json", "fixes.json", "fixes.md", *DATA_NAMES}
+            for path in Path(model_folder).expanduser().iterdir():
+                if not path.is_file() or path.name in written:
+                    continue
+                if path.name == "config.json" and self.config_updates:
+                    continue  # written below, with the updated ids
+                try:  # the user's unchanged file, not a copy of it: 140 GB of weights cost nothing
+                    os.link(path, folder / path.name)  # follows a hub cache's links to its blobs
+                    self.written[path.name] = "linked"
+                except OSError as exc:  # another file system, or one without hard links
+                    shutil.copy2(path, folder / path.name)
+                    self.written[path.name] = "copied"
+                    self.link_error = self.link_error or f"{type(exc).__name__}: {exc.strerror or exc}"
+            source = Path(model_folder).expanduser() / "config.json"
+            if self.config_updates and source.is_file():
+                _replace_file(source, folder / "config.json")
+        if self.config_updates and (folder / "config.json").is_file():
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            config.update(self.config_updates)
+            _write_new(folder / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+            self.written["config.json"] = "written"
+
+    def saved_summary(self, where: Path, model_folder=None) -> str:
+        """What :meth:`save` wrote, in one line: the files written, and those linked to (or copied from) the
+        user's folder."""
+        by: dict[str, list[str]] = {}
+        for name, how in sorted(self.written.items()):
+            by.setdefault(how, []).append(name)
+        written = sorted(
+            {p.name for p in where.iterdir()} - set(by.get("linked", [])) - set(by.get("copied", []))
+        )
+        text = f"wrote {where}: {', '.join(written)}"
+        if by.get("linked"):
+            text += f"; hard-linked from {model_folder} (unchanged, no space used): {', '.join(by['linked'])}"
+        if by.get("copied"):
+            text += f"; copied (os.link failed, {self.link_error}): {', '.join(by['copied'])}"
+        return text
 
     # -- reports -----------------------------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
@@ -237,6 +293,11 @@ class Fixed:
             lines += ["", f"### `{o.finding.rule}` remains", ""]
             lines += [f"- {f.message}" for f in o.remaining]
         lines += ["", f"Verification: {self.report.summary()}.", ""]
+        linked = sorted(name for name, how in self.written.items() if how == "linked")
+        if linked:
+            lines += [f"Unchanged files are hard links to the original model folder's ({', '.join(linked)}): "
+                      "saving a model into this folder in place would write into the original too; save "
+                      "it to a new folder.", ""]  # fmt: skip
         return "\n".join(lines)
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
@@ -306,21 +367,26 @@ def fix(
     select=None,
     ignore=None,
     use_config: bool = True,
+    data_format: str = "jsonl",
     **options: Any,
 ) -> Fixed:
     """Repair a fine-tuning setup and verify the repair: the remedies of ``report`` (preflight's findings on
     these objects, run here when not given) applied to copies (``unsafe``: the unsafe ones too), the checks
     run again on the copies. Returns :class:`Fixed`: the repaired tokenizer, model, dataset and generation
     config in memory, the training arguments to use (``max_length``), what changed, and per finding ``fixed``,
-    ``not fixed`` or ``display only``. Your objects are not changed. ``options``: preflight's (``loss_on``,
-    ``format``, ``alpaca_template``, ``task``, ``sample``, ...). ``report`` may also be the path of a report's
-    JSON (``preflight --json``, read through :mod:`hf_sanity.report_schema`): then only the rules whose findings
-    there have a remedy are checked, before and after the repair, and the remedies are built afresh on these
-    objects (a file holds what a remedy does, not the code that does it)."""
+    ``not fixed`` or ``display only``. Your objects are not changed. ``data_format``: how changed data is
+    written (:data:`DATA_FORMATS`; the CLI passes the format of the file given). ``options``: preflight's
+    (``loss_on``, ``format``, ``alpaca_template``, ``task``, ``adapter``, ``inference_tokenizer``, ...).
+    ``report`` may also be the path of a report's JSON (``preflight --json``, read through
+    :mod:`hf_sanity.report_schema`): then only the rules whose findings there have a remedy are checked,
+    before and after the repair, and the remedies are built afresh on these objects (a file holds what a
+    remedy does, not the code that does it)."""
     from hf_sanity.drivers.preflight import preflight
 
     if tokenizer is None or dataset is None:
         raise UserInputError("fix needs a tokenizer and a dataset")
+    if data_format not in DATA_FORMATS:
+        raise UserInputError(f"unknown data format {data_format!r}; use one of {', '.join(DATA_FORMATS)}")
     given_model = model is not None and not (callable(model) and not hasattr(model, "forward"))
     if generation_config is None and given_model:
         generation_config = getattr(model, "generation_config", None)
@@ -357,7 +423,12 @@ def fix(
             finding.remedy.apply(repair)
         except Exception as exc:  # a remedy that breaks: said on its finding, the others still apply
             failed[id(finding)] = f"the remedy failed: {type(exc).__name__}: {exc}"
-    fixed = _staged(repair, root / "repaired", dataset, eval_dataset)
+    updates = _synced_ids(repair, tokenizer)
+    if updates and not repair.model_changed and model_config is not None:
+        model_config = copy.deepcopy(model_config)  # the user's config object is not the copy's
+        for key, value in updates.items():
+            setattr(model_config, key, value)
+    fixed = _staged(repair, root / "repaired", dataset, eval_dataset, data_format)
     max_length = repair.training_args.get("max_length", max_len)
     verified = preflight(
         model=repair.model if repair.model_changed else model,
@@ -369,8 +440,26 @@ def fix(
         fixed["tokenizer"], repair.model if repair.model_changed else model, fixed["dataset"],
         fixed["eval_dataset"], fixed["generation_config"], dict(repair.training_args), report, verified,
         _outcomes(report, verified, chosen, failed, unsafe), applied=chosen, unsafe=unsafe,
-        model_changed=repair.model_changed, repair=repair, staging=staging,
+        model_changed=repair.model_changed, repair=repair, staging=staging, data_format=data_format,
+        config_updates={} if repair.model_changed else updates,
     )  # fmt: skip
+
+
+def _synced_ids(repair: Repair, tokenizer) -> dict[str, Any]:
+    """The ids the model's config and generation config keep of the tokenizer's special tokens, brought in
+    line with the repaired tokenizer where a remedy changed them (a new pad token: a config.json and a
+    generation_config.json still naming the old one would put it back at load or generate time). Returns the
+    config.json keys to update (the model object's config is updated where a remedy changed the model)."""
+    new, old = repair.tokenizer.pad_token_id, tokenizer.pad_token_id
+    if new is None or new == old:
+        return {}
+    if repair.generation_config is not None:
+        repair.generation_config.pad_token_id = new
+    if repair.model_changed:
+        repair.model.config.pad_token_id = new
+        if getattr(repair.model, "generation_config", None) is not None:
+            repair.model.generation_config.pad_token_id = new
+    return {"pad_token_id": new}
 
 
 def _saved(path, select, ignore, use_config: bool) -> tuple[Report | None, list[str] | None]:
@@ -420,8 +509,11 @@ def _encode_options(dataset, max_len, options):
                          alpaca_template=options.get("alpaca_template"))  # fmt: skip
 
 
-def _staged(repair: Repair, folder: Path, dataset, eval_dataset) -> dict[str, Any]:
-    """The repaired tokenizer, generation config and data written to ``folder`` and loaded back from it."""
+def _staged(
+    repair: Repair, folder: Path, dataset, eval_dataset, data_format: str = "jsonl"
+) -> dict[str, Any]:
+    """The repaired tokenizer, generation config and data written to ``folder`` and loaded back from it; the
+    data in ``data_format``, with the types of the columns as given."""
     from transformers import AutoTokenizer, GenerationConfig
 
     from hf_sanity.measure.sources import load_dataset_ref
@@ -432,7 +524,8 @@ def _staged(repair: Repair, folder: Path, dataset, eval_dataset) -> dict[str, An
     if repair.generation_config is not None:
         repair.generation_config.save_pretrained(folder)
         out["generation_config"] = GenerationConfig.from_pretrained(folder)
-    for split, name in DATA_FILES.items():
+    given = {"train": dataset, "eval": eval_dataset}
+    for split, stem in DATA_STEMS.items():
         if not repair.data_changed(split):
             continue
         rows = repair.kept(split)
@@ -440,11 +533,61 @@ def _staged(repair: Repair, folder: Path, dataset, eval_dataset) -> dict[str, An
             raise UserInputError(
                 f"the remedies would drop every row of the {split} split; nothing is left to check"
             )
-        with open(folder / name, "w", encoding="utf-8") as handle:
-            for row in rows:
-                handle.write(json.dumps(jsonable(row), ensure_ascii=False) + "\n")
-        out["dataset" if split == "train" else "eval_dataset"] = load_dataset_ref(str(folder / name))
+        path = folder / (stem + DATA_FORMATS[data_format])
+        write_rows(rows, path, data_format, features=getattr(given[split], "features", None))
+        out["dataset" if split == "train" else "eval_dataset"] = load_dataset_ref(str(path))
     return out
+
+
+def write_rows(rows: list[dict[str, Any]], path: Path, data_format: str, *, features=None) -> None:
+    """``rows`` written to ``path`` as ``data_format``: JSON lines keep NaN as NaN (Python's json and the
+    datasets JSON reader both read it back as a float), the others go through a datasets.Dataset with the
+    columns' ``features`` as given (Parquet keeps its types; where an edit no longer fits them, they are
+    inferred)."""
+    if data_format in ("jsonl", "json"):
+        with open(path, "w", encoding="utf-8") as handle:
+            if data_format == "json":
+                json.dump([_plain(row) for row in rows], handle, ensure_ascii=False)
+            else:
+                for row in rows:
+                    handle.write(json.dumps(_plain(row), ensure_ascii=False) + "\n")
+        return
+    import datasets
+
+    try:
+        data = datasets.Dataset.from_list(rows, features=features)
+    except (TypeError, ValueError, KeyError):  # an edit changed a column's type: inferred from the rows
+        data = datasets.Dataset.from_list(rows)
+    quiet = not datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        if data_format == "parquet":
+            data.to_parquet(str(path))
+        elif data_format == "csv":
+            data.to_csv(str(path), index=False)
+        else:
+            data.save_to_disk(str(path))
+    finally:
+        if quiet:
+            datasets.enable_progress_bars()
+
+
+def _plain(value: Any) -> Any:
+    """A row's value as JSON: numpy and torch values made plain, non-finite floats kept (NaN stays NaN, not
+    the string "nan" of :func:`jsonable`); dates and bytes as text."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return _plain(value.item())
+    if hasattr(value, "tolist"):
+        return _plain(value.tolist())
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return str(value)
 
 
 def _outcomes(before: Report, after: Report, chosen: list[Finding], failed: dict[int, str], unsafe: bool):
@@ -478,19 +621,41 @@ def _outcomes(before: Report, after: Report, chosen: list[Finding], failed: dict
 
 # -- folders -----------------------------------------------------------------------------------------------
 def check_out(out: Path, *, protect=()) -> None:
-    """``out`` can be written: new or empty, and not one of the user's folders or inside one."""
-    target = out.resolve()
+    """``out`` can be written: new or empty, and not one of the user's folders or inside one. A data file's
+    folder is one of the user's (a folder of data files loads every file in it: a repaired copy inside would be
+    read as more data), except the working directory: ``--dataset train.jsonl --out fixed`` writes beside
+    it."""
+    target = out.expanduser().resolve()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserInputError(f"--out {str(out)!r} exists and is not an empty folder; pass a new folder")
+    here = Path.cwd().resolve()
     for path in protect:
         if path is None or not Path(str(path)).expanduser().exists():
             continue
         mine = Path(str(path)).expanduser().resolve()
-        if target == mine or (mine.is_dir() and mine in target.parents):
+        folder = mine if mine.is_dir() else mine.parent
+        if not mine.is_dir() and folder == here:
+            folder = None
+        if target == mine or (folder is not None and (folder == target or folder in target.parents)):
             raise UserInputError(
-                f"--out {str(out)!r} is inside {str(path)!r}, one of your inputs: pass a folder outside it "
-                "(hf-sanity never writes into your model or data folders)"
+                f"--out {str(out)!r} is inside the folder of {str(path)!r}, one of your inputs: pass a folder "
+                "outside it (hf-sanity never writes into your model or data folders)"
             )
+
+
+def _write_new(path: Path, text: str) -> None:
+    """``text`` as a new file at ``path``: a hard link there is removed first, so the user's file it shares
+    its bytes with is never written through."""
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    path.write_text(text, encoding="utf-8")
+
+
+def _replace_file(source: Path, path: Path) -> None:
+    """``source`` copied to ``path``, as a new file (never written through a hard link)."""
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    shutil.copy2(source, path)
 
 
 # -- diffs -------------------------------------------------------------------------------------------------

@@ -82,6 +82,13 @@ OSC_SIGN_CHANGES = 0.5  # ... the direction flips at least every other step ...
 OSC_TREND_SE = 2.0  # ... and the drop between the thirds stays under one swing with 2 standard errors added
 
 EVAL_MIN = 3  # evaluations needed by every eval-based detector
+
+
+def evaluated(curves: Curves) -> bool:
+    """The run was evaluated at least :data:`EVAL_MIN` times: the eval-based detectors have a curve to read."""
+    return len(curves.eval_steps) >= EVAL_MIN
+
+
 OVERFIT_RISE = 0.03  # the last eval loss is >= 3% above the best one ...
 OVERFIT_AFTER = 2  # ... with >= 2 evaluations after the best ...
 TRAIN_FELL = 0.02  # ... while the train level fell >= 2% over the same steps
@@ -426,7 +433,7 @@ def loss_oscillation(curves: Curves) -> list[Finding]:
     ]
 
 
-@OVERFITTING.detector("curve", online=True)
+@OVERFITTING.detector("curve", online=True, applies=evaluated)
 def overfitting(curves: Curves) -> list[Finding]:
     """Eval loss went down (or started at its best) then rose while the train loss kept falling."""
     esteps, evals = eval_points(curves)
@@ -526,7 +533,7 @@ def underfitting(curves: Curves) -> list[Finding]:
     ]
 
 
-@VAL_BELOW_TRAIN.detector("curve", online=True)
+@VAL_BELOW_TRAIN.detector("curve", online=True, applies=evaluated)
 def val_below_train(curves: Curves) -> list[Finding]:
     """The eval loss sits clearly below the train loss at the last evaluations."""
     esteps, evals = eval_points(curves)
@@ -574,7 +581,7 @@ def _constant(values: np.ndarray) -> bool:
     )
 
 
-@EVAL_CONSTANT.detector("curve", online=True)
+@EVAL_CONSTANT.detector("curve", online=True, applies=evaluated)
 def eval_constant(curves: Curves) -> list[Finding]:
     """An eval metric with the same value at every evaluation while training moved."""
     series = {"eval_loss": curves.eval_loss, **curves.eval_metrics}
@@ -610,7 +617,7 @@ def eval_constant(curves: Curves) -> list[Finding]:
     ]
 
 
-@MEMORIZING.detector("curve", online=True)
+@MEMORIZING.detector("curve", online=True, applies=evaluated)
 def memorizing(curves: Curves) -> list[Finding]:
     """Train loss collapses while the eval loss stays flat."""
     esteps, evals = eval_points(curves)

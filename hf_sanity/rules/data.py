@@ -151,10 +151,8 @@ SPLIT_LEAKAGE = define(
 )
 
 
-@SPLIT_LEAKAGE.check
+@SPLIT_LEAKAGE.check(applies=lambda ctx: ctx.eval_encoded is not None)  # no eval split: nothing to compare
 def check_split_leakage(ctx):
-    if ctx.eval_encoded is None:
-        return
     train = set(ctx.col("hash")[ctx.valid].tolist())
     eval_hashes = np.asarray(ctx.eval_encoded["hash"])
     eval_valid = np.asarray(ctx.eval_encoded["error"]) == ""

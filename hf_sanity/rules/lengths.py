@@ -227,7 +227,12 @@ CONTEXT_BEYOND_WINDOW = define(
 )
 
 
-@CONTEXT_BEYOND_WINDOW.check
+def _window_known(ctx) -> bool:
+    """The model's config says its positions or its attention window: something to compare lengths with."""
+    return any(model_window(ctx.model_config))
+
+
+@CONTEXT_BEYOND_WINDOW.check(applies=_window_known)
 def check_context_beyond_window(ctx):
     positions, window = model_window(ctx.model_config)
     limit = min(x for x in (positions, window) if x) if (positions or window) else None

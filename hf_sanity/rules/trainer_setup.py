@@ -204,7 +204,12 @@ def checkpointing_on(model) -> bool:
     return False
 
 
-@CHECKPOINTING_BLOCKS_GRADS.check(applies=has_trainer_batch)
+def _checkpointing_batch(ctx) -> bool:
+    """A trainer's batch, with activation checkpointing on: what the check replays."""
+    return has_trainer_batch(ctx) and "labels" in ctx.first_batch and checkpointing_on(ctx.trainer.model)
+
+
+@CHECKPOINTING_BLOCKS_GRADS.check(applies=_checkpointing_batch)
 def check_checkpointing(ctx):
     batch, trainer = ctx.first_batch, ctx.trainer
     if batch is None or trainer is None or "labels" not in batch:

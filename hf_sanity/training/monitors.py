@@ -22,19 +22,19 @@ class MonitorSet:
         )  # detectors that ran on their inputs at least once (monitors, curve detectors)
         self._plan = self._planned()
 
-    def _planned(self) -> list[tuple[Monitor, frozenset[str], str, str]]:
-        """Per monitor that still watches something, set up once: the keys it reads, its guard's name (the rules
-        it would leave unwatched if it broke) and its detector's name."""
-        return [
-            (
-                monitor,
-                frozenset(monitor.reads),
-                ", ".join(r.slug for r in monitor.rules if self.sink.selection.enabled(r.slug)),
-                _name(type(monitor)),
+    def _planned(self) -> list[tuple[Monitor, frozenset[str], tuple[str, ...], str, str]]:
+        """Per monitor that still watches something, set up once: the keys it reads, the enabled rules it
+        watches, its guard's name (those rules, which it would leave unwatched if it broke) and its detector's
+        name."""
+        plan = []
+        for monitor in self.monitors:
+            if monitor.done:
+                continue
+            watched = tuple(r.slug for r in monitor.rules if self.sink.selection.enabled(r.slug))
+            plan.append(
+                (monitor, frozenset(monitor.reads), watched, ", ".join(watched), _name(type(monitor)))
             )
-            for monitor in self.monitors
-            if not monitor.done
-        ]
+        return plan
 
     def feed(self, step: int, values: Mapping[str, Any]) -> None:
         """Every monitor that still watches something and reads one of ``values``' keys gets the keys it
@@ -42,13 +42,14 @@ class MonitorSet:
         unwatched if it broke."""
         keys = values.keys()
         finished = False
-        for monitor, reads, name, detector in self._plan:
+        for monitor, reads, watched, name, detector in self._plan:
             if reads.isdisjoint(keys):
                 continue
             self.ran.add(detector)
             found = None
             with self.sink.guard(name, step):
                 found = monitor.update(step, {k: values[k] for k in reads & keys})
+                catalog.note_ran(watched)
             if found:
                 self.sink.emit(found)
                 finished = finished or monitor.done
