@@ -304,6 +304,9 @@ def test_assistant_only_loss_on_a_template_without_generation_markers(chatml, co
     assert finding.evidence["cause"] == "no-markers" and finding.evidence["conversations"] == len(
         conversations
     )
+    # Asked by the flag alone (an Axolotl or LLaMA-Factory run needs no markers): a warning that says when it bites.
+    assert finding.severity == "warning" and finding.evidence["asked_by"] == "flag"
+    assert "assistant_only_loss=True" in finding.message
     remedy = finding.remedy
     assert remedy.safety == "safe" and remedy.detail["rows_rendered"] == len(conversations)
     assert remedy.detail["rows_rendered_differently"] == 0

@@ -639,7 +639,9 @@ GENERATION_MARKERS_MISSING = define(
     "`assistant_only_loss=True`), the chat template must mark the answers with `{% generation %}`...`{% "
     "endgeneration %}`: without markers the mask is empty (cause `no-markers`); with them, on a sample, the "
     "mask must cover each answer and its end-of-turn token and nothing of the prompt (cause "
-    "`markers-misplaced`).",
+    "`markers-misplaced`). An error where the trainer's config asks for it (`assistant_only_loss=True`); a "
+    "warning where only `--loss-on assistant` says the assistant turns train, since Axolotl and LLaMA-Factory "
+    "mask them by their own template strategies and need no markers.",
     fix="Train with a template that marks the answers: TRL's training twin of this template "
     "(trl/chat_templates/*_training.jinja; SFTTrainer swaps it in for the templates it knows and raises for the "
     "others), or this template with each answer and its end-of-turn token wrapped in `{% generation %}`...`{% "
@@ -664,11 +666,21 @@ MASK_SAMPLE = 32  # conversations whose assistant mask is compared with the loca
 def check_generation_markers(ctx):
     template = ctx.tokenizer.chat_template
     n = int(ctx.valid.sum())
+    # Only TRL's assistant_only_loss reads the markers: a flag alone may describe an Axolotl or LLaMA-Factory run,
+    # whose own template strategies mask the turns without them.
+    by_trainer = ctx.loss_mask.source == "trainer"
+    severity = None if by_trainer else "warning"
+    whose = (
+        ""
+        if by_trainer
+        else " if TRL's assistant_only_loss=True masks the turns (Axolotl and LLaMA-Factory need no markers)"
+    )
     if not has_generation_markers(template):
         yield GENERATION_MARKERS_MISSING.finding(
             f"assistant-only loss is asked but the chat template has no {{% generation %}} markers: the "
-            f"assistant mask of all {n} conversations is empty",
-            evidence={"cause": "no-markers", "conversations": n},
+            f"assistant mask of all {n} conversations is empty{whose}",
+            evidence={"cause": "no-markers", "conversations": n, "asked_by": ctx.loss_mask.source},
+            severity=severity,
             remedy=_marked_template(ctx) if ctx.rows_are_dataset else None,
         )
         return
@@ -685,6 +697,7 @@ def check_generation_markers(ctx):
                 "rows": rows[:10],
             },
             example=ctx.view(rows[0]),
+            severity=severity,
             fix="Move the markers so that each answer and its end-of-turn token, and nothing of the prompt, lie "
             "between `{% generation %}` and `{% endgeneration %}`.",
         )
