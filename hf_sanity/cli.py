@@ -47,7 +47,8 @@ MaxLenOpt = Annotated[int | None, typer.Option(help="Training max_length (trunca
 LossOnOpt = Annotated[str, typer.Option(help="completion (labels on completions only) or all.")]
 FORMAT_HELP = (
     "messages, sharegpt, prompt-completion, alpaca, text, tokens, preference (chosen/rejected, optional prompt) or "
-    "preference-unpaired (KTO's prompt/completion/label) (default: detected from the columns)."
+    "preference-unpaired (KTO's prompt/completion/label) or prompt-only (RL prompts for GRPO/RLOO, read as the RL "
+    "objective) (default: detected from the columns)."
 )
 FormatOpt = Annotated[str | None, typer.Option("--format", help=FORMAT_HELP)]
 UnsafeFixesOpt = Annotated[

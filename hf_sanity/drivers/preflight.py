@@ -12,12 +12,13 @@ from hf_sanity.measure.encode import EncodeOptions
 from hf_sanity.measure.formats import (
     COLUMNS,
     PREFERENCE_FORMATS,
+    RL_FORMATS,
     check_alpaca_template,
     detect_format,
     string_label_note,
 )
 from hf_sanity.measure.loss_mask import LOSS_ON
-from hf_sanity.measure.objective import of_columns, of_trainer
+from hf_sanity.measure.objective import Objective, of_columns, of_trainer
 from hf_sanity.measure.sources import as_dataset
 from hf_sanity.report import Report
 from hf_sanity.selection import Selection, resolve
@@ -111,7 +112,12 @@ def preflight(
             inference_tokenizer=inference_tokenizer, adapter_path=adapter, sample=sample,
             model_config=model_config, generation_config=generation_config,
         )  # fmt: skip
-        if fmt in PREFERENCE_FORMATS:
+        if fmt in RL_FORMATS:
+            from hf_sanity.measure.batches import prompts_context
+
+            objective = Objective("rl", "prompt-only", None, "columns")
+            ctx = prompts_context(tokenizer, dataset, objective=objective, max_len=max_len, **model_side)
+        elif fmt in PREFERENCE_FORMATS:
             from hf_sanity.measure.preference import rows_context
 
             objective = of_columns(COLUMNS[fmt])  # the format's own columns: --format decides
@@ -145,6 +151,8 @@ def preflight(
     report = run_checks(ctx, selection)
     if trainer is None and label_note:
         report.notes.append(label_note)
+    if trainer is None and ctx.source_format == "tokens" and ctx.prompts is not None:
+        report.notes.append(RL_PROMPTS_NOTE)
     if not ctx.has_model and reads_model(selection):
         report.notes.append(
             "no model was given: the model-stage checks that read its weights did not run (`hf-sanity rules "
@@ -185,6 +193,9 @@ def preflight(
         report.stats.update(_rl_stats(ctx.rl))
         if vars(ctx.rl).get("dry_run") is not None:  # what did not run, said (measured only if a rule asked)
             report.notes.extend(ctx.rl.dry_run.notes())
+    elif trainer is None and ctx.prompts is not None:  # a prompt-only file: rendered as the RL trainer does
+        report.stats.update(format="prompt-only", read_as="RL prompts (GRPO/RLOO): the chat template with the "
+                            "generation prompt, text prompts as they are", prompts=len(ctx.prompts))  # fmt: skip
     elif trainer is None:
         report.stats.update(ctx.encoder.layout.describe(ctx.dataset))
         if task != "generative":
@@ -202,6 +213,14 @@ def preflight(
         report.stats["processes"] = size
         return distributed.broadcast(report)
     return report
+
+
+RL_PROMPTS_NOTE = (
+    "read as RL prompts (TRL's prompt-only format, for GRPOTrainer/RLOOTrainer): objective rl, each prompt rendered "
+    "as the trainer renders it for generation; no loss mask (the model writes the completions), so the SFT "
+    "loss-mask checks do not apply; the checks of the model's completions and the reward functions need the "
+    "trainer: preflight(trainer=...) or `hf-sanity preflight -- CMD`"
+)
 
 
 def _preference_stats(ctx) -> dict:

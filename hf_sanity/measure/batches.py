@@ -293,15 +293,21 @@ def objective_context(
     return Context(
         tokenizer=tokenizer, dataset=data, fmt="tokens", options=EncodeOptions(fmt="tokens", max_len=max_len),
         model=trainer.model, trainer=trainer, sample=sample, rows_given=rows_given, objective=objective,
-        pairs=pairs, unpaired=unpaired, rl=rollouts,
+        pairs=pairs, unpaired=unpaired, rl=rollouts, prompts=getattr(trainer, "train_dataset", None),
     )  # fmt: skip
 
 
 def prompt_rows(trainer, tokenizer, sample: int) -> list[dict[str, list[int]]]:
     """An RL trainer's first prompts as it renders them for generation (no completion: no labels)."""
+    return rendered_prompts(getattr(trainer, "train_dataset", None), tokenizer, sample)
+
+
+def rendered_prompts(data, tokenizer, sample: int) -> list[dict[str, list[int]]]:
+    """The first ``sample`` prompts of ``data`` (a dataset with a `prompt` column) as TRL's GRPOTrainer renders
+    them for generation: conversational ones through the chat template with the generation prompt, text ones
+    tokenized with special tokens."""
     from hf_sanity.measure.formats import is_conversational
 
-    data = getattr(trainer, "train_dataset", None)
     if data is None or "prompt" not in getattr(data, "column_names", ()):
         return []
     rows = []
@@ -314,3 +320,20 @@ def prompt_rows(trainer, tokenizer, sample: int) -> list[dict[str, list[int]]]:
         elif isinstance(prompt, str):
             rows.append({"input_ids": list(tokenizer(prompt)["input_ids"])})
     return rows
+
+
+def prompts_context(
+    tokenizer, dataset, *, objective, max_len: int | None = None, sample: int = 256, **model_side
+) -> Context:
+    """The context of a prompt-only file (TRL's "prompt-only" type: GRPO and RLOO data) without a trainer: its
+    prompts rendered as the RL trainer renders them, read as the RL objective. No trainer: no generation and no
+    reward function (the rules that read the rollouts need ``trainer=``). ``max_len``: the prompt budget the
+    length rules compare the prompts with."""
+    import datasets
+
+    rows = rendered_prompts(dataset, tokenizer, sample)
+    data = datasets.Dataset.from_list(rows) if rows else datasets.Dataset.from_dict({"input_ids": []})
+    return Context(
+        tokenizer=tokenizer, dataset=data, fmt="tokens", options=EncodeOptions(fmt="tokens", max_len=max_len),
+        sample=sample, rows_given=len(dataset), objective=objective, prompts=dataset, **model_side,
+    )  # fmt: skip

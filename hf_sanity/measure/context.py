@@ -127,6 +127,7 @@ class Context:
         pairs=None,
         unpaired=None,
         rl=None,
+        prompts=None,
         loss_mask=None,
         modality=None,
         image_digests=None,
@@ -173,6 +174,9 @@ class Context:
         store(
             "rl", rl
         )  # an RL trainer's rollouts and reward functions, measured lazily (`measure.rl.Rollouts`)
+        # RL: the prompts as given (a dataset with a `prompt` column): the trainer's train_dataset, or a
+        # prompt-only file; the rules that re-render conversations read them.
+        store("prompts", prompts)
         store("_generation_config", generation_config)
         # Text, or vision-language (`measure.vision`): measured once where the context is built.
         store("_modality", modality)

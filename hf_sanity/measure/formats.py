@@ -15,7 +15,7 @@ from typing import Any
 from hf_sanity.errors import UserInputError
 
 FORMATS = ("messages", "sharegpt", "prompt-completion", "alpaca", "text", "tokens", "preference",
-           "preference-unpaired")  # fmt: skip
+           "preference-unpaired", "prompt-only")  # fmt: skip
 # The columns each format needs (Alpaca's `input`, `system` and `history` are optional).
 COLUMNS = {
     "messages": ("messages",),
@@ -28,7 +28,12 @@ COLUMNS = {
     # TRL extracts it as the longest common prefix of chosen and rejected).
     "preference": ("chosen", "rejected"),
     "preference-unpaired": ("prompt", "completion", "label"),
+    # TRL's "prompt-only" type (trl.data_utils): the prompts of online RL (GRPO, RLOO), text or conversational;
+    # the model writes the completions, the reward functions score them.
+    "prompt-only": ("prompt",),
 }
+# Formats of online RL data: read as the RL objective (`measure.objective`), with no completion to train on.
+RL_FORMATS = ("prompt-only",)
 # Formats that are preference data, and the training objective (`measure.objective`) they imply.
 PREFERENCE_FORMATS = {"preference": "preference", "preference-unpaired": "preference-unpaired"}
 # What TRL reads a converted row as.
@@ -119,10 +124,12 @@ def detect_format(columns: Sequence[str], override: str | None = None, *, featur
         return "text"
     if {"instruction", "output"} <= columns:
         return "alpaca"
+    if "prompt" in columns:  # a prompt and no completion: what GRPO and RLOO train on (TRL's "prompt-only")
+        return "prompt-only"
     raise UserInputError(
         f"cannot tell the dataset format from its columns {sorted(columns)}; expected `messages`, `conversations` "
         "(ShareGPT), `prompt`+`completion`, `instruction`+`output` (Alpaca), `text` or `input_ids`, each with "
-        "an optional `tools` column, or preference data: `chosen`+`rejected` (optional `prompt`) or "
+        "an optional `tools` column, `prompt` alone (RL prompts, GRPO/RLOO), or preference data: `chosen`+`rejected` (optional `prompt`) or "
         "`prompt`+`completion`+`label` (KTO) (rename a column, or pass --format)"
     )
 

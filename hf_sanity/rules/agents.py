@@ -247,8 +247,8 @@ PREFIX_NOT_PRESERVED = define(
 
 
 def _rl_prompts(ctx):
-    """(index, messages, kwargs) of an RL trainer's conversational prompts with assistant turns in them."""
-    data = getattr(ctx.trainer, "train_dataset", None)
+    """(index, messages) of the RL prompts (a trainer's, or a prompt-only file's) with assistant turns in them."""
+    data = ctx.prompts
     if data is None or "prompt" not in (getattr(data, "column_names", None) or ()):
         return
     for i in range(min(len(data), 64)):

@@ -26,13 +26,26 @@ LEAK_RULE = "future-token-leak"  # the model on the batch with its future change
 # What the probe of the first batch measures: the step-0 numbers, the first predictions the later probes compare
 # with (`changed`), where a mixture of experts routes it. It runs when an enabled step detector reads one.
 PROBED = ("step0", "changed", "router_load")
+# The context rules that read the first batch's own forwards (the step-0 probe, the future-token probe).
+PROBE_RULES = frozenset({STEP0_RULE, LEAK_RULE})
 
 
 def token_findings(
-    tokenizer, batch: Mapping[str, Any], *, model, trainer, selection: Selection, max_len, step0, causal=False
+    tokenizer,
+    batch: Mapping[str, Any],
+    *,
+    model,
+    trainer,
+    selection: Selection,
+    max_len,
+    step0,
+    causal=False,
+    unprobed=False,
 ) -> list[Finding]:
     """preflight's `tokens` rules on this one batch, `init-loss-off-chance` on the step-0 numbers and, with
-    ``causal``, `future-token-leak` on the batch as the model got it."""
+    ``causal``, `future-token-leak` on the batch as the model got it. ``unprobed``: the batch holds ids the
+    embedding has no row for, so no probe ran: the rules that read one are run for the catalog to skip them
+    (their precondition, vocab-size-mismatch, fails on this batch: one `checks-skipped` says so)."""
     from hf_sanity.measure.batches import batches_context
     from hf_sanity.untouched import preserved_rng
 
@@ -49,6 +62,8 @@ def token_findings(
             first_batch=tensors, modality=modality,
         )  # fmt: skip
         findings = catalog.run_all("context", ctx, selection, stages=("tokens",))
+        if unprobed:
+            findings += catalog.run_all("context", ctx, selection.restricted(PROBE_RULES))
         if step0:
             findings += catalog.run_all("context", ctx, selection.restricted({STEP0_RULE}))
         if causal:
@@ -133,7 +148,7 @@ class FirstBatch:
         layout where it is not known to be safe, see :mod:`hf_sanity.training.shards`): the token rules only."""
         import torch
 
-        from hf_sanity.training import probe
+        from hf_sanity.training import probe as probing  # (``probe`` is the flag)
 
         self.done = True
         batch = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
@@ -144,6 +159,10 @@ class FirstBatch:
         self._labels = None
         self._shapes = {k: tuple(v.shape) for k, v in batch.items() if k in ALIGNED}
         step0 = chosen = None
+        # Ids past the embedding: a forward of hf-sanity's on them would fail where the user's own fails next
+        # (an IndexError, a CUDA device-side assert). No probe runs; the model checks that read one are skipped.
+        unprobed = probe and probing.ids_beyond_embedding(module, batch) is not None
+        probe = probe and not unprobed
         if (
             probe
             and sink.objective.kind == "preference"
@@ -152,14 +171,14 @@ class FirstBatch:
         ):
             with sink.guard("callback-probe"):  # the chosen rows (the batch's first half): their likelihood
                 chosen = max(1, batch["input_ids"].shape[0] // 2)
-                self._probe_batch = probe.probe_batch(batch, min(chosen, probe.PROBE_ROWS))
+                self._probe_batch = probing.probe_batch(batch, min(chosen, probing.PROBE_ROWS))
                 self._probe_kind = "likelihood"
-                chosen = probe.chosen_logp(module, self._probe_batch)
+                chosen = probing.chosen_logp(module, self._probe_batch)
         elif probe and sink.measures(*PROBED):
             with sink.guard("callback-probe"):
-                self._probe_batch = probe.probe_batch(batch)
+                self._probe_batch = probing.probe_batch(batch)
                 with self.experts.counted(module, self._probe_batch, sink):
-                    measured = probe.probe(module, self._probe_batch, stats=True)
+                    measured = probing.probe(module, self._probe_batch, stats=True)
                 self._probe_prev = measured.get("argmax")
                 step0 = measured.get("stats")
         tokenizer = getattr(trainer, "processing_class", None)
@@ -170,14 +189,15 @@ class FirstBatch:
         token_rules = [r.slug for r in catalog.all_rules() if r.stage == "tokens"]
         # An RL trainer's first forward is its generation's (prompts only, no labels): not a training sequence.
         causal = probe and sink.wants(LEAK_RULE)
-        if sink.objective.kind != "rl" and (sink.wants(*token_rules) or step0 is not None or causal):
+        wanted = sink.wants(*token_rules) or step0 is not None or causal or unprobed
+        if sink.objective.kind != "rl" and wanted:
             from hf_sanity.measure.batches import trainer_max_len
 
             sink.emit(
                 token_findings(
                     tokenizer, batch, model=module, trainer=trainer, selection=sink.selection,
                     max_len=trainer_max_len(trainer) if trainer is not None else None,
-                    step0=step0 if self.judge_step0 else None, causal=causal,
+                    step0=step0 if self.judge_step0 else None, causal=causal, unprobed=unprobed,
                 )
             )  # fmt: skip
         values = {"shapes": dict(self._shapes), "step0": step0}

@@ -30,6 +30,28 @@ def probe_batch(batch: Mapping[str, Any], rows: int = PROBE_ROWS) -> dict[str, A
     return out
 
 
+def ids_beyond_embedding(model, batch: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(the batch's largest token id, the model's input-embedding rows) when an id has no embedding row: a
+    forward on it raises an index error (a device-side assert on CUDA), so no probe may run on it. None when
+    every id fits, or when the rows cannot be read (a custom module without get_input_embeddings, a sharded
+    embedding whose full size is not its local one)."""
+    # Read in the training step, outside any guard: whatever it meets (a hand-written module that does not say
+    # which layer embeds, ids on a meta device), it answers None and the probes go on as before.
+    try:
+        ids = batch.get("input_ids")
+        if ids is None or not hasattr(ids, "max") or ids.numel() == 0:
+            return None
+        embeddings = model.get_input_embeddings()
+        rows = getattr(embeddings, "num_embeddings", None)
+        weight = getattr(embeddings, "weight", None)
+        if not isinstance(rows, int) or (weight is None or weight.dim() != 2 or weight.shape[0] != rows):
+            return None
+        largest = int(ids.max())
+    except Exception:
+        return None
+    return (largest, rows) if largest >= rows else None
+
+
 def probe(model, batch: Mapping[str, Any], *, stats: bool = False) -> dict[str, Any]:
     """Argmax predictions at the supervised positions of ``batch`` (a device tensor, compared with later probes
     without a transfer) and, with ``stats``, the step-0 numbers preflight's init-loss check reads

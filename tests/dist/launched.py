@@ -8,6 +8,8 @@
 * ``yours``: the user's own ``SanityCallback(abort_on="error")`` in ``callbacks=``.
 * ``crash-loss``: the user's ``compute_loss`` calls ``cross_entropy`` on mismatched shapes at the first step.
 * ``crash-init``: the user's Trainer subclass raises in its ``__init__``, after Trainer's.
+* ``vocab-beyond``: the tokenizer got a token the model's embedding was never resized for, and every row holds
+  it (the run dies at step 1 with torch's IndexError, as LLaMA-Factory's does without ``resize_vocab``).
 * ``no-trainer``: imports transformers' Trainer and builds none.
 * ``no-train``: builds a trainer and never calls ``train()``.
 
@@ -74,6 +76,8 @@ elif SCENARIO == "crash-loss":
     tt.trainer(OUT, cls=MismatchedLoss, **COMMON).train()
 elif SCENARIO == "crash-init":
     tt.trainer(OUT, cls=BrokenSetup, **COMMON)
+elif SCENARIO == "vocab-beyond":
+    tt.vocab_beyond_trainer(OUT, **COMMON).train()
 elif SCENARIO == "no-trainer":
     print("built no trainer")
 else:

@@ -74,6 +74,18 @@ def trainer(
     )
 
 
+def vocab_beyond_trainer(output_dir, *, callbacks=(), **overrides):
+    """The tiny setup after ``tokenizer.add_special_tokens`` without ``model.resize_token_embeddings``: every row
+    holds the new token near its start, an id the embedding has no row for."""
+    model, tok = setup()
+    tok.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    added = tok.convert_tokens_to_ids("<tool_call>")
+    data = rows(tok, 16)
+    for row in data:
+        row["input_ids"][1] = added
+    return trainer(output_dir, callbacks=callbacks, model=model, tok=tok, data=data, **overrides)
+
+
 def step_losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
