@@ -537,7 +537,10 @@ def test_preflight_fix_and_a_clean_setup_through_the_cli(tmp_path):
     `fix` writes only the verification."""
     folder = str(tiny_model_dir("chatml", "distinct"))
     data = write_jsonl(tmp_path / "train.jsonl", demo_conversations(24))
-    result = cli("fix", "--model", folder, "--dataset", data, "--out", tmp_path / "clean")
+    # a run that trains the answers (TRL's default for `messages` rows, every token, is a prompt-in-loss warning)
+    result = cli(
+        "fix", "--model", folder, "--dataset", data, "--out", tmp_path / "clean", "--loss-on", "completion"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "hf-sanity fix: nothing to fix" in result.stdout
     assert sorted(p.name for p in (tmp_path / "clean").iterdir()) == ["fixes.json", "fixes.md"]
@@ -545,7 +548,7 @@ def test_preflight_fix_and_a_clean_setup_through_the_cli(tmp_path):
     model, tok, _, _, _, _ = planted("stop-token")
     folder = folder_of(tmp_path, model, tok)
     result = cli("preflight", "--model", folder, "--dataset", data, "--fix", "--fix-out", tmp_path / "fixed",
-                 "--json", tmp_path / "report.json")  # fmt: skip
+                 "--json", tmp_path / "report.json", "--loss-on", "completion")  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     (finding,) = json.loads((tmp_path / "report.json").read_text())[
         "findings"

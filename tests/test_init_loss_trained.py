@@ -181,8 +181,9 @@ def test_cli_continued_fine_tuning_is_not_an_error(tmp_path):
         ("new", new_style_rows("chatty", 0), "new-data", "info"),
     ):
         out = tmp_path / f"{name}.json"
+        # the step-0 loss on the answers, as these continued fine-tunes train
         done = cli("preflight", "--model", model, "--dataset", write_jsonl(tmp_path / f"{name}.jsonl", rows),
-                   "--select", RULE, "--json", out)  # fmt: skip
+                   "--select", RULE, "--loss-on", "completion", "--json", out)  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         (finding,) = json.loads(out.read_text())["findings"]
         assert (finding["evidence"]["cause"], finding["severity"]) == (cause, severity), finding["message"]
