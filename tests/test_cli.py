@@ -220,8 +220,9 @@ def test_sharegpt_alpaca_and_json_strings_from_files(model_dir, tmp_path):
         (str(table), [], {"format": "messages", "json_columns": ["messages"]}),
     ]  # fmt: skip
     for data, options, stats in cases:
+        # the loss on the answers, as these runs train (TRL's default for conversations would warn prompt-in-loss)
         result = cli("preflight", "--model", model_dir, "--dataset", data, "--select", "data,tokens",
-                     "--json", out, *options)  # fmt: skip
+                     "--loss-on", "completion", "--json", out, *options)  # fmt: skip
         report = json.loads(out.read_text())
         assert result.returncode == 0 and report["findings"] == [], result.stdout + result.stderr
         assert stats.items() <= report["stats"].items(), report["stats"]
@@ -352,7 +353,8 @@ def test_ignore_model_needs_no_weights(model_dir, data_file, tmp_path):
         if path.suffix != ".safetensors":
             (folder / path.name).write_bytes(path.read_bytes())
     out = tmp_path / "r.json"
-    result = cli("preflight", "--model", folder, "--dataset", data_file, "--ignore", "model", "--json", out)
+    result = cli("preflight", "--model", folder, "--dataset", data_file, "--ignore", "model", "--json", out,
+                 "--loss-on", "completion")  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(out.read_text())
     assert report["findings"] == [] and report["notes"] == [] and report["stats"]["examples"] == 24
