@@ -22,7 +22,7 @@ from typing import Any
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
 from hf_sanity.selection import resolve
-from hf_sanity.training import begin, first_batch, memory, outcome, replay, resume, shards
+from hf_sanity.training import begin, first_batch, memory, outcome, replay, resume, saved, shards
 from hf_sanity.training.budget import Budget
 from hf_sanity.training.generation import GenerationCheck
 from hf_sanity.training.instrument import Instruments, OwnClock, clocked
@@ -192,6 +192,8 @@ class SanityCallback(TrainerCallback, ExportableState):
             with self.sink.guard("callback-sync"):
                 if self.sink.world_size > 1:
                     self._sync(state.global_step, control, final=True)
+            with self.sink.guard("processor-not-saved"):
+                saved.check_last_checkpoint(self, args, state)
             with self.sink.guard("report"):
                 self.report.stats.update(outcome.stats(self, steps=state.global_step))
             with self.sink.guard("report"):

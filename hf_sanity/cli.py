@@ -319,6 +319,22 @@ def preflight_command(
         tokenizer or model, trust_remote_code=trust_remote_code, kind="tokenizer" if tokenizer else "model"
     )
     data = load_dataset_ref(dataset, split)
+    from hf_sanity.drivers.vlm import image_column, load_vision_processor
+
+    pictures = image_column(data)
+    processor = load_vision_processor(model, trust_remote_code=trust_remote_code) if pictures else None
+    if (
+        processor is not None
+    ):  # vision-language rows on a model with an image processor: TRL's trainer reads them
+        if fix:
+            raise UserInputError(
+                "--fix does not repair vision-language data yet; run preflight without --fix"
+            )
+        return _preflight_vlm(
+            model, processor, data, pictures, dataset, max_len=max_len, loss_on=loss_on, sample=sample,
+            select=select, ignore=ignore, show=show, json=json, html=html, rows_out=rows_out,
+            trust_remote_code=trust_remote_code, started=loading,
+        )  # fmt: skip
     eval_data = None
     if eval_dataset:
         eval_data = load_dataset_ref(eval_dataset, eval_split or split)
@@ -366,6 +382,31 @@ def preflight_command(
     if fix:
         _fix(report, inputs, out=fix_out, unsafe=unsafe_fixes, diff=fix_diff, model=model, yours=yours,
              json_path=json if fix_only else None, data_format=_data_format(dataset))  # fmt: skip
+    _finish(report, json, html, rows_out)
+
+
+def _preflight_vlm(model, processor, data, pictures, dataset, *, max_len, loss_on, sample, select, ignore, show,
+                   json, html, rows_out, trust_remote_code, started) -> None:  # fmt: skip
+    """preflight(trainer=) on TRL's SFTTrainer built from the model folder, its processor and the rows whose
+    picture paths are read relative to the data file; the trainer's output folder is a temporary one."""
+    import tempfile
+
+    from hf_sanity.drivers.preflight import preflight
+    from hf_sanity.drivers.vlm import data_folder, vlm_trainer, with_pictures
+
+    data = with_pictures(data, pictures, data_folder(dataset), dataset)
+    with tempfile.TemporaryDirectory(prefix="hf-sanity-vlm-") as scratch:
+        trainer = vlm_trainer(
+            model, processor, data, max_len=max_len, loss_on=loss_on, output_dir=scratch,
+            trust_remote_code=trust_remote_code,
+        )  # fmt: skip
+        loaded = time.perf_counter() - started
+        report = preflight(
+            trainer=trainer, dataset=data, sample=sample, select=select, ignore=ignore, show=show
+        )
+    phases = report.stats.get("seconds_by_phase")
+    if phases is not None:
+        report.stats["seconds_by_phase"] = {"load": round(loaded, 2), **phases}
     _finish(report, json, html, rows_out)
 
 

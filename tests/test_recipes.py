@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import REAL_TOKENIZERS
+
 pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -158,3 +160,28 @@ def test_the_grpo_recipe_runs_clean_and_scores_its_held_out_prompts(tmp_path):
     assert said["stats"]["objective"] == "rl"
     report = json.loads((tmp_path / "out" / "hf-sanity" / "report.json").read_text())
     assert report["stats"]["objective"] == "rl" and report["findings"] == []
+
+
+@pytest.mark.skipif(
+    not (REAL_TOKENIZERS / "qwen2.5-instruct").is_dir(),
+    reason="the tiny LLaVA needs ../shared/real-tokenizers/qwen2.5-instruct",
+)
+def test_the_vlm_recipe_runs_offline_with_no_arguments_and_ends_silent(tmp_path):
+    """`python recipes/vlm_sft.py`: a tiny LLaVA built from its configs, prompt-completion VLM rows, preflight on
+    the trainer's batches, a few SFTTrainer steps watched by the callback; nothing to report, exit 0."""
+    result = subprocess.run(
+        [sys.executable, str(RECIPES / "vlm_sft.py")], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "hf-sanity preflight: no findings" in result.stdout
+    assert "hf-sanity training: no findings" in result.stdout
+    out = tmp_path / "out" / "vlm_sft"
+    report = json.loads((out / "hf-sanity" / "report.json").read_text())
+    assert report["stats"]["steps"] == 8  # the callback watched every step of the run
+    assert [f["rule"] for f in report["findings"] if f["severity"] != "info"] == []
+    # The model and its processor saved together: the folder loads back as one pipeline.
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(out / "final")
+    assert processor.image_processor is not None and processor.chat_template

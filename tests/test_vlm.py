@@ -237,3 +237,51 @@ def test_idefics3_tiles_count_by_resolution_and_the_cut_row_is_found(tmp_path):
     vision = next(f for f in report.findings if f.rule == "vision-tokens-in-loss")
     assert vision.evidence["cause"] == "conversational-default"
     assert "duplicate-examples" not in rules(report)
+
+
+# -- processor-not-saved --------------------------------------------------------------------------------------
+def checkpointed_run(tmp_path, processing_class_of):
+    """The tutorials' setup: transformers' Trainer with the masking collator, two steps, a checkpoint saved at
+    step 2, the trainer's processing_class ``processing_class_of(processor)``; the callback's report and the
+    checkpoint folder. (TRL's SFTTrainer refuses a tokenizer alone on image rows; Trainer takes it.)"""
+    from transformers import Trainer, TrainingArguments
+
+    model, processor = vlm.load_tiny_llava()
+    config = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, report_to=[],
+        save_strategy="steps", save_steps=2, save_only_model=True, use_cpu=True, bf16=False, seed=0,
+        disable_tqdm=True, remove_unused_columns=False,
+    )  # fmt: skip
+    callback = SanityCallback()
+    trainer = Trainer(
+        model=model, args=config, train_dataset=vlm.vlm_messages(8), processing_class=processing_class_of(processor),
+        data_collator=vlm.MaskingCollator(processor), callbacks=[callback],
+    )  # fmt: skip
+    trainer.train()
+    return callback.report, tmp_path / "checkpoint-2"
+
+
+@pytest.mark.planted("processor-not-saved")
+def test_a_trainer_given_the_tokenizer_alone_saves_checkpoints_without_the_image_processor(tmp_path):
+    report, checkpoint = checkpointed_run(tmp_path, lambda processor: processor.tokenizer)
+    assert (checkpoint / "model.safetensors").is_file() and not (
+        checkpoint / "preprocessor_config.json"
+    ).exists()
+    found = [f for f in report.findings if f.rule == "processor-not-saved"]
+    assert len(found) == 1, rules(report)
+    finding = found[0]
+    assert finding.severity == "error" and finding.step == 2
+    assert finding.evidence["cause"] == "tokenizer-only"
+    assert finding.evidence["folder"] == str(checkpoint)
+    assert finding.evidence["missing"] == ["the image processor's config (preprocessor_config.json)"]
+    assert "processing_class=processor" in finding.fix
+    assert "internal-error" not in rules(report)
+
+
+@pytest.mark.clean("processor-not-saved")
+def test_a_trainer_given_the_processor_saves_it_into_each_checkpoint(tmp_path):
+    report, checkpoint = checkpointed_run(tmp_path, lambda processor: processor)
+    from transformers import AutoProcessor
+
+    assert AutoProcessor.from_pretrained(checkpoint).image_processor is not None  # a server can load it
+    assert above_info(report) == []

@@ -403,7 +403,21 @@ class Context:
             batch = batches[0] if batches else None
         if batch is None:
             return None
-        return future_token_leak(self.model, batch, vision_ids=self.modality.vision_ids)
+        return self.unless_image_cut(
+            lambda: future_token_leak(self.model, batch, vision_ids=self.modality.vision_ids)
+        )
+
+    def unless_image_cut(self, forward):
+        """``forward()``, or None when it raises on a VLM batch while ``max_length`` cuts image spans: the model
+        (or TRL's compute_loss) refuses placeholders cut from their features, which `image-span-truncated`
+        reports; no forward of that batch can be measured."""
+        try:
+            return forward()
+        except (ValueError, RuntimeError):
+            spans = self.image_spans if self.modality.is_vision else None
+            if spans is not None and spans.cut:
+                return None
+            raise
 
     @cached_property
     def served(self):
@@ -585,13 +599,14 @@ class Context:
     @cached_property
     def trainer_step(self):
         """What the trainer's own compute_loss makes of its first batch: the loss, and what the model's forward
-        returned inside it (``forwards.trainer_step``); None without a trainer and a batch with labels."""
+        returned inside it (``forwards.trainer_step``); None without a trainer and a batch with labels, or when
+        the batch holds image spans `max_length` cut (`unless_image_cut`)."""
         from hf_sanity.measure.forwards import trainer_step
 
         trainer, batch = self.trainer, self.first_batch
         if trainer is None or batch is None or "labels" not in batch or not hasattr(trainer, "compute_loss"):
             return None
-        return trainer_step(trainer, batch)
+        return self.unless_image_cut(lambda: trainer_step(trainer, batch))
 
     @property
     def trainer_loss(self) -> float | None:

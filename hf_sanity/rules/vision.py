@@ -6,6 +6,8 @@ They judge a run measured vision-language (`hf_sanity.measure.vision`); a text r
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from hf_sanity.catalog import define
@@ -189,4 +191,59 @@ def check_vision_token_budget(ctx):
             "rows": over[:50],
             "rows_checked": spans.rows_checked,
         },
+    )
+
+
+PROCESSOR_NOT_SAVED = define(
+    "processor-not-saved",
+    severity="error",
+    stage="training",
+    symptom="A vision-language checkpoint a server cannot serve as it was trained: the folder holds the weights and "
+    "the tokenizer but not the image processor's settings (resolution, normalisation, image splitting) or the chat "
+    "template that places the pictures, so the server fails to load a processor or builds a default one whose "
+    "pictures become other tokens.",
+    detects="On a vision-language run (`stats.modality`), at train end (SanityCallback): the last checkpoint the "
+    "Trainer saved, for the image processor's config (`preprocessor_config.json`, or `image_processor` in "
+    "`processor_config.json`) and a chat template (`chat_template.jinja` / `.json`, or `chat_template` in the "
+    "tokenizer's or processor's config). Either missing is an error; cause `tokenizer-only` when the trainer's "
+    "`processing_class` is the tokenizer alone (Trainer saves what it is given), `no-processing-class` when it "
+    "has none, else `not-saved`.",
+    fix="Give the trainer the whole processor (`processing_class=processor`, not `processor.tokenizer`): Trainer "
+    "saves it into every checkpoint; or save it beside the weights yourself (`processor.save_pretrained(folder)`).",
+)
+
+
+def is_vision_folder(folder) -> bool:
+    return folder.modality.is_vision
+
+
+@PROCESSOR_NOT_SAVED.detector("saved", applies=is_vision_folder)
+def check_processor_not_saved(folder):
+    missing = []
+    if not folder.has_image_processor:
+        missing.append("the image processor's config (preprocessor_config.json)")
+    if not folder.has_chat_template:
+        missing.append("the chat template")
+    if not missing:
+        return
+    cause = "not-saved" if folder.trainer_has_processor else folder.processing_class or "no-processing-class"
+    fix = None
+    if cause != "not-saved":
+        fix = (
+            f"The trainer's processing_class is {'the tokenizer alone' if cause == 'tokenizer-only' else 'not set'}, "
+            "so its checkpoints get no image processor: pass `processing_class=processor` (the whole processor), or "
+            "`processor.save_pretrained(folder)` beside the weights you serve."
+        )
+    yield PROCESSOR_NOT_SAVED.finding(
+        f"{Path(folder.path).name} lacks {' and '.join(missing)}: a server cannot process pictures the way "
+        "training did",
+        evidence={
+            "cause": cause,
+            "folder": folder.path,
+            "missing": missing,
+            "files": list(folder.files),
+            "step": folder.step,
+        },
+        fix=fix,
+        step=folder.step,
     )
