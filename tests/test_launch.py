@@ -564,7 +564,8 @@ def caught(report: dict, rule: str, evidence: dict) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.clean("training", "curves", "tokens", "trainer", "internal-error")
+# the stages every objective's run checks in 6 steps
+@pytest.mark.clean("training", "trainer", "internal-error")
 @pytest.mark.parametrize("trainer", list(TRL_CASES))
 def test_a_clean_trl_cli_run_is_silent_and_never_stopped(trl_files, tmp_path, trainer):
     result, report, _ = trl(
@@ -597,7 +598,8 @@ def test_a_planted_bug_in_a_trl_cli_run_is_caught_with_its_cause(trl_files, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.clean("tokens", "data", "template", "model", "trainer", "internal-error")
+# the stages every objective's preflight checks (KTO's unpaired rows and GRPO's prompts run no data rule)
+@pytest.mark.clean("tokens", "template", "model", "trainer", "internal-error")
 @pytest.mark.parametrize("trainer", list(TRL_CASES))
 def test_preflight_of_a_clean_trl_cli_command_is_silent_and_trains_nothing(trl_files, tmp_path, trainer):
     result, report, out = trl("preflight", trainer, TRL_CASES[trainer]["clean"], trl_files, tmp_path)
