@@ -33,8 +33,7 @@ def test_two_processes_match_one(tmp_path):
     single = preflight(
         tokenizer=tok,
         dataset=datasets.Dataset.from_list(rows),
-        max_len=40,
-        loss_on="all",
+        max_len=40,  # TRL's default for `messages` rows, every token: prompt-in-loss warns (trainer-default)
         eval_dataset=datasets.Dataset.from_list(demo_conversations(44)[38:]),
         use_config=False,
     )

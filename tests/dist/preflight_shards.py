@@ -15,7 +15,7 @@ def main(out: str) -> None:
     rows[7] = {"messages": []}  # a bad row in the first shard
     rows[33] = rows[25]  # a duplicate across... the same shard
     rows[30] = rows[3]  # and one across shards
-    report = preflight(tokenizer=tok, dataset=datasets.Dataset.from_list(rows), max_len=40, loss_on="all",
+    report = preflight(tokenizer=tok, dataset=datasets.Dataset.from_list(rows), max_len=40,
                        eval_dataset=datasets.Dataset.from_list(demo_conversations(44)[38:]), use_config=False)  # fmt: skip
     import torch.distributed as dist
 
