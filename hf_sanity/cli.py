@@ -81,6 +81,22 @@ AlpacaOpt = Annotated[
     ),
 ]
 TrustOpt = Annotated[bool, typer.Option(help="Allow custom model/tokenizer code.")]
+# The options that shape the checks, declared once: preflight's, and fix's (which passes them on).
+CheckAdapterOpt = Annotated[
+    str | None, typer.Option(help="A saved PEFT adapter folder to check against the model.")
+]
+InferenceTokenizerOpt = Annotated[
+    str | None, typer.Option(help="Tokenizer used at inference, for template parity.")
+]
+TaskOpt = Annotated[
+    str,
+    typer.Option(
+        help="generative, or extractive when answers quote the prompt (extractive QA, RAG with "
+        "citations): the answer in the prompt is then not label-leakage."
+    ),
+]
+SampleOpt = Annotated[int, typer.Option(help="Examples for the model-side checks.")]
+NumProcOpt = Annotated[int | None, typer.Option(help="Processes for tokenization.")]
 AdapterConfigOpt = Annotated[
     Path | None, typer.Option(help="A LoRA adapter_config.json (or its folder) to attach, as in training.")
 ]
@@ -207,24 +223,14 @@ def preflight_command(
     max_len: Annotated[
         int | None, typer.Option(help="Training max_length (truncation keeps the start).")
     ] = None,
-    adapter: Annotated[
-        str | None, typer.Option(help="A saved PEFT adapter folder to check against the model.")
-    ] = None,
-    inference_tokenizer: Annotated[
-        str | None, typer.Option(help="Tokenizer used at inference, for template parity.")
-    ] = None,
+    adapter: CheckAdapterOpt = None,
+    inference_tokenizer: InferenceTokenizerOpt = None,
     loss_on: TrlLossOnOpt = None,
     format: FormatOpt = None,
     alpaca_template: AlpacaOpt = None,
-    task: Annotated[
-        str,
-        typer.Option(
-            help="generative, or extractive when answers quote the prompt (extractive QA, RAG with "
-            "citations): the answer in the prompt is then not label-leakage."
-        ),
-    ] = "generative",
-    sample: Annotated[int, typer.Option(help="Examples for the model-side checks.")] = 256,
-    num_proc: Annotated[int | None, typer.Option(help="Processes for tokenization.")] = None,
+    task: TaskOpt = "generative",
+    sample: SampleOpt = 256,
+    num_proc: NumProcOpt = None,
     trust_remote_code: TrustOpt = False,
     json: JsonOpt = None,
     html: HtmlOpt = None,
@@ -483,17 +489,11 @@ def fix_command(
     loss_on: TrlLossOnOpt = None,
     format: FormatOpt = None,
     alpaca_template: AlpacaOpt = None,
-    task: Annotated[
-        str, typer.Option(help="generative, or extractive when answers quote the prompt (see preflight).")
-    ] = "generative",
-    adapter: Annotated[
-        str | None, typer.Option(help="A saved PEFT adapter folder to check against the model.")
-    ] = None,
-    inference_tokenizer: Annotated[
-        str | None, typer.Option(help="Tokenizer used at inference, for template parity.")
-    ] = None,
-    sample: Annotated[int, typer.Option(help="Examples for the model-side checks.")] = 256,
-    num_proc: Annotated[int | None, typer.Option(help="Processes for tokenization.")] = None,
+    task: TaskOpt = "generative",
+    adapter: CheckAdapterOpt = None,
+    inference_tokenizer: InferenceTokenizerOpt = None,
+    sample: SampleOpt = 256,
+    num_proc: NumProcOpt = None,
     trust_remote_code: TrustOpt = False,
     json: Annotated[
         Path | None, typer.Option("--json", help="Also write what changed and the outcomes as JSON.")
