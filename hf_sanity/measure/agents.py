@@ -515,3 +515,85 @@ def tool_positions(tok, conv: Conversation) -> tuple[list[int], list[int]] | Non
         if end > start and any(start < stop and end > begin for begin, stop in spans)
     ]
     return list(encoded["input_ids"]), positions
+
+
+# -- thinking-mode parity ----------------------------------------------------------------------------------------
+THINKING_SAMPLE = 64  # conversations whose last answer is rendered
+_EMPTY_THINK = None
+
+
+def _empty_think(text: str) -> bool:
+    """``text`` opens with an empty think block (``<think>`` and ``</think>`` with only whitespace between)."""
+    import re
+
+    global _EMPTY_THINK
+    _EMPTY_THINK = _EMPTY_THINK or re.compile(r"\s*<think>\s*</think>")
+    return bool(_EMPTY_THINK.match(text))
+
+
+def no_think_prefill(tok) -> str | None:
+    """What the template's generation prompt adds with ``enable_thinking=False`` beyond the thinking one (Qwen3's
+    ``<think>\\n\\n</think>\\n\\n``); None for a template without such a mode or whose addition is not an empty
+    think block."""
+    template = getattr(tok, "chat_template", None)
+    if not isinstance(template, str) or "enable_thinking" not in template:
+        return None
+    probe = [{"role": "user", "content": "Hi"}]
+    off = render(tok, probe, {}, add_generation_prompt=True, enable_thinking=False)
+    on = render(tok, probe, {}, add_generation_prompt=True, enable_thinking=True)
+    if not off or not on or off == on or not off.startswith(on):
+        return None
+    block = off[len(on) :]
+    return block if _empty_think(block) else None
+
+
+def thinking_parity(ctx) -> dict[str, Any] | None:
+    """The training targets' think blocks against the serving prefill, on the last answer of the first
+    :data:`THINKING_SAMPLE` conversations (rendered as training renders them, with the row's kwargs): how many
+    start with an empty think block, with a thinking one, with none; the block the no-think prefill adds; the
+    mode the rows declare (``enable_thinking`` in their ``chat_template_kwargs``, else None). None when the
+    template has no no-think prefill with an empty block."""
+    tok = ctx.tokenizer
+    block = no_think_prefill(tok)
+    if block is None:
+        return None
+    counts = {"empty": 0, "thinking": 0, "none": 0}
+    rows: dict[str, list[int]] = {key: [] for key in counts}
+    declared: set[Any] = set()
+    for conv in conversations(ctx, range(min(THINKING_SAMPLE, _rows(ctx)))):
+        last = max((k for k, m in enumerate(conv.messages) if m.get("role") == "assistant"), default=None)
+        if last is None or last < conv.first:
+            continue
+        if "enable_thinking" in conv.kwargs:
+            declared.add(conv.kwargs["enable_thinking"])
+        kwargs = conv.kwargs
+        whole = render(tok, conv.messages[: last + 1], kwargs)
+        head = render(
+            tok, conv.messages[:last], {**kwargs, "enable_thinking": True}, add_generation_prompt=True
+        )
+        if not whole or not head or not whole.startswith(head):
+            continue
+        turn = whole[len(head) :]
+        kind = (
+            "empty" if _empty_think(turn) else "thinking" if turn.lstrip().startswith(THINK_OPEN) else "none"
+        )
+        counts[kind] += 1
+        rows[kind].append(conv.index)
+    judged = sum(counts.values())
+    if not judged:
+        return None
+    return {
+        "no_think_prefill": block,
+        "turns": judged,
+        "empty_block": counts["empty"],
+        "thinking": counts["thinking"],
+        "no_block": counts["none"],
+        "rows_no_block": rows["none"][:10],
+        "rows_empty_block": rows["empty"][:10],
+        "declared_enable_thinking": sorted(declared, key=str)[0] if len(declared) == 1 else None,
+    }
+
+
+def _rows(ctx) -> int:
+    source = _source(ctx)
+    return len(source[0]) if source is not None else 0
