@@ -86,7 +86,8 @@ class SamplerProbe:
         return {"sampler_probe": facts} if facts is not None else {}
 
     def stats(self) -> dict[str, Any]:
-        return {"probes": self.probes, "skipped": self.budget.skipped, "initial_policy": self.initial_source,
+        return {"probes": self.probes, "skipped": self.budget.skipped, "seconds": round(self.budget.spent, 4),
+                "initial_policy": self.initial_source,
                 **self.setup}  # fmt: skip
 
 
