@@ -20,7 +20,7 @@ def length_reward(completions, **kwargs):
     return [-abs(len(t) - 30) / 30 for t in texts]
 
 
-def trainer(out: str, steps: int, callbacks=()):
+def trainer(out: str, steps: int, callbacks=(), rollout_func=None):
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -50,6 +50,7 @@ def trainer(out: str, steps: int, callbacks=()):
         train_dataset=datasets.Dataset.from_list(demo_rl_prompts(64, seed=3)),
         processing_class=AutoTokenizer.from_pretrained(folder),
         callbacks=list(callbacks),
+        rollout_func=rollout_func,
     )
 
 
@@ -118,6 +119,66 @@ def preflight_cost() -> dict:
         "dry_run_s": stats["reward_dry_run"]["seconds"],
         "dry_run_completions": sum(stats["reward_dry_run"]["completions"].values()),
         "findings": ", ".join(f.rule for f in report.findings) or "none",
+    }
+
+
+def live_rollout(prompts, trainer):
+    """A rollout_func sampling the live policy at the trainer's temperature and returning its own log-probs (the
+    clean case of `sampler-mismatch`: what a user's wrapper around their sampler returns)."""
+    import torch
+
+    tok, model, t = trainer.processing_class, trainer.model, trainer.args.temperature
+    texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    enc = tok(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(**enc, do_sample=True, temperature=t, top_k=0, top_p=1.0,
+                             max_new_tokens=trainer.args.max_completion_length, pad_token_id=tok.pad_token_id)  # fmt: skip
+        width = enc["input_ids"].shape[1]
+        completions = out[:, width:]
+        mask = torch.cat([enc["attention_mask"], torch.ones_like(completions)], dim=1)
+        logits = model(input_ids=out, attention_mask=mask).logits[:, width - 1 : -1].float() / t
+        logps = torch.log_softmax(logits, -1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+    model.train(was)
+    result = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+    for i in range(len(prompts)):
+        ids = completions[i].tolist()
+        n = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else len(ids)
+        result["prompt_ids"].append(
+            [x for x, m in zip(enc["input_ids"][i].tolist(), enc["attention_mask"][i].tolist()) if m]
+        )
+        result["completion_ids"].append(ids[:n])
+        result["logprobs"].append(logps[i, :n].tolist())
+    return result
+
+
+def sampler_probe_cost(steps: int = 200) -> dict:
+    """The rescoring probe of `sampler-mismatch` on a GRPO run whose rollout_func samples the live policy:
+    its seconds (the probe's own budget clock) against the run's wall time, with SanityCallback's defaults
+    (probe_every=50)."""
+    import os
+
+    from hf_sanity import SanityCallback
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    cb = SanityCallback(use_config=False, print_findings=False)
+    with tempfile.TemporaryDirectory() as out:
+        run_ = trainer(out, steps, [cb], rollout_func=live_rollout)
+        started = time.perf_counter()
+        run_.train()
+        wall = time.perf_counter() - started
+    probe = cb.report.stats.get("sampler_probe", {})
+    return {
+        "setup": "GRPO + rollout_func (live policy), tiny 0.2M, batch 8, G=4, 32 tokens",
+        "steps": steps,
+        "wall_s": wall,
+        "probes": probe.get("probes"),
+        "probes_skipped": probe.get("skipped"),
+        "probe_s": probe.get("seconds"),
+        "probe_share": (probe.get("seconds") or 0.0)
+        / wall,  # a fraction: run.py adds the router probe's to it
+        "findings": ", ".join(f.rule for f in cb.report.findings if f.severity != "info") or "none",
     }
 
 

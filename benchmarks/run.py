@@ -1,6 +1,6 @@
 """`make bench`: every benchmark of hf-sanity, printed as tables (figures go to docs/benchmarks.md).
 
-python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference|rl|moe]
+python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference|rl|moe|agents]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat (a smoke run)")
     parser.add_argument(
         "--only",
-        choices=["preflight", "model", "callback", "overfit", "outputs", "preference", "rl", "moe"],
+        choices=["preflight", "model", "callback", "overfit", "outputs", "preference", "rl", "moe", "agents"],
         default=None,
     )
     args = parser.parse_args()
@@ -88,6 +88,21 @@ def main() -> None:
         row = moe_overhead.run(quick=args.quick)
         print("SanityCallback on a mixture-of-experts SFT run: the router probe against the run's wall time")
         print(table([row]), "\n")
+        from benchmarks import rl_overhead
+
+        sampler = rl_overhead.sampler_probe_cost(steps=40 if args.quick else 200)
+        print(
+            "SanityCallback on a GRPO run with a rollout_func: the rescoring probe against the run's wall time"
+        )
+        print(table([sampler]), "\n")
+        together = float(row["probe_forwards_share"].rstrip("%")) / 100 + sampler["probe_share"]
+        print("The router probe (with the probe forwards it rides on) and the rescoring probe together")
+        print(table([{"router_and_rescoring_share": f"{together:.3%}", "target": "<= 1%"}]), "\n")
+    if args.only in (None, "agents"):
+        from benchmarks import agents_speed
+
+        print("preflight's agent and reasoning rules against the scan (encoding) on tool conversations")
+        print(table([agents_speed.run(quick=args.quick)]), "\n")
     if args.only in (None, "overfit"):
         from benchmarks import protocol_speed
 

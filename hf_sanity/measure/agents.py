@@ -427,3 +427,173 @@ def prefix_preserving(ctx) -> dict[str, Any] | None:
             broken.append(conv.index)
             first = first or {"row": conv.index, **found}
     return {"multi_turn_rows": len(multi), "checked": checked, "broken": broken, "first": first}
+
+
+# -- tool results in the loss ----------------------------------------------------------------------------------
+TOOL_ROLES = ("tool", "ipython", "function")  # the roles of a tool's result (formats.ROLES' aliases)
+TOOL_SAMPLE = 64  # rows with tool turns measured
+TOOL_SCAN = 512  # rows looked at for them
+
+
+def tool_turns_trained(ctx, indices) -> dict[str, Any] | None:
+    """Of the encoded rows ``indices`` (the trainer's, with a trainer: its batches, in the order its loader drew
+    them), those that render from a conversation with tool results (the first :data:`TOOL_SAMPLE` of the first
+    :data:`TOOL_SCAN` conversations): the tokens of those results and how many of them carry loss. A row is
+    matched to its conversation by its ids (the rendered text tokenized, a leading BOS aside), a result located by
+    its content in that text and mapped to tokens by the tokenizer's offsets. None when no conversation has a
+    tool turn."""
+    from hf_sanity.constants import IGNORE_INDEX
+
+    source = _source(ctx)
+    if source is None:
+        return None
+    convs = [
+        c
+        for c in conversations(ctx, range(min(TOOL_SCAN, len(source[0]))))
+        if any(m.get("role") in TOOL_ROLES for m in c.messages)
+    ][:TOOL_SAMPLE]
+    if not convs:
+        return None
+    by_ids: dict[tuple[int, ...], int] = {}
+    for i in [int(i) for i in list(indices)[:TOOL_SCAN]]:
+        ids = tuple(ctx.row(i)["input_ids"])
+        by_ids.setdefault(ids, i)
+        by_ids.setdefault(ids[1:], i)  # a BOS the encoder put before the template's text
+    measured = tokens = supervised = 0
+    trained: list[int] = []
+    first: tuple[int, int] | None = None
+    for conv in convs:
+        found = tool_positions(ctx.tokenizer, conv)
+        if found is None or tuple(found[0]) not in by_ids:
+            continue
+        own, positions = found
+        index = by_ids[tuple(own)]
+        row = ctx.row(index)
+        shift = len(row["input_ids"]) - len(own)
+        measured += 1
+        tokens += len(positions)
+        carried = [p + shift for p in positions if row["labels"][p + shift] != IGNORE_INDEX]
+        supervised += len(carried)
+        if carried:
+            trained.append(index)
+            first = first or (index, carried[0])
+    return {
+        "rows_with_tool_turns": len(convs),
+        "rows_measured": measured,
+        "tool_tokens": tokens,
+        "tool_tokens_supervised": supervised,
+        "rows_trained": trained[:10],
+        "rows_trained_count": len(trained),
+        "first": list(first) if first else None,
+    }
+
+
+def tool_positions(tok, conv: Conversation) -> tuple[list[int], list[int]] | None:
+    """(the ids of ``conv`` as its template renders it, the positions among them of its tool results' tokens);
+    None when the template rejects it or the tokenizer gives no offsets."""
+    text = render(tok, conv.messages, conv.kwargs)
+    if not text:
+        return None
+    try:
+        encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError):  # a slow tokenizer has no offsets
+        return None
+    spans, cursor = [], 0
+    for message in conv.messages:
+        content = message.get("content")
+        if not isinstance(content, str) or not content:
+            continue
+        at = text.find(content, cursor)
+        if at < 0:
+            continue
+        if message.get("role") in TOOL_ROLES:
+            spans.append((at, at + len(content)))
+        cursor = at + len(content)
+    positions = [
+        i
+        for i, (start, end) in enumerate(encoded["offset_mapping"])
+        if end > start and any(start < stop and end > begin for begin, stop in spans)
+    ]
+    return list(encoded["input_ids"]), positions
+
+
+# -- thinking-mode parity ----------------------------------------------------------------------------------------
+THINKING_SAMPLE = 64  # conversations whose last answer is rendered
+_EMPTY_THINK = None
+
+
+def _empty_think(text: str) -> bool:
+    """``text`` opens with an empty think block (``<think>`` and ``</think>`` with only whitespace between)."""
+    import re
+
+    global _EMPTY_THINK
+    _EMPTY_THINK = _EMPTY_THINK or re.compile(r"\s*<think>\s*</think>")
+    return bool(_EMPTY_THINK.match(text))
+
+
+def no_think_prefill(tok) -> str | None:
+    """What the template's generation prompt adds with ``enable_thinking=False`` beyond the thinking one (Qwen3's
+    ``<think>\\n\\n</think>\\n\\n``); None for a template without such a mode or whose addition is not an empty
+    think block."""
+    template = getattr(tok, "chat_template", None)
+    if not isinstance(template, str) or "enable_thinking" not in template:
+        return None
+    probe = [{"role": "user", "content": "Hi"}]
+    off = render(tok, probe, {}, add_generation_prompt=True, enable_thinking=False)
+    on = render(tok, probe, {}, add_generation_prompt=True, enable_thinking=True)
+    if not off or not on or off == on or not off.startswith(on):
+        return None
+    block = off[len(on) :]
+    return block if _empty_think(block) else None
+
+
+def thinking_parity(ctx) -> dict[str, Any] | None:
+    """The training targets' think blocks against the serving prefill, on the last answer of the first
+    :data:`THINKING_SAMPLE` conversations (rendered as training renders them, with the row's kwargs): how many
+    start with an empty think block, with a thinking one, with none; the block the no-think prefill adds; the
+    mode the rows declare (``enable_thinking`` in their ``chat_template_kwargs``, else None). None when the
+    template has no no-think prefill with an empty block."""
+    tok = ctx.tokenizer
+    block = no_think_prefill(tok)
+    if block is None:
+        return None
+    counts = {"empty": 0, "thinking": 0, "none": 0}
+    rows: dict[str, list[int]] = {key: [] for key in counts}
+    declared: set[Any] = set()
+    for conv in conversations(ctx, range(min(THINKING_SAMPLE, _rows(ctx)))):
+        last = max((k for k, m in enumerate(conv.messages) if m.get("role") == "assistant"), default=None)
+        if last is None or last < conv.first:
+            continue
+        if "enable_thinking" in conv.kwargs:
+            declared.add(conv.kwargs["enable_thinking"])
+        kwargs = conv.kwargs
+        whole = render(tok, conv.messages[: last + 1], kwargs)
+        head = render(
+            tok, conv.messages[:last], {**kwargs, "enable_thinking": True}, add_generation_prompt=True
+        )
+        if not whole or not head or not whole.startswith(head):
+            continue
+        turn = whole[len(head) :]
+        kind = (
+            "empty" if _empty_think(turn) else "thinking" if turn.lstrip().startswith(THINK_OPEN) else "none"
+        )
+        counts[kind] += 1
+        rows[kind].append(conv.index)
+    judged = sum(counts.values())
+    if not judged:
+        return None
+    return {
+        "no_think_prefill": block,
+        "turns": judged,
+        "empty_block": counts["empty"],
+        "thinking": counts["thinking"],
+        "no_block": counts["none"],
+        "rows_no_block": rows["none"][:10],
+        "rows_empty_block": rows["empty"][:10],
+        "declared_enable_thinking": sorted(declared, key=str)[0] if len(declared) == 1 else None,
+    }
+
+
+def _rows(ctx) -> int:
+    source = _source(ctx)
+    return len(source[0]) if source is not None else 0

@@ -45,7 +45,10 @@ PROMPT_IN_LOSS = define(
     "completion of prompt-completion rows; `--loss-on` says otherwise). Cause `trainer-default`: the trainer's "
     "default puts the prompt in the loss and nothing says it is intended (a warning); `mask-not-applied`: "
     "completion or assistant loss was asked for (`--loss-on`, the trainer's config) and the prompt still "
-    "carries loss (an error); `labels`: the labels the rows or the collator bring. Silent with `--loss-on all` "
+    "carries loss (an error); `labels`: the labels the rows or the collator bring; `tool-turns-trained`: where "
+    "the loss is meant for some tokens only (a mask asked for, or the rows' or a collator's labels), tokens of "
+    "`tool` results carry loss, whatever their share (located by their content in the rendered text, in up to "
+    "64 rows with tool turns; an error when a mask was asked for). Silent with `--loss-on all` "
     "(or `completion_only_loss=False`): every token is then intended. A packed row that starts inside an answer "
     "(split across rows by the packing) starts with the rest of that answer, not with a prompt. In a "
     "vision-language run the image placeholders count as neither prompt nor answer (`vision-tokens-in-loss` "
@@ -95,13 +98,25 @@ def check_prompt_in_loss(ctx):
     prompt_tokens = int(prompt_sup[located].sum())
     supervised = int(supervised_by_row[located].sum())
     share = prompt_tokens / max(supervised, 1)
-    if share <= PROMPT_SHARE_THRESHOLD:
+    tools = _tool_turns(ctx, mask, located)
+    tool_trained = bool(tools and tools["tool_tokens_supervised"])
+    if share <= PROMPT_SHARE_THRESHOLD and not tool_trained:
         return
     affected = located & (prompt_sup > 0)
     if not affected.any():
         return
     rows = ctx.first(affected)
-    if mask.trainer_default_all:
+    if tool_trained:
+        cause, severity = "tool-turns-trained", "error" if mask.asked else None
+        fix = TOOL_TURNS_FIX
+        said = (
+            f": {tools['tool_tokens_supervised']:,} of them in tool results ({tools['rows_trained_count']} of "
+            f"{tools['rows_measured']} rows with tool turns measured)"
+            + (f", although {mask.mode} loss was asked for ({mask.why})" if mask.asked else "")
+            + ": the model learns to write what the tools return"
+        )
+        rows = tools["rows_trained"] or rows
+    elif mask.trainer_default_all:
         cause, severity = "trainer-default", "warning"
         fix = TRAINER_DEFAULT_FIX.get(ctx.fmt, TRAINER_DEFAULT_FIX["text"])
         said = (
@@ -125,12 +140,30 @@ def check_prompt_in_loss(ctx):
             "rows": rows,
             "examples_affected": int((prompt_sup[located] > 0).sum()),
             "loss_mask": mask.describe(),
+            **({"tool_turns": tools} if tools else {}),
         },
         example=ctx.view(rows[0], focus=_first_prompt_loss(ctx, rows[0])),
         rows=affected,
         severity=severity,
         fix=fix,
     )
+
+
+TOOL_TURNS_FIX = (
+    "Keep the tool results out of the loss: with `assistant_only_loss=True` the template's `{% generation %}` "
+    "markers must wrap the assistant's turns only (TRL's training templates in trl/chat_templates/ leave the "
+    "`tool` turns outside them); with your own labels or collator, set the labels of every `tool` turn to -100."
+)
+
+
+def _tool_turns(ctx, mask, located) -> dict | None:
+    """The tool results' tokens and their loss, where the loss is meant for some tokens only (a mask asked for, or
+    the labels the rows or a collator bring): `hf_sanity.measure.agents.tool_turns_trained`."""
+    if mask.mode == "all":
+        return None
+    from hf_sanity.measure import agents
+
+    return agents.tool_turns_trained(ctx, np.flatnonzero(located))
 
 
 def _first_prompt_loss(ctx, index: int) -> int | None:

@@ -32,6 +32,7 @@ class ObjectiveFeed:
         kinds = ("preference", "preference-unpaired", "reward", "rl")
         self.active = trainer is not None and objective is not None and objective.kind in kinds
         self.drift: PolicyDrift | None = None
+        self.sampler = None  # the rescoring probe of an RL run's sampler (`hf_sanity.training.sampler`)
         # What an RL run's reward dry run found at train begin (or why it did not run).
         self.dry_run: dict[str, Any] | str | None = None
 
@@ -69,6 +70,11 @@ class ObjectiveFeed:
                 self.sink.report.notes.extend(run.notes())
         if not self.objective.beta and measures("policy_kl") and self.sink.world_size == 1:
             self.drift = PolicyDrift(self.trainer)  # its baseline: at the first update (before_update)
+        if measures("sampler_probe") and self.sink.world_size == 1 and _samples_elsewhere(self.trainer):
+            with self.sink.guard("sampler-mismatch"):
+                from hf_sanity.training.sampler import SamplerProbe
+
+                self.sampler = SamplerProbe(self.trainer, self.every)
         return values
 
     def stats(self) -> dict[str, Any]:
@@ -76,6 +82,8 @@ class ObjectiveFeed:
         if not self.active or self.objective.kind != "rl":
             return {}
         out: dict[str, Any] = {"kl_probe": self.drift is not None}
+        if self.sampler is not None:
+            out["sampler_probe"] = self.sampler.stats()
         if self.dry_run is not None:
             out["reward_dry_run"] = self.dry_run
         return out
@@ -94,6 +102,9 @@ class ObjectiveFeed:
         if self.drift is not None and self.drift.batch is None:
             with sink.guard("kl-spike"):
                 self.drift.start()
+        if self.sampler is not None:
+            with sink.guard("sampler-mismatch"):
+                self.sampler.before_update()
 
     def step_end(self, step: int, monitors, sink) -> None:
         """The callback's end of step: the first step's metrics to the monitors; every ``every`` steps, an RL run's
@@ -104,6 +115,9 @@ class ObjectiveFeed:
         if self.drift is not None and step % self.every == 0:
             with sink.guard("kl-spike"):
                 monitors.feed(step, {"policy_kl": self.drift.measure()})
+        if self.sampler is not None:
+            with sink.guard("sampler-mismatch"):
+                monitors.feed(step, self.sampler.take())
 
     def log(self, step: int, logs: dict[str, Any] | None, monitors, sink) -> None:
         """The callback's log: the logged numbers to the monitors (and an RL run's latest rollouts)."""
@@ -124,6 +138,11 @@ class ObjectiveFeed:
             k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
         return {"logs": numbers} if "loss" in numbers or len(numbers) > 2 else {}
+
+
+def _samples_elsewhere(trainer) -> bool:
+    """The trainer samples through a ``rollout_func`` or vLLM: its rollouts come with the sampler's log-probs."""
+    return getattr(trainer, "rollout_func", None) is not None or bool(getattr(trainer, "use_vllm", False))
 
 
 class PolicyDrift:
