@@ -26,7 +26,8 @@ def rollout_func(source=None, *, temperature=None, top_p=None, retokenize=False)
     """A rollout_func as a user writes one around their own sampler: it samples each prompt from ``source`` (the
     live policy when None) at ``temperature`` (the trainer's when None) and returns the ids with their log-probs;
     ``top_p``: renormalised over the nucleus, as a sampler reports them; ``retokenize``: the ids re-encoded from
-    the decoded text."""
+    the decoded text (``"cropped"``: and the log-probs cropped, or padded with their last, to the new count, so
+    that ids and log-probs agree in number)."""
 
     def rollout(prompts, trainer):
         model = source if source is not None else trainer.model
@@ -55,10 +56,12 @@ def rollout_func(source=None, *, temperature=None, top_p=None, retokenize=False)
             n = ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else len(ids)
             kept = [t for t, m in zip(enc["input_ids"][i].tolist(), enc["attention_mask"][i].tolist()) if m]
             result["prompt_ids"].append(kept)
-            result["completion_ids"].append(
-                tok.encode(tok.decode(ids[:n]), add_special_tokens=False) if retokenize else ids[:n]
-            )
-            result["logprobs"].append(logps[i, :n].tolist())
+            kept_ids = tok.encode(tok.decode(ids[:n]), add_special_tokens=False) if retokenize else ids[:n]
+            kept_logps = logps[i, :n].tolist()
+            if retokenize == "cropped":
+                kept_logps = (kept_logps + kept_logps[-1:] * len(kept_ids))[: len(kept_ids)]
+            result["completion_ids"].append(kept_ids)
+            result["logprobs"].append(kept_logps)
         return result
 
     return rollout
@@ -126,6 +129,20 @@ def test_completion_ids_re_encoded_from_their_text(tmp_path):
     assert finding.evidence["rows_logprob_count_differs"] >= 1
 
 
+@pytest.mark.planted("sampler-mismatch")
+def test_re_encoded_ids_with_their_log_probs_cropped_to_the_new_count(tmp_path):
+    """Ids and log-probs agree in number, so the count does not give it away: each completion matches the policy
+    up to its first re-encoded token and is off by nats from there."""
+    cb, _ = grpo(
+        tmp_path, lambda source: rollout_func(retokenize="cropped"), max_steps=4, folder=setups.folder()
+    )
+    (finding,) = found(cb, "sampler-mismatch")
+    evidence = finding.evidence
+    assert evidence["cause"] == "retokenized", evidence
+    assert evidence["rows_logprob_count_differs"] == 0 and evidence["rows_matched_then_broken"] >= 2
+    assert "cropped" in finding.message
+
+
 # -- without a trainer -------------------------------------------------------------------------------------
 def batch_of(model, temperature, *, sample_temperature=None, rows=4, width=10, prompt=6, seed=0):
     """A TRL rollout batch of random prompts and completions sampled from ``model`` at ``sample_temperature``,
@@ -156,11 +173,20 @@ def test_the_rescoring_probe_measures_a_sampler_without_a_trainer():
     same = sampler.sampler_facts(model, batch_of(model, 1.0), 1.0)
     assert same["gap_mean"] < 1e-3 and 0.999 < same["sequence_ratio_mean"] < 1.001 and same["tokens"] == 40
     assert "apparent_temperature" not in same and same["rows_logprob_count_differs"] == 0
+    assert same["rows_matched_then_broken"] == 0
     assert cause_of({**same, "gap_mean": 0.0}) == "no-correction"  # nothing to explain: nothing named
 
     hot = sampler.sampler_facts(model, batch_of(model, 1.0, sample_temperature=0.5), 1.0)
     assert hot["gap_mean"] > 0.05 and hot["apparent_temperature"] == pytest.approx(0.5, rel=0.1)
     assert cause_of(hot) == "temperature" and hot["first_token_ratio"] < 0.9
+    assert hot["rows_matched_then_broken"] == 0  # a temperature moves the first token too
+
+    shifted = batch_of(model, 1.0)  # each row's ids changed at its 4th token, the log-probs kept as sampled
+    shifted["completion_ids"] = shifted["completion_ids"].clone()
+    shifted["completion_ids"][:, 3:] = torch.roll(shifted["completion_ids"][:, 3:], 1, dims=1)
+    broken = sampler.sampler_facts(model, shifted, 1.0)
+    assert broken["rows_logprob_count_differs"] == 0 and broken["rows_matched_then_broken"] >= 3
+    assert cause_of(broken) == "retokenized"
 
     stale = copy.deepcopy(model)
     with torch.no_grad():

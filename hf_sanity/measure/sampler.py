@@ -16,8 +16,10 @@ policy, without grad in eval mode, everything restored. From the completion posi
   and the same gap against an earlier policy (``initial_gap``: the reference model, the adapter disabled, or a
   copy of the weights the run started from, whichever the caller hands in);
 - token integrity: rows whose sampled log-probs and completion ids differ in count (the ids were changed after
-  sampling: a decode and re-encode merges or splits tokens), and the share of completions whose ids change on a
-  decode/encode round trip (``round_trip_changed``).
+  sampling: a decode and re-encode merges or splits tokens), rows whose log-probs match the policy's up to a token
+  and are far off from there on (``rows_matched_then_broken``: ids changed after sampling with the log-probs
+  cropped or padded to the new count; a weight, temperature or top-p difference moves the first tokens too), and the share of completions whose ids change on a decode/encode round trip
+  (``round_trip_changed``).
 
 Cost: one forward of :data:`ROWS` sequences, a second with an earlier policy when the gap needs explaining, and a
 few dozen log-softmaxes over the probe's completion tokens (at most ROWS x the completion length rows).
@@ -33,6 +35,10 @@ ROWS = 4  # completions rescored per probe
 EXPLAIN_ABOVE = 0.01  # nat/token: a smaller gap is roundoff (fp32 ~0.002, bf16 ~0.03): nothing to explain
 # Temperatures tried for the apparent one (log-spaced 0.25 .. 4, the trainer's own and 1.0 added).
 TEMPERATURES = tuple(round(0.25 * 2 ** (i / 6), 4) for i in range(25))
+# A row is "matched then broken" when its first tokens' sampled log-probs are each within MATCHED of the policy's
+# (bf16 roundoff is ~0.03 a token) and the tokens from the first one past MATCHED on are off by BROKEN_RATIO times
+# the matched ones' mean gap and by 2 x MATCHED at least: from there they are other tokens' log-probs.
+MATCHED, BROKEN_RATIO = 0.05, 4.0
 TOP_PS = (0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99)
 
 
@@ -129,6 +135,7 @@ def compare(sampled, policy, mask) -> dict[str, Any]:
     first_ratio = torch.stack([(-delta[kept][i, j]).exp() for i, j in enumerate(first)]) if first else None
     flat = delta[mask]
     return {
+        "rows_matched_then_broken": matched_then_broken(delta, mask),
         "tokens": int(mask.sum()),
         "sequences": int(kept.sum()),
         "gap_mean": float(flat.abs().mean()),
@@ -140,6 +147,22 @@ def compare(sampled, policy, mask) -> dict[str, Any]:
         "sequence_ratio_max": float(ratios.max()),
         "first_token_ratio": float(first_ratio.mean()) if first_ratio is not None else None,
     }
+
+
+def matched_then_broken(delta, mask) -> int:
+    """Rows whose first kept tokens match the policy's log-probs (each within :data:`MATCHED`) and whose tokens
+    from the first unmatched one on are far off (see :data:`BROKEN_RATIO`): from there the log-probs belong to
+    other ids (see the module docstring)."""
+    count = 0
+    for row, kept in zip(delta.abs().tolist(), mask.tolist(), strict=True):
+        gaps = [g for g, k in zip(row, kept, strict=True) if k]
+        split = next((i for i, g in enumerate(gaps) if g > MATCHED), None)
+        if not split:  # no matched prefix, or nothing unmatched
+            continue
+        matched, rest = sum(gaps[:split]) / split, sum(gaps[split:]) / (len(gaps) - split)
+        if rest >= max(2 * MATCHED, BROKEN_RATIO * matched):
+            count += 1
+    return count
 
 
 def logprob_counts(rows: Mapping[str, Any]) -> tuple[list[int], list[int]]:

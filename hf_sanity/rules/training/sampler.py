@@ -40,7 +40,9 @@ SAMPLER_MISMATCH = define(
     "temperature, as TRL scores them). Flagged at 2 probes in a row with a mean absolute gap above 0.05 "
     "nat/token or a mean per-token sequence ratio exp(mean(policy - sampled)) outside [0.9, 1.1]; an error when "
     "no importance correction is applied. Causes: `retokenized` (a completion's ids and its log-probs differ in "
-    "count: the ids were decoded and re-encoded after sampling), `stale-weights` (an earlier policy fits the "
+    "count, or, where nothing else explains the gap, at least half the completions match the policy token for "
+    "token (within 0.05 nat) up to a token from which they are far off (4 times the matched tokens' gap, 0.1 at "
+    "least): the ids were decoded and re-encoded after sampling and the log-probs cropped to them), `stale-weights` (an earlier policy fits the "
     "sampled log-probs: the reference model, the adapter disabled, or a copy of the starting weights kept for "
     "models up to 100M parameters), `temperature` (the log-softmax at another temperature fits them: the first "
     "token's ratio shows it most), `top-p` (log-probs renormalised over a nucleus: above the policy's on nearly "
@@ -114,10 +116,19 @@ def cause_of(facts: Mapping[str, Any]) -> str:
         facts.get("delta_mean", 0) > GAP and facts.get("above_share", 0) >= ABOVE
     ):
         return "top-p"
+    if facts.get("rows_matched_then_broken", 0) * 2 >= max(facts.get("sequences", 0), 1):
+        return "retokenized"
     return "unknown" if facts.get("importance_correction") else "no-correction"
 
 
 def explain(cause: str, facts: Mapping[str, Any]) -> str:
+    if cause == "retokenized" and not facts.get("rows_logprob_count_differs"):
+        return (
+            f"{facts['rows_matched_then_broken']} of {facts['sequences']} completions match the policy token for "
+            "token up to a token from which they are far off: the ids were changed after sampling "
+            "(decoded and re-encoded) and the log-probs cropped to them, so from there they belong to tokens "
+            "never trained on"
+        )
     if cause == "retokenized":
         first = (facts.get("logprob_counts") or [[None, None]])[0]
         return (
