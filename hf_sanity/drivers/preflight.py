@@ -200,6 +200,10 @@ def preflight(
         report.stats.update(ctx.encoder.layout.describe(ctx.dataset))
         if task != "generative":
             report.stats["task"] = task
+    if trainer is not None:  # the trainer read, and the framework that built it
+        from hf_sanity.measure.frameworks import trainer_facts
+
+        report.stats["trainer"] = trainer_facts(trainer)
     if ctx.objective.is_sft:  # which tokens carry loss, and what decided it (the header line says it too)
         report.stats["loss_mask"] = ctx.loss_mask.describe()
         report.header = ctx.loss_mask.line()

@@ -11,6 +11,7 @@ import itertools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure import loss_mask
 from hf_sanity.measure.context import Context
@@ -82,9 +83,11 @@ def batches_context(
     from hf_sanity.measure.vision import row_image_digests
 
     rows: list[dict[str, list[int]]] = []
+    first_rows: list[dict[str, list[int]]] | None = None
     digests: list[str | None] | None = [] if modality is not None and modality.is_vision else None
     for batch in batches:
         batch_of = batch_rows(batch)
+        first_rows = batch_of if first_rows is None else first_rows
         rows.extend(batch_of)
         if digests is not None:
             per_row = row_image_digests(batch, modality)
@@ -104,7 +107,7 @@ def batches_context(
         tokenizer=tokenizer,
         dataset=data,
         fmt="tokens",
-        options=EncodeOptions(fmt="tokens", max_len=max_len, **trainer_cuts(trainer)),
+        options=EncodeOptions(fmt="tokens", max_len=max_len, **trainer_cuts(trainer, first_rows, tokenizer)),
         loss_mask=loss_mask.of_trainer(trainer) if trainer is not None else None,
         model=model,
         trainer=trainer,
@@ -119,8 +122,10 @@ def batches_context(
 
 
 def trainer_max_len(trainer) -> int | None:
-    args = trainer.args
-    return getattr(args, "max_length", None) or getattr(args, "max_seq_length", None)
+    """The length the trainer's framework cuts each row to, where its arguments say (`frameworks.configured_cut`)."""
+    from hf_sanity.measure.frameworks import configured_cut
+
+    return configured_cut(trainer)
 
 
 # TRL's packing strategies that cut examples across rows: the rest of a cut example goes on in the next row
@@ -128,19 +133,39 @@ def trainer_max_len(trainer) -> int | None:
 CUTTING_PACKINGS = ("wrapped", "bfd_split")
 
 
-def trainer_cuts(trainer) -> dict[str, int | None]:
+def trainer_cuts(
+    trainer, first_rows: list[dict[str, list[int]]] | None = None, tokenizer=None
+) -> dict[str, Any]:
     """Where the trainer cut the rows hf-sanity sees (see ``EncodeOptions``): ``arrived_cut_at``, the length
-    TRL's SFTTrainer truncates each example to, keeping its start (no packing, or packing "bfd", which
-    truncates each example before packing it); ``packed_cut_at``, the row length of a packing that cuts
-    examples into pieces continued in the next row. Without a trainer (or its arguments): neither."""
+    its framework truncates each example to, keeping its start (TRL's SFTTrainer without packing, or with
+    packing "bfd", which truncates each example before packing it; Axolotl's `sequence_len`); where the
+    arguments do not say (LLaMA-Factory's `cutoff_len`), read off ``first_rows``, the first batch's rows
+    (`frameworks.batch_cut`); ``packed_cut_at``, the row length of a packing that cuts examples into pieces
+    continued in the next row. Without a trainer (or its arguments): neither."""
+    from hf_sanity.measure import frameworks
+
     args = getattr(trainer, "args", None)
-    cuts: dict[str, int | None] = {"arrived_cut_at": None, "packed_cut_at": None}
+    cuts: dict[str, Any] = {"arrived_cut_at": None, "packed_cut_at": None, "arrived_cut_source": None}
     if args is None or getattr(args, "truncation_mode", "keep_start") != "keep_start":
         return cuts
     if getattr(args, "packing", False) and getattr(args, "packing_strategy", "bfd") in CUTTING_PACKINGS:
         cuts["packed_cut_at"] = trainer_max_len(trainer)
-    else:
-        cuts["arrived_cut_at"] = trainer_max_len(trainer)
+    elif trainer_max_len(trainer):
+        cuts["arrived_cut_at"], cuts["arrived_cut_source"] = trainer_max_len(trainer), "arguments"
+    elif (
+        first_rows
+        and frameworks.of_trainer(trainer).cuts_before_collator
+        and not getattr(args, "packing", False)
+    ):
+        special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        lengths = [len(r["input_ids"]) for r in first_rows]
+        open_ends = [
+            bool(r.get("labels")) and r["labels"][-1] != IGNORE_INDEX and r["input_ids"][-1] not in special
+            for r in first_rows
+        ]
+        cut = frameworks.batch_cut(lengths, open_ends)
+        if cut:
+            cuts["arrived_cut_at"], cuts["arrived_cut_source"] = cut, "batch"
     return cuts
 
 

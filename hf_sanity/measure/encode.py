@@ -147,6 +147,9 @@ class EncodeOptions:
     # The rows arrive already cut at this length (a trainer's max_length, keeping the start): a row this long
     # whose last completion has no end-of-turn lost its end to truncation, not to a masking bug.
     arrived_cut_at: int | None = None
+    arrived_cut_source: str | None = (
+        None  # where that length was read: the trainer's "arguments", or the "batch"
+    )
     # The rows are pieces of a packed stream of examples, cut every this many tokens (TRL's "wrapped" or
     # "bfd_split" packing): a row may start inside an answer begun in the row before, and a row this long may
     # end inside one that the next row continues. Neither is a missing end of turn, a prompt in the loss or a

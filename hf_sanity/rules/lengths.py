@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from hf_sanity.catalog import define
+from hf_sanity.measure import frameworks
 from hf_sanity.measure.objective import SEQUENCES
 from hf_sanity.remedies import RemedyDoc, keep_answers_whole
 
@@ -16,8 +17,10 @@ TRUNCATED_COMPLETION = define(
     symptom="Answers truncated mid-sentence; the model learns to stop in the middle of a thought.",
     detects="Completion tokens at positions >= max_len (truncation keeps the start). Warning when under 10% "
     "of examples are cut, error above. On a trainer's batches (cut before hf-sanity sees them, cause "
-    "`trainer-max-length`): rows as long as max_length whose last answer has no end of turn, or that end in a "
-    "later turn whose answer the cut removed; and the rows the trainer dropped.",
+    "`trainer-max-length`): rows as long as the framework's cut (TRL's `max_length`, Axolotl's `sequence_len`; "
+    "LLaMA-Factory's `cutoff_len`, which its trainer does not know, read off a first batch whose rows are all one "
+    "length with an answer running to the last token) whose last answer has no end of turn, or that end in a "
+    "later turn whose answer the cut removed; and the rows the trainer dropped. Said in the framework's terms.",
     fix="Drop or split the examples longer than max_len, or raise max_len until they fit; the finding says what "
     "each costs (the examples and supervised tokens dropped, or how much longer the longest sequences get).",
     remedy=RemedyDoc(
@@ -29,15 +32,24 @@ TRUNCATED_COMPLETION = define(
 )
 
 ERROR_FRACTION = 0.10
+# Where each framework's cut length is set (the fix names it in the user's own terms).
+CUT_FIX = {
+    "TRL": "the trainer's max_length (`SFTConfig(max_length=...)`, `--max_length` on `trl sft`)",
+    "Axolotl": "`sequence_len` in the Axolotl config (rows longer than it are dropped, or cut with "
+    "`excess_length_strategy: truncate`)",
+    "LLaMA-Factory": "`cutoff_len` in the LLaMA-Factory config (it splits the length between prompt and answer, "
+    "cutting both)",
+    "transformers": "the max_length your tokenization truncates to",
+}
 
 
 @TRUNCATED_COMPLETION.check
 def check_truncated_completion(ctx):
-    max_len = ctx.options.max_len
-    if not max_len:
-        return
     if ctx.options.arrived_cut_at:  # a trainer's batches: the cut happened before hf-sanity saw the rows
         yield from _cut_by_trainer(ctx, ctx.options.arrived_cut_at)
+        return
+    max_len = ctx.options.max_len
+    if not max_len:
         return
     cut = ctx.valid & (ctx.col("n_completion_cut") > 0)
     if not cut.any():
@@ -121,8 +133,18 @@ def _cut_by_trainer(ctx, max_len: int):
     share = max(n_cut / max(n, 1), dropped / given if given else 0.0)
     rows = ctx.first(cut) if n_cut else []
     think = _think_lost(ctx, cut)
+    framework = frameworks.of_trainer(ctx.trainer)
+    read_off = ctx.options.arrived_cut_source == "batch"
+    setting = f"{framework.name}'s {framework.cut_key}"
     yield TRUNCATED_COMPLETION.finding(
-        f"the trainer's max_length={max_len:,} " + " and ".join(parts) + _think_said(think),
+        f"{setting}={max_len:,} "
+        + " and ".join(parts)
+        + _think_said(think)
+        + (
+            f" (every row of the first batch is {max_len:,} tokens long: the cut {framework.name} made)"
+            if read_off
+            else ""
+        ),
         evidence={
             **think,
             "max_len": max_len,
@@ -134,14 +156,17 @@ def _cut_by_trainer(ctx, max_len: int):
             "dropped_by_trainer": dropped,
             "rows_passed": given,
             "cause": "trainer-max-length",
+            "framework": framework.name,
+            "setting": framework.cut_key,
+            "cut_read_from": ctx.options.arrived_cut_source or "arguments",
             "rows": rows,
         },
         example=ctx.view(rows[0], focus=max_len - 1) if rows else None,
         severity="error" if share >= ERROR_FRACTION else "warning",
-        fix="Raise the trainer's max_length (`SFTConfig(max_length=...)`), or drop or split the longest "
-        "examples before training; `hf-sanity preflight --dataset ... --max-len N` prices each choice (the "
-        "examples and supervised tokens a value cuts). The completions cut here end without their "
-        "end-of-turn token: the model learns to stop mid-answer; the answers removed whole are never trained.",
+        fix=f"Raise {CUT_FIX.get(framework.name, framework.cut_key)}, or drop or split the longest examples "
+        "before training; `hf-sanity preflight --dataset ... --max-len N` prices each choice (the examples and "
+        "supervised tokens a value cuts). The completions cut here end without their end-of-turn token: the "
+        "model learns to stop mid-answer; the answers removed whole are never trained.",
         rows=cut if n_cut else None,
     )
 

@@ -1,7 +1,7 @@
 """The first real batch entering the model, checked once at the first training step.
 
 The token rules of preflight (`empty-loss-mask`, `labels-misaligned`, `prompt-in-loss`, `eos-not-learned`, ...)
-run on it through the usual context, and `init-loss-off-chance` on the step-0 numbers the callback's probe
+and `template-mismatch`'s foreign-marker check run on it through the usual context, and `init-loss-off-chance` on the step-0 numbers the callback's probe
 measured on it.
 """
 
@@ -22,6 +22,9 @@ ALIGNED = ("input_ids", "labels", "attention_mask", "inputs_embeds")
 TOKEN_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 SHAPE_RULE = "shape-mismatch"
 STEP0_RULE = "init-loss-off-chance"
+# Another chat format's markers in the tokens (a framework's template that is not the tokenizer's, e.g.
+# LLaMA-Factory's `template: llama3` on a ChatML tokenizer): what the model trains on, against what it is served.
+TEMPLATE_RULE = "template-mismatch"
 LEAK_RULE = "future-token-leak"  # the model on the batch with its future changed: two extra forwards, a probe
 # What the probe of the first batch measures: the step-0 numbers, the first predictions the later probes compare
 # with (`changed`), where a mixture of experts routes it. It runs when an enabled step detector reads one.
@@ -62,6 +65,7 @@ def token_findings(
             first_batch=tensors, modality=modality,
         )  # fmt: skip
         findings = catalog.run_all("context", ctx, selection, stages=("tokens",))
+        findings += catalog.run_all("context", ctx, selection.restricted({TEMPLATE_RULE}))
         if unprobed:
             findings += catalog.run_all("context", ctx, selection.restricted(PROBE_RULES))
         if step0:
@@ -189,7 +193,7 @@ class FirstBatch:
         token_rules = [r.slug for r in catalog.all_rules() if r.stage == "tokens"]
         # An RL trainer's first forward is its generation's (prompts only, no labels): not a training sequence.
         causal = probe and sink.wants(LEAK_RULE)
-        wanted = sink.wants(*token_rules) or step0 is not None or causal or unprobed
+        wanted = sink.wants(*token_rules, TEMPLATE_RULE) or step0 is not None or causal or unprobed
         if sink.objective.kind != "rl" and wanted:
             from hf_sanity.measure.batches import trainer_max_len
 

@@ -1,0 +1,89 @@
+"""The framework that built a trainer (TRL, Axolotl, LLaMA-Factory, or transformers' own `Trainer` in the
+user's script), what its settings are called, and where it cut the rows the model sees.
+
+Findings whose fix is a setting say it in the framework's terms (LLaMA-Factory's `cutoff_len`, Axolotl's
+`sequence_len`, TRL's `max_length`), and the report names the trainer it read (``stats.trainer``). Each framework
+prepares its rows before the collator, so the cut is read where the framework keeps it: TRL's and Axolotl's
+training arguments; LLaMA-Factory keeps `cutoff_len` in its data arguments, which its trainer never sees, so
+there the cut is read off the batch: rows of one length with answers that end without their end of turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Framework:
+    name: str  # as its users call it
+    cut_key: str  # the setting that cuts every row to a length
+    prompt_loss_key: str  # the setting that puts the prompt in the loss, or keeps it out
+    template_key: str  # the setting that picks the chat template the rows are rendered with
+    cuts_before_collator: bool = True  # rows arrive cut (else the user's own tokenization decides)
+
+
+TRL = Framework(
+    "TRL", "max_length", "assistant_only_loss / completion_only_loss", "the tokenizer's chat_template"
+)
+AXOLOTL = Framework(
+    "Axolotl", "sequence_len", "train_on_inputs (roles_to_train for chat_template)", "chat_template"
+)
+LLAMA_FACTORY = Framework("LLaMA-Factory", "cutoff_len", "train_on_prompt", "template")
+TRANSFORMERS = Framework(
+    "transformers", "max_length of your tokenization", "the labels your collator makes", "the chat template you "
+    "render with", cuts_before_collator=False,
+)  # fmt: skip
+# By the top package of a class in the trainer's MRO, the most specific first (Axolotl's trainers subclass TRL's).
+BY_PACKAGE = {"llamafactory": LLAMA_FACTORY, "axolotl": AXOLOTL, "trl": TRL}
+
+
+def of_trainer(trainer) -> Framework:
+    """The framework whose trainer class ``trainer`` is (or subclasses)."""
+    packages = [cls.__module__.split(".")[0] for cls in type(trainer).__mro__]
+    for package, framework in BY_PACKAGE.items():
+        if package in packages:
+            return framework
+    return TRANSFORMERS
+
+
+def trainer_facts(trainer) -> dict[str, Any]:
+    """``stats.trainer``: the trainer's class and module, its framework and, where the framework keeps it, the
+    chat template it renders with (LLaMA-Factory's template object sits on its collator)."""
+    cls = type(trainer)
+    facts: dict[str, Any] = {
+        "class": cls.__name__,
+        "module": cls.__module__,
+        "framework": of_trainer(trainer).name,
+    }
+    template = getattr(getattr(trainer, "data_collator", None), "template", None)
+    name = getattr(template, "name", None) or getattr(template, "template_name", None)
+    if isinstance(name, str):
+        facts["template"] = name
+    length = configured_cut(trainer)
+    if length:
+        facts["cut_length"] = length
+    return facts
+
+
+def configured_cut(trainer) -> int | None:
+    """The length the framework cuts each row to, from the trainer's arguments: TRL's `max_length` (older
+    `max_seq_length`), Axolotl's `sequence_len`; None where the trainer does not know it (LLaMA-Factory, a
+    plain Trainer over the user's own tokenization)."""
+    args = getattr(trainer, "args", None)
+    for key in ("max_length", "max_seq_length", "sequence_len"):
+        value = getattr(args, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def batch_cut(lengths: Sequence[int], ends_open: Sequence[bool]) -> int | None:
+    """The cut a framework made before the collator, read off a batch: every row (two at least) as long as the
+    longest and at least one of them with an answer running to its last token without an end of turn. Rows of
+    natural lengths are never all equal; rows packed to one length are not read here (their pieces go on in the
+    next row)."""
+    if len(lengths) < 2 or len(set(lengths)) != 1 or not any(ends_open):
+        return None
+    return lengths[0]
