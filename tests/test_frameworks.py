@@ -35,11 +35,11 @@ def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int
     return new_source_len, new_target_len
 
 
-def llamafactory_rows(tok, rows, cutoff_len: int, *, template_tok=None) -> list[dict]:
+def llamafactory_rows(tok, rows, cutoff_len: int, *, template_tok=None, train_on_prompt=False) -> list[dict]:
     """Single-turn rows as LLaMA-Factory's supervised processor prepares them (`train_on_prompt: false`): the
     prompt rendered with the generation prompt, the answer and its end of turn, each cut by ``infer_seqlen``;
     the prompt's labels masked. ``template_tok``: render with another tokenizer's template (`template:` set to
-    another family), tokenized by ``tok``."""
+    another family), tokenized by ``tok``; ``train_on_prompt``: the prompt's labels kept (`train_on_prompt: true`)."""
     render = template_tok or tok
     out = []
     for row in rows:
@@ -50,7 +50,8 @@ def llamafactory_rows(tok, rows, cutoff_len: int, *, template_tok=None) -> list[
         target = tok.encode(whole[len(prompt) :].rstrip("\n"), add_special_tokens=False)
         source_len, target_len = infer_seqlen(len(source), len(target), cutoff_len)
         source, target = source[:source_len], target[:target_len]
-        out.append({"input_ids": source + target, "labels": [IGNORE_INDEX] * len(source) + target})
+        labels = source if train_on_prompt else [IGNORE_INDEX] * len(source)
+        out.append({"input_ids": source + target, "labels": labels + target})
     return out
 
 
@@ -66,10 +67,11 @@ def llamafactory_trainer(tmp_path, rows, callbacks, tok, model):
                        data_collator=collator, processing_class=tok, callbacks=list(callbacks))  # fmt: skip
 
 
-def run(tmp_path, cutoff_len: int, *, template: str | None = None):
+def run(tmp_path, cutoff_len: int, *, template: str | None = None, train_on_prompt=False):
     model, tok = tiny_setup("chatml")
     template_tok = tiny_setup(template)[1] if template else None
-    rows = llamafactory_rows(tok, demo_conversations(16), cutoff_len, template_tok=template_tok)
+    rows = llamafactory_rows(tok, demo_conversations(16), cutoff_len, template_tok=template_tok,
+                             train_on_prompt=train_on_prompt)  # fmt: skip
     watch = SanityCallback(use_config=False, print_findings=False)
     llamafactory_trainer(tmp_path, rows, [watch], tok, model).train()
     return watch.report, rows
@@ -112,3 +114,12 @@ def test_a_framework_template_that_is_not_the_tokenizers_is_caught_at_the_first_
     assert finding.severity == "error" and finding.step == 1
     assert finding.evidence["foreign_formats"] == {"llama-3": 4}  # each row of the first batch (4)
     assert finding.evidence["template_formats"] == ["chatml"]
+    assert finding.fix.startswith("Set `template:` in the LLaMA-Factory config to the model's own family")
+
+
+@pytest.mark.planted("prompt-in-loss")
+def test_llamafactory_train_on_prompt_is_named_in_its_own_terms(tmp_path):
+    report, _ = run(tmp_path, 1024, train_on_prompt=True)
+    (finding,) = report.by_rule("prompt-in-loss")
+    assert finding.evidence["cause"] == "labels" and finding.evidence["fraction"] > 0.3
+    assert "`train_on_prompt: false`" in finding.fix

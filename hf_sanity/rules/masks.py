@@ -6,6 +6,7 @@ import numpy as np
 
 from hf_sanity.catalog import define
 from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure import frameworks
 from hf_sanity.measure.families import NO_TEMPLATE
 from hf_sanity.measure.loss_mask import LANGUAGE_MODELLING
 from hf_sanity.measure.objective import ANY, SEQUENCES
@@ -75,6 +76,15 @@ TRAINER_DEFAULT_FIX = {
     "`{% generation %}`, trl/chat_templates/), or as prompt-completion rows (completion-only loss by default). "
     "If every token is intended (language modelling), say so: `--loss-on all`.",
 }
+# The labels of a framework that masks the prompt by its own settings (the fix names them).
+FRAMEWORK_PROMPT_FIX = {
+    "LLaMA-Factory": "LLaMA-Factory masks the prompt unless `train_on_prompt: true`: set `train_on_prompt: false` "
+    "(its default) in the config, and check the dataset's `formatting`/`columns` in dataset_info.json put the "
+    "prompt in the user turn (`mask_history: true` also keeps earlier answers of multi-turn rows out of the loss).",
+    "Axolotl": "Axolotl masks the prompt unless `train_on_inputs: true`: set `train_on_inputs: false` (its "
+    'default) in the config; for `type: chat_template` datasets, `roles_to_train: ["assistant"]` (the default) '
+    "trains the assistant turns only.",
+}
 NOT_APPLIED_FIX = (
     "The loss mask asked for ({asked}) is not what the labels carry. TRL applies `completion_only_loss` to "
     "prompt-completion rows only and `assistant_only_loss` to conversational rows only (with `{{% generation %}}` "
@@ -129,7 +139,12 @@ def check_prompt_in_loss(ctx):
         fix = NOT_APPLIED_FIX.format(asked=f"{mask.mode}: {mask.why}")
         said = f" although {mask.mode} loss was asked for ({mask.why})"
     else:
-        cause, severity, fix, said = "labels", None, None, ""
+        cause, severity, said = "labels", None, ""
+        fix = (
+            FRAMEWORK_PROMPT_FIX.get(frameworks.of_trainer(ctx.trainer).name)
+            if ctx.trainer is not None
+            else None
+        )
     yield PROMPT_IN_LOSS.finding(
         f"{share:.0%} of supervised tokens are prompt tokens ({prompt_tokens:,} of {supervised:,}){said}",
         evidence={

@@ -9,6 +9,7 @@ import numpy as np
 
 from hf_sanity.catalog import define
 from hf_sanity.constants import IGNORE_INDEX
+from hf_sanity.measure import frameworks
 from hf_sanity.measure.chat_templates import (
     has_generation_markers,
     mask_problems,
@@ -35,6 +36,16 @@ TEMPLATE_MISMATCH = define(
 )
 
 
+# A framework renders the rows with a template of its own choosing (the fix names the setting).
+FRAMEWORK_TEMPLATE_FIX = {
+    "LLaMA-Factory": "Set `template:` in the LLaMA-Factory config to the model's own family (its tokenizer renders "
+    "{own}: e.g. `qwen` for ChatML Qwen models), or save the tokenizer with the template you trained on (a server "
+    "renders the saved tokenizer's chat template).",
+    "Axolotl": "Set `chat_template: tokenizer_default` in the Axolotl config (the tokenizer's own template: {own}), "
+    "or save the tokenizer with the template you trained on (a server renders the saved tokenizer's chat template).",
+}
+
+
 @TEMPLATE_MISMATCH.check
 def check_template_mismatch(ctx):
     yield from _foreign_markers(ctx)
@@ -52,12 +63,15 @@ def _foreign_markers(ctx):
     foreign_rows = [i for i, fams in families.items() if set(fams) - ctx.own_families]
     rows = foreign_rows[:10]
     family, n = max(foreign.items(), key=lambda kv: kv[1])
+    framework = frameworks.of_trainer(ctx.trainer).name if ctx.trainer is not None else None
+    fix = FRAMEWORK_TEMPLATE_FIX.get(framework)
     yield TEMPLATE_MISMATCH.finding(
         f"{n} of {len(families)} examples carry {family} chat markers, but the tokenizer's template renders "
         f"{', '.join(sorted(ctx.own_families))}",
         evidence={"foreign_formats": foreign, "template_formats": sorted(ctx.own_families), "rows": rows},
         example=ctx.view(rows[0]),
         rows=foreign_rows if ctx.fmt == "text" else None,  # tokens data is judged on a sample only
+        fix=fix.format(own=", ".join(sorted(ctx.own_families))) if fix else None,
     )
 
 
