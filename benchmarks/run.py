@@ -1,6 +1,6 @@
 """`make bench`: every benchmark of hf-sanity, printed as tables (figures go to docs/benchmarks.md).
 
-python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference|rl|moe|agents]
+python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference|rl|moe|agents|launch]
 """
 
 from __future__ import annotations
@@ -27,7 +27,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat (a smoke run)")
     parser.add_argument(
         "--only",
-        choices=["preflight", "model", "callback", "overfit", "outputs", "preference", "rl", "moe", "agents"],
+        choices=[
+            "preflight",
+            "model",
+            "callback",
+            "overfit",
+            "outputs",
+            "preference",
+            "rl",
+            "moe",
+            "agents",
+            "launch",
+        ],
         default=None,
     )
     args = parser.parse_args()
@@ -103,6 +114,16 @@ def main() -> None:
 
         print("preflight's agent and reasoning rules against the scan (encoding) on tool conversations")
         print(table([agents_speed.run(quick=args.quick)]), "\n")
+    if args.only in (None, "launch"):
+        from benchmarks import launch_overhead
+
+        attached, checked = launch_overhead.run(quick=args.quick)
+        print("hf-sanity run -- python train.py vs the callback attached in the script (whole-process wall)")
+        print(table([attached]), "\n")
+        print(
+            "hf-sanity preflight -- python train.py vs the command's start-up + in-process preflight(trainer=)"
+        )
+        print(table([checked]), "\n")
     if args.only in (None, "overfit"):
         from benchmarks import protocol_speed
 
