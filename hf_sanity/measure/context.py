@@ -459,6 +459,20 @@ class Context:
             return None
         return image_spans(self.trainer, self.modality, self.refused_batches)
 
+    @cached_property
+    def adapter_towers(self):
+        """With a PEFT model (the trainer's, or the model given): where its adapter layers are and what trains,
+        per tower of a vision-language model (`measure.towers`); None without one."""
+        from hf_sanity.measure.towers import adapter_towers
+
+        return adapter_towers(self.peft_model) if self.peft_model is not None else None
+
+    @property
+    def peft_model(self):
+        """The trainer's model, or the model object given, when it carries a PEFT config; else None."""
+        model = self.trainer.model if self.trainer is not None else self._model
+        return model if isinstance(getattr(model, "peft_config", None), dict) else None
+
     # -- model -------------------------------------------------------------------------------------
     @property
     def has_model(self) -> bool:

@@ -1,5 +1,6 @@
-"""Vision-language rules: the image tokens in the loss (`vision-tokens-in-loss`) and the image spans that
-``max_length`` cuts (`image-span-truncated`).
+"""Vision-language rules: the image tokens in the loss (`vision-tokens-in-loss`), the image spans that
+``max_length`` cuts (`image-span-truncated`), the vision tokens' share of it (`vision-token-budget`), the processor a
+checkpoint lacks (`processor-not-saved`), adapters on the vision towers (`vision-tower-adapters`).
 
 They judge a run measured vision-language (`hf_sanity.measure.vision`); a text run is never judged here.
 """
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from hf_sanity.catalog import define
+from hf_sanity.measure.objective import ANY
 
 VISION_TOKENS_IN_LOSS = define(
     "vision-tokens-in-loss",
@@ -246,4 +248,64 @@ def check_processor_not_saved(folder):
         },
         fix=fix,
         step=folder.step,
+    )
+
+
+VISION_TOWER_ADAPTERS = define(
+    "vision-tower-adapters",
+    severity="warning",
+    stage="model",
+    objectives=ANY,
+    symptom="A vision-language LoRA run trains the vision encoder or the projector by accident: "
+    '`target_modules="all-linear"` (or a suffix like `q_proj` that the vision tower\'s layers share) puts '
+    "adapters on them, the server that loads language-model-only adapters (vLLM's LoRA for most VLMs) "
+    "refuses or drops them, and what is served is not what was trained.",
+    detects="With a PEFT model (the trainer's, e.g. `SFTTrainer(peft_config=...)`, or the model given): each "
+    "adapter layer's tower by its module path (vision encoder, projector, language model) and each tower's "
+    "share of the trainable parameters. Adapter layers on the vision encoder or projector while no "
+    "`target_modules` / `modules_to_save` entry names them (`all-linear`, bare layer names) are a warning; the "
+    "evidence holds the layers, the towers' shares and a regex that reaches the language model alone.",
+    fix='Target the language model alone by its path: `LoraConfig(target_modules=r"model\\.language_model\\..*'
+    "\\.(q_proj|k_proj|v_proj|o_proj)\")` (peft fullmatches a string against each module's path). To train the "
+    "vision side on purpose, name it in target_modules, and serve with an engine that loads adapters on the "
+    "vision tower.",
+)
+
+
+def has_peft_model(ctx) -> bool:
+    return ctx.peft_model is not None
+
+
+@VISION_TOWER_ADAPTERS.check(applies=has_peft_model)
+def check_vision_tower_adapters(ctx):
+    from hf_sanity.measure.towers import LANGUAGE, PROJECTOR, TOWERS, VISION
+
+    towers = ctx.adapter_towers
+    if towers is None or not towers.on_vision() or towers.named:
+        return
+    landed = ", ".join(
+        f"{len(towers.adapted[t])} on the {t}" for t in (VISION, PROJECTOR) if towers.adapted[t]
+    )
+    share = towers.share()
+    vision_share = share[VISION] + share[PROJECTOR]
+    regex = towers.language_only_regex()
+    yield VISION_TOWER_ADAPTERS.finding(
+        f"the adapter's layers landed on the vision side ({landed}) that target_modules does not name: "
+        f"{vision_share:.1%} of the trainable parameters train the vision side, which a language-model-only "
+        "server will not load",
+        evidence={
+            "cause": "untargeted",
+            "target_modules": towers.targets,
+            "adapted_layers": {t: len(towers.adapted[t]) for t in TOWERS},
+            "vision_layers": towers.on_vision()[:20],
+            "trainable_params": towers.trainable,
+            "trainable_share": share,
+            "language_model_path": towers.language_path,
+            "language_only_target": regex,
+            "language_layers": len(towers.adapted[LANGUAGE]),
+        },
+        fix=f'To train the language model alone, target it by path: `LoraConfig(target_modules=r"{regex}")` '
+        "(peft fullmatches a string against each module's path). To train the vision side on purpose, name it "
+        "in target_modules (e.g. `multi_modal_projector`) and serve with an engine that loads adapters on the "
+        "vision tower: a language-model-only server will not load them.",
     )

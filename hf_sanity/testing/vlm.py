@@ -206,9 +206,18 @@ class MaskingCollator:
 
 
 def vlm_sft_trainer(
-    output_dir, data, *, model=None, processor=None, collator=None, callbacks=(), **overrides
+    output_dir,
+    data,
+    *,
+    model=None,
+    processor=None,
+    collator=None,
+    callbacks=(),
+    peft_config=None,
+    **overrides,
 ):
-    """TRL's SFTTrainer on the tiny LLaVA (a fresh one unless given), CPU, a few steps, nothing saved."""
+    """TRL's SFTTrainer on the tiny LLaVA (a fresh one unless given), CPU, a few steps, nothing saved; with
+    ``peft_config``, TRL wraps the model in that adapter."""
     from trl import SFTConfig, SFTTrainer
 
     if model is None or processor is None:
@@ -222,7 +231,7 @@ def vlm_sft_trainer(
         config.update(dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False)
     return SFTTrainer(
         model=model, args=SFTConfig(**config), train_dataset=data, processing_class=processor,
-        data_collator=collator, callbacks=list(callbacks),
+        data_collator=collator, callbacks=list(callbacks), peft_config=peft_config,
     )  # fmt: skip
 
 
