@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hf_sanity import versions
 from hf_sanity.measure.objective import of_trainer
 from hf_sanity.training import outcome, resume
 from hf_sanity.training.instrument import find_trainer, move_before_reporters
@@ -29,6 +30,8 @@ def watch(callback, args, state, model=None, optimizer=None) -> None:
         callback.trainer = find_trainer()
         sink.narrow(of_trainer(callback.trainer))
         sink.rank, sink.world_size = world()
+    with sink.guard("callback-setup"):  # a library outside the versions supported: one note each
+        sink.report.notes.extend(versions.check())
     with sink.guard("callback-setup"):
         callback.model = getattr(callback.trainer, "model", None) or model
         sink.output_dir = Path(args.output_dir or ".") / "hf-sanity"
