@@ -10,6 +10,7 @@ import warnings
 
 import datasets
 import pytest
+import trl_setups as setups
 from transformers import AutoModelForCausalLM
 
 from conftest import real_tokenizer
@@ -180,7 +181,7 @@ def test_a_stock_sft_run_with_abort_on_error_is_not_stopped(tmp_path):
 # -- preference pairs: DPOTrainer's prepared columns and its collator's completion mask -----------------------
 @pytest.mark.parametrize("conversational", [True, False], ids=["conversational", "text"])
 def test_dpo_trainer_and_preflight_build_the_same_pairs(setup, conversational, tmp_path):
-    from trl import DPOConfig, DPOTrainer
+    DPOConfig, DPOTrainer = setups.from_trl("trl", "DPOConfig", "DPOTrainer")
 
     from hf_sanity.drivers.show import preference_view
     from hf_sanity.measure.preference import tokenize_pair

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from hf_sanity import catalog
+from hf_sanity import catalog, versions
 from hf_sanity.errors import UserInputError
 from hf_sanity.measure.context import Context
 from hf_sanity.measure.encode import EncodeOptions
@@ -149,6 +149,7 @@ def preflight(
         return distributed.broadcast(None)
     selection = selection.for_objective(ctx.objective.kind)
     report = run_checks(ctx, selection)
+    report.notes.extend(versions.check())  # a library outside the versions supported: one note each
     if trainer is None and label_note:
         report.notes.append(label_note)
     if trainer is None and ctx.source_format == "tokens" and ctx.prompts is not None:

@@ -408,12 +408,32 @@ def text_problem(value, field: str) -> str:
 
 
 # -- preference rows -------------------------------------------------------------------------------------
+def loaded_trl_data_utils():
+    """``trl.data_utils`` when TRL is already loaded (a TRL trainer's run: the installed version's own functions),
+    else None: importing TRL costs seconds, and it need not be installed (the ports below stand in for it)."""
+    import sys
+
+    return sys.modules.get("trl.data_utils")
+
+
 def is_conversational(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and isinstance(value[0], dict) and "role" in value[0]
+    """A list of chat messages (TRL's ``is_conversational`` on one column's value)."""
+    if not isinstance(value, list) or not value:
+        return False
+    trl = loaded_trl_data_utils()
+    if trl is not None and hasattr(trl, "is_conversational"):
+        return bool(trl.is_conversational({"messages": value}))
+    return isinstance(value[0], dict) and "role" in value[0]
 
 
 def extract_prompt(chosen, rejected) -> tuple[Any, Any, Any]:
     """TRL's ``extract_prompt``: the longest common prefix (messages, or characters) of chosen and rejected."""
+    trl = loaded_trl_data_utils()
+    if (
+        trl is not None and hasattr(trl, "extract_prompt") and len(chosen) and len(rejected)
+    ):  # TRL's needs both
+        split = trl.extract_prompt({"chosen": chosen, "rejected": rejected})
+        return split["prompt"], split["chosen"], split["rejected"]
     idx = 0
     for idx in range(min(len(chosen), len(rejected))):
         if chosen[idx] != rejected[idx]:

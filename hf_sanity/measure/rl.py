@@ -850,10 +850,11 @@ def rollout_summary(trainer) -> dict[str, Any]:
     the pass rate of a binary reward, each function's range. Empty when the trainer keeps none."""
     logs = getattr(trainer, "_logs", None)
     group = int(getattr(trainer, "num_generations", 0) or 0)
-    if not isinstance(logs, dict) or group < 2:
+    rewards = logs.get("rewards") if isinstance(logs, dict) else None
+    if not isinstance(rewards, dict) or group < 2:  # none kept, or not as TRL >= 0.24 keeps them
         return {}
     names = [name for name, _ in reward_funcs(trainer)]
-    per = [list(logs.get("rewards", {}).get(name, ())) for name in names]
+    per = [list(rewards.get(name, ())) for name in names]
     n = min((len(v) for v in per), default=0)
     n -= n % group
     if not names or n < group:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hf_sanity import versions
 from hf_sanity.measure.frameworks import trainer_facts
 from hf_sanity.measure.objective import of_trainer
 from hf_sanity.training import outcome, resume
@@ -33,6 +34,8 @@ def watch(callback, args, state, model=None, optimizer=None) -> None:
     with sink.guard("callback-setup"):  # the trainer watched, and the framework that built it
         if callback.trainer is not None:
             sink.report.stats["trainer"] = trainer_facts(callback.trainer)
+    with sink.guard("callback-setup"):  # a library outside the versions supported: one note each
+        sink.report.notes.extend(versions.check())
     with sink.guard("callback-setup"):
         callback.model = getattr(callback.trainer, "model", None) or model
         sink.output_dir = Path(args.output_dir or ".") / "hf-sanity"

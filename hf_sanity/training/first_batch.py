@@ -113,6 +113,10 @@ class FirstBatch:
         no-op context for every other one."""
         if not self.done and "labels" in batch:
             self._labels = batch["labels"]
+        elif not self.done and {"input_ids", "completion_mask"} <= set(batch):
+            # TRL 1.9's preference trainers (and older) pass no labels to the forward, 1.16's pass the
+            # completion tokens: the same labels, from the prepared batch.
+            self._labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
         if self.loss_watch is not None or sink is None or not sink.measures("loss_broadcast"):
             return contextlib.nullcontext()
         from hf_sanity.training import broadcast

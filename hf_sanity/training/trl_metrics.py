@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hf_sanity import versions
+
 # The rows of a trainer's prepared dataset summarised at train begin: enough for the shares the rules read,
 # a bounded cost whatever the dataset's size.
 SUMMARY_ROWS = 1024
@@ -31,6 +33,8 @@ class ObjectiveFeed:
         self.every, self.reward_dry_run = every, reward_dry_run
         kinds = ("preference", "preference-unpaired", "reward", "rl")
         self.active = trainer is not None and objective is not None and objective.kind in kinds
+        # TRL's internal tallies are read under a supported TRL only (another one: the logged metrics alone).
+        self.internals = self.active and versions.supported("trl")
         self.drift: PolicyDrift | None = None
         self.sampler = None  # the rescoring probe of an RL run's sampler (`hf_sanity.training.sampler`)
         # What an RL run's reward dry run found at train begin (or why it did not run).
@@ -68,6 +72,8 @@ class ObjectiveFeed:
                 if isinstance(self.dry_run, dict):
                     values["reward_dry_run"] = self.dry_run
                 self.sink.report.notes.extend(run.notes())
+        if not self.internals:  # the probes read TRL's rollout buffer
+            return values
         if not self.objective.beta and measures("policy_kl") and self.sink.world_size == 1:
             self.drift = PolicyDrift(self.trainer)  # its baseline: at the first update (before_update)
         if measures("sampler_probe") and self.sink.world_size == 1 and _samples_elsewhere(self.trainer):
@@ -92,10 +98,11 @@ class ObjectiveFeed:
         """At the end of the first optimizer step: the first micro-batch's metrics, before any update."""
         metrics = getattr(self.trainer, "_metrics", None)
         current = metrics.get("train") if isinstance(metrics, dict) else None
-        if not self.active or not current:
+        if not self.internals or not isinstance(current, dict) or not current:  # absent, or shaped otherwise
             return {}
         first = {key: values[0] for key, values in current.items() if isinstance(values, list) and values}
-        return {"step0_metrics": {k: float(v) for k, v in first.items() if isinstance(v, (int, float))}}
+        numbers = {k: float(v) for k, v in first.items() if isinstance(v, (int, float))}
+        return {"step0_metrics": numbers} if numbers else {}
 
     def before_update(self, sink) -> None:
         """The callback's pre-optimizer hook: the KL probe's baseline, at the first update this process makes."""
@@ -124,7 +131,7 @@ class ObjectiveFeed:
         if self.active:
             with sink.guard("callback-trl-metrics"):
                 values = self.logged(logs)
-                if values and self.objective.kind == "rl":
+                if values and self.objective.kind == "rl" and self.internals:
                     from hf_sanity.measure.rl import rollout_summary
 
                     values["rollouts"] = rollout_summary(self.trainer)
