@@ -75,15 +75,15 @@ class SanityCallback(TrainerCallback, ExportableState):
         self.selection = resolve(select, ignore, use_config=use_config)
         self.check_every, self.probe_every = check_every, probe_every
         self.sync_every = sync_every or check_every
-        self.instruments, self.clock = Instruments(), OwnClock()
+        self.instruments, self.clock, self.framework_cut = Instruments(), OwnClock(), None  # see FirstBatch
         self._reset()
 
     def _reset(self) -> None:
         self.sink = FindingSink(self.selection, abort_on=self.abort_on, print_findings=self.print_findings)
         self.trainer = self.model = self.sampler = self.exchange = None
-        self.trl, self.monitors = ObjectiveFeed(), MonitorSet(self.sink)
+        self.trl, self.monitors, self.held = ObjectiveFeed(), MonitorSet(self.sink), replay.HeldBatches()
         self.recorder, self.early, self.history = Recorder(), EarlyFlags(), StepHistory()
-        self.held, self.first = replay.HeldBatches(), first_batch.FirstBatch(show=self.show_first_batch)
+        self.first = first_batch.FirstBatch(self.show_first_batch, self.framework_cut)
         self._step = self._micro = self._reads = 0
         self._autocast, self.memory_budget, self.resumed = None, Budget(), {}
         if self.generation is not None:  # a second train() checks its outputs from the start again

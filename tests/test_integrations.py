@@ -128,3 +128,26 @@ def test_an_axolotl_learning_rate_far_too_high_is_caught(axolotl_files):
     _, report = axolotl_train(axolotl_files, axolotl_files / "lr", learning_rate=3.0, max_steps=8)
     rules = {f["rule"] for f in report["findings"]}
     assert "loss-diverged" in rules and "internal-error" not in rules, report["findings"]
+
+
+@pytest.mark.slow
+@pytest.mark.planted("truncated-completion")
+def test_an_axolotl_sequence_len_that_truncates_the_answers_is_named_in_axolotls_terms(axolotl_files):
+    """`sequence_len: 40` with `excess_length_strategy: truncate`: the rows arrive cut at 40, their answers without
+    an end of turn: truncation in Axolotl's terms, not an end-of-turn masking bug."""
+    _, report = axolotl_train(
+        axolotl_files, axolotl_files / "cut", sequence_len=40, excess_length_strategy="truncate"
+    )
+    found = {f["rule"]: f for f in report["findings"]}
+    assert "eos-not-learned" not in found and "internal-error" not in found, report["findings"]
+    finding = found["truncated-completion"]
+    assert (
+        finding["evidence"]["cause"] == "trainer-max-length" and finding["evidence"]["framework"] == "Axolotl"
+    )
+    assert (
+        finding["evidence"]["setting"] == "sequence_len"
+        and finding["evidence"]["cut_read_from"] == "arguments"
+    )
+    assert finding["message"].startswith("Axolotl's sequence_len=40 ")
+    assert "`sequence_len` in the Axolotl config" in finding["fix"]
+    assert report["stats"]["trainer"]["framework"] == "Axolotl"

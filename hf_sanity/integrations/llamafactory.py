@@ -20,6 +20,8 @@ from typing import Any
 
 from hf_sanity.errors import UserInputError
 
+CUTOFF_LEN_DEFAULT = 2048  # LLaMA-Factory 0.9's DataArguments.cutoff_len
+
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """The YAML (or JSON) config as LLaMA-Factory's CLI reads it: one mapping of its arguments."""
@@ -48,7 +50,14 @@ def run(config: str | Path | dict[str, Any], *, callback=None, **overrides: Any)
 
     from hf_sanity.callback import SanityCallback
 
-    run_exp(args, callbacks=[callback if callback is not None else SanityCallback()])
+    callback = callback if callback is not None else SanityCallback()
+    # LLaMA-Factory cuts each row to cutoff_len (2048 by default) before its collator; its trainer never sees it.
+    # (With packing it packs whole rows into cutoff_len - 1: not a cut of each row.)
+    cutoff = args.get("cutoff_len", CUTOFF_LEN_DEFAULT)
+    packed = args.get("packing") or args.get("neat_packing")
+    if isinstance(cutoff, int) and not isinstance(cutoff, bool) and cutoff > 0 and not packed:
+        callback.framework_cut = cutoff
+    run_exp(args, callbacks=[callback])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,6 +74,7 @@ def batches_context(
     rows_given: int | None = None,
     modality=None,
     refused_batches: list[str] | None = None,
+    framework_cut: int | None = None,
 ) -> Context:
     """A context over already-collated batches (what the model sees), up to ``sample`` examples; where the
     ``trainer`` cut its rows is read from its arguments (``trainer_cuts``). With a vision-language
@@ -107,7 +108,9 @@ def batches_context(
         tokenizer=tokenizer,
         dataset=data,
         fmt="tokens",
-        options=EncodeOptions(fmt="tokens", max_len=max_len, **trainer_cuts(trainer, first_rows, tokenizer)),
+        options=EncodeOptions(
+            fmt="tokens", max_len=max_len, **trainer_cuts(trainer, first_rows, tokenizer, framework_cut)
+        ),
         loss_mask=loss_mask.of_trainer(trainer) if trainer is not None else None,
         model=model,
         trainer=trainer,
@@ -134,13 +137,17 @@ CUTTING_PACKINGS = ("wrapped", "bfd_split")
 
 
 def trainer_cuts(
-    trainer, first_rows: list[dict[str, list[int]]] | None = None, tokenizer=None
+    trainer,
+    first_rows: list[dict[str, list[int]]] | None = None,
+    tokenizer=None,
+    framework_cut: int | None = None,
 ) -> dict[str, Any]:
     """Where the trainer cut the rows hf-sanity sees (see ``EncodeOptions``): ``arrived_cut_at``, the length
     its framework truncates each example to, keeping its start (TRL's SFTTrainer without packing, or with
     packing "bfd", which truncates each example before packing it; Axolotl's `sequence_len`); where the
-    arguments do not say (LLaMA-Factory's `cutoff_len`), read off ``first_rows``, the first batch's rows
-    (`frameworks.batch_cut`); ``packed_cut_at``, the row length of a packing that cuts examples into pieces
+    arguments do not say (LLaMA-Factory's `cutoff_len`), ``framework_cut`` (what a framework's entry point
+    read from its config), else read off ``first_rows``, the first batch's rows (`frameworks.batch_cut`);
+    ``packed_cut_at``, the row length of a packing that cuts examples into pieces
     continued in the next row. Without a trainer (or its arguments): neither."""
     from hf_sanity.measure import frameworks
 
@@ -152,15 +159,24 @@ def trainer_cuts(
         cuts["packed_cut_at"] = trainer_max_len(trainer)
     elif trainer_max_len(trainer):
         cuts["arrived_cut_at"], cuts["arrived_cut_source"] = trainer_max_len(trainer), "arguments"
+    elif framework_cut:
+        cuts["arrived_cut_at"], cuts["arrived_cut_source"] = framework_cut, "config"
     elif (
         first_rows
         and frameworks.of_trainer(trainer).cuts_before_collator
         and not getattr(args, "packing", False)
     ):
+        from hf_sanity.measure.encode import end_before_whitespace
+        from hf_sanity.measure.markers import WhitespaceIds
+
         special = set(getattr(tokenizer, "all_special_ids", None) or ())
+        blank = WhitespaceIds(tokenizer) if tokenizer is not None else frozenset()
         lengths = [len(r["input_ids"]) for r in first_rows]
-        open_ends = [
-            bool(r.get("labels")) and r["labels"][-1] != IGNORE_INDEX and r["input_ids"][-1] not in special
+        open_ends = [  # an answer trained to the row's last token, with no end of turn (glue after one is closed)
+            bool(r.get("labels"))
+            and r["labels"][-1] != IGNORE_INDEX
+            and r["input_ids"][-1] not in special
+            and end_before_whitespace(r["input_ids"], 0, len(r["input_ids"]) - 1, special, blank) is None
             for r in first_rows
         ]
         cut = frameworks.batch_cut(lengths, open_ends)

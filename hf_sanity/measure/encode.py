@@ -174,6 +174,7 @@ MEASURES: dict[str, Any] = {
     # ... or before a later turn's answer: the cut left a turn after the last complete answer, and none of its
     # answer's tokens (multi-turn rows TRL keeps, since earlier answers still carry loss).
     "arrived_turn_lost": False,
+    "arrived_prompt_cut": False,  # the row came cut at arrived_cut_at with no turn left to locate: its prompt cut
     # The row is a piece of a longer example cut by the packing (see ``EncodeOptions.packed_cut_at``): it
     # starts inside one or runs to the cut. Example-level rules (duplicates, an example without loss) skip it.
     "piece": False,
@@ -206,6 +207,15 @@ MEASURES: dict[str, Any] = {
     "system_refused": False,
     "dropped_text": "",  # the first text the template dropped
 }
+
+
+def end_before_whitespace(ids, start: int, last: int, stop_ids, whitespace_ids) -> int | None:
+    """Where a span that ends in whitespace tokens closes: the stop token just before them (LLaMA-Factory's and
+    Axolotl's templates train ``<|im_end|>\n``), or None when no stop token precedes the whitespace."""
+    at = last
+    while at > start and ids[at] in whitespace_ids:
+        at -= 1
+    return at if at < last and ids[at] in stop_ids else None
 
 
 class Encoder:
@@ -681,6 +691,10 @@ class Encoder:
             width = span.stop - span.start
             last = span.stop - 1
             ends = width > 0 and ids[last] in stop_ids
+            if not ends and width > 1:  # template glue trained after the end of turn (`<|im_end|>\n`)
+                closing = end_before_whitespace(ids, span.start, last, stop_ids, self.markers.whitespace_ids)
+                if closing is not None:
+                    ends, last = True, closing
             if not ends and cut_at and n >= cut_at and span.end == n:
                 arrived_cut = True  # its end-of-turn was past the cut: truncated-completion's, not missing
                 ends = None
@@ -705,6 +719,12 @@ class Encoder:
                 eot_unsup += 1
         if not trained_any and n_supervised > 0:  # loss somewhere, but on no completion at all
             n_completion_unsup += untrained_width
+        # A row as long as the cut, rendered with this template (its turn markers are there) and with no turn
+        # to locate: the cut took the prompt's end and the assistant header, as LLaMA-Factory's cutoff_len does
+        # when the prompt is the longer part.
+        prompt_cut = bool(cut_at and n >= cut_at and not located and self.markers.locatable) and any(
+            i in self.markers.turn_marker_ids for i in ids
+        )
         turn_lost = bool(cut_at and n >= cut_at and located and spans and not arrived_cut) and any(
             i not in self.markers.whitespace_ids for i in ids[spans[-1].end :]
         )
@@ -729,6 +749,7 @@ class Encoder:
             "n_completion_cut": n_completion_cut,
             "arrived_cut": arrived_cut,
             "arrived_turn_lost": turn_lost,
+            "arrived_prompt_cut": prompt_cut,
             "n_prompt_supervised": n_supervised - sup_in_turns if located else -1,
             "n_eot_missing": eot_missing,
             "n_eot_unsupervised": eot_unsup,

@@ -18,9 +18,11 @@ TRUNCATED_COMPLETION = define(
     detects="Completion tokens at positions >= max_len (truncation keeps the start). Warning when under 10% "
     "of examples are cut, error above. On a trainer's batches (cut before hf-sanity sees them, cause "
     "`trainer-max-length`): rows as long as the framework's cut (TRL's `max_length`, Axolotl's `sequence_len`; "
-    "LLaMA-Factory's `cutoff_len`, which its trainer does not know, read off a first batch whose rows are all one "
-    "length with an answer running to the last token) whose last answer has no end of turn, or that end in a "
-    "later turn whose answer the cut removed; and the rows the trainer dropped. Said in the framework's terms.",
+    "LLaMA-Factory's `cutoff_len`, which its trainer does not know: from the config where hf-sanity's LLaMA-Factory "
+    "entry point runs it, else read off a first batch whose rows are all one length with an answer running to the "
+    "last token) whose last answer has no end of turn, that end in a later turn whose answer the cut removed, or "
+    "whose prompt lost its end and the assistant header (LLaMA-Factory cuts the longer of prompt and answer); and "
+    "the rows the trainer dropped. Said in the framework's terms.",
     fix="Drop or split the examples longer than max_len, or raise max_len until they fit; the finding says what "
     "each costs (the examples and supervised tokens dropped, or how much longer the longest sequences get).",
     remedy=RemedyDoc(
@@ -111,19 +113,29 @@ def _cut_by_trainer(ctx, max_len: int):
     completion token (TRL's SFTTrainer)."""
     mid_way = ctx.valid & ctx.col("arrived_cut").astype(bool)
     lost = ctx.valid & ctx.col("arrived_turn_lost").astype(bool)
-    cut = mid_way | lost
+    prompt_cut = ctx.valid & ctx.col("arrived_prompt_cut").astype(bool) & ~mid_way  # the prompt's end cut
+    answers_cut = mid_way | lost
+    cut = answers_cut | prompt_cut
     n, n_cut = int(ctx.valid.sum()), int(cut.sum())
     given, kept = ctx.trainer_rows or (None, None)
     dropped = given - kept if given is not None else 0
     if not n_cut and not dropped:
         return
     parts = []
-    if n_cut:
+    if answers_cut.any():
         how = [f"{int(mid_way.sum())} cut mid-answer"] if mid_way.any() else []
         if lost.any():
             how.append(f"{int(lost.sum())} losing a later answer whole (no token of it left after the cut)")
+        n_answers = int(answers_cut.sum())
         parts.append(
-            f"cuts into the answers of {n_cut} of the {n} examples inspected ({n_cut / n:.1%}: {', '.join(how)})"
+            f"cuts into the answers of {n_answers} of the {n} examples inspected ({n_answers / n:.1%}: "
+            f"{', '.join(how)})"
+        )
+    if prompt_cut.any():
+        k = int(prompt_cut.sum())
+        parts.append(
+            f"cuts the prompt of {k} of the {n} examples inspected ({k / n:.1%}): the end of their prompt and the "
+            "assistant header are gone, so the answer is trained right after a cut question, with no turn between"
         )
     if dropped:
         parts.append(
@@ -134,7 +146,9 @@ def _cut_by_trainer(ctx, max_len: int):
     rows = ctx.first(cut) if n_cut else []
     think = _think_lost(ctx, cut)
     framework = frameworks.of_trainer(ctx.trainer)
-    read_off = ctx.options.arrived_cut_source == "batch"
+    read_off = (
+        ctx.options.arrived_cut_source == "batch"
+    )  # else the trainer's arguments or the framework's config
     setting = f"{framework.name}'s {framework.cut_key}"
     yield TRUNCATED_COMPLETION.finding(
         f"{setting}={max_len:,} "
@@ -153,6 +167,7 @@ def _cut_by_trainer(ctx, max_len: int):
             "examples_inspected": n,
             "cut_mid_answer": int(mid_way.sum()),
             "answer_lost": int(lost.sum()),
+            "prompt_cut": int(prompt_cut.sum()),
             "dropped_by_trainer": dropped,
             "rows_passed": given,
             "cause": "trainer-max-length",
@@ -165,8 +180,19 @@ def _cut_by_trainer(ctx, max_len: int):
         severity="error" if share >= ERROR_FRACTION else "warning",
         fix=f"Raise {CUT_FIX.get(framework.name, framework.cut_key)}, or drop or split the longest examples "
         "before training; `hf-sanity preflight --dataset ... --max-len N` prices each choice (the examples and "
-        "supervised tokens a value cuts). The completions cut here end without their end-of-turn token: the "
-        "model learns to stop mid-answer; the answers removed whole are never trained.",
+        "supervised tokens a value cuts)."
+        + (
+            " The completions cut here end without their end-of-turn token: the model learns to stop mid-answer; "
+            "the answers removed whole are never trained."
+            if answers_cut.any() or dropped
+            else ""
+        )
+        + (
+            " The answers whose prompt is cut are trained without the turn they answer: the model learns to answer "
+            "a question it was never asked in the served format."
+            if prompt_cut.any()
+            else ""
+        ),
         rows=cut if n_cut else None,
     )
 

@@ -44,6 +44,7 @@ def token_findings(
     step0,
     causal=False,
     unprobed=False,
+    framework_cut: int | None = None,
 ) -> list[Finding]:
     """preflight's `tokens` rules on this one batch, `init-loss-off-chance` on the step-0 numbers and, with
     ``causal``, `future-token-leak` on the batch as the model got it. ``unprobed``: the batch holds ids the
@@ -62,7 +63,7 @@ def token_findings(
     with preserved_rng():
         ctx = batches_context(
             tokenizer, [tensors], model=model, max_len=max_len, trainer=trainer, init_loss=step0,
-            first_batch=tensors, modality=modality,
+            first_batch=tensors, modality=modality, framework_cut=framework_cut,
         )  # fmt: skip
         findings = catalog.run_all("context", ctx, selection, stages=("tokens",))
         findings += catalog.run_all("context", ctx, selection.restricted({TEMPLATE_RULE}))
@@ -82,7 +83,7 @@ class FirstBatch:
     the forward, which a mismatch may crash, and after it with the logits), the step-0 probe on it, and the
     token rules. Its first rows stay as the probe batch that `predictions-frozen` re-runs every few steps."""
 
-    def __init__(self, show: bool | int = False) -> None:
+    def __init__(self, show: bool | int = False, framework_cut: int | None = None) -> None:
         if isinstance(show, bool) or show is None:
             show = bool(show)
         elif not isinstance(show, int) or show < 1:
@@ -90,6 +91,9 @@ class FirstBatch:
                 f"show_first_batch must be True, False or a number of rows (1 or more), got {show!r}"
             )
         self.show = show  # print the batch decoded: True, every row; N, the first N rows
+        # The length a framework's entry point read from its config (LLaMA-Factory's cutoff_len): its trainer
+        # does not know it, and the rows arrive cut at it.
+        self.framework_cut = framework_cut
         self.done = False
         self.judge_step0 = True  # False on a resumed run: its model is trained, chance says nothing of it
         self._labels = None  # the first batch's labels, which compute_loss may pop before the forward
@@ -206,6 +210,7 @@ class FirstBatch:
                     tokenizer, batch, model=module, trainer=trainer, selection=sink.selection,
                     max_len=trainer_max_len(trainer) if trainer is not None else None,
                     step0=step0 if self.judge_step0 else None, causal=causal, unprobed=unprobed,
+                    framework_cut=self.framework_cut,
                 )
             )  # fmt: skip
         values = {"shapes": dict(self._shapes), "step0": step0}
