@@ -380,6 +380,38 @@ def test_the_catalog_and_option_checks_load_without_torch_or_transformers():
     assert "unknown rule or stage 'no-such-rule'" in result.stderr
 
 
+def test_the_cli_stays_thin():
+    """cli.py parses, calls a driver and renders: loading and saving live in hf_sanity/drivers (drivers/load.py,
+    drivers/commands.py), and no flag is hidden (each is public, in --help)."""
+    text = (PACKAGE / "cli.py").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 450, (
+        f"hf_sanity/cli.py has {len(text.splitlines())} lines: move logic to drivers/"
+    )
+    for call in (
+        "from_pretrained",
+        "load_dataset",
+        "save_pretrained",
+        "load_model",
+        "load_tokenizer",
+        ".save(",
+    ):
+        assert call not in text, f"cli.py calls {call}: loading and saving belong to hf_sanity/drivers"
+    options = (PACKAGE / "cli_options.py").read_text(encoding="utf-8")
+    assert "hidden=True" not in text + options
+
+
+def test_the_fix_hint_passes_every_option_fix_takes_at_its_default():
+    """The `hf-sanity fix ...` line under a preflight report leaves out the options at fix's own defaults: the
+    driver's table of them is the CLI's, option for option."""
+    import inspect
+
+    from hf_sanity.cli import fix_command
+    from hf_sanity.drivers.commands import FIX_DEFAULTS
+
+    defaults = {name: p.default for name, p in inspect.signature(fix_command).parameters.items()}
+    assert {name: defaults[name] for name in FIX_DEFAULTS} == FIX_DEFAULTS
+
+
 def test_the_callback_stays_a_thin_adapter():
     """SanityCallback translates Trainer events into calls on plain objects of hf_sanity.training; what it
     decides or computes lives there, where it is tested without a Trainer."""

@@ -2,6 +2,8 @@
 
 import csv
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,66 @@ def test_ignore_silences_a_rule(model_dir, data_file):
 def test_missing_dataset(model_dir, tmp_path):
     assert_one_line_error(cli("preflight", "--model", model_dir, "--dataset", str(tmp_path / "nope.jsonl")),
                           "does not exist")  # fmt: skip
+
+
+# The CLI run through a wrapper that says, after the command exits, which heavy libraries it imported.
+IMPORTS_AFTER = (
+    "import runpy, sys\n"
+    "sys.argv = ['hf-sanity', *sys.argv[1:]]\n"
+    "try:\n    runpy.run_module('hf_sanity.cli', run_name='__main__')\n"
+    "except SystemExit as exc:\n    code = exc.code\n"
+    "print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))\n"
+    "sys.exit(code)\n"
+)
+
+
+MISSING = ("nope.jsonl", "does not exist")
+
+
+@pytest.mark.parametrize(
+    "command, bad, needle",
+    [
+        (["preflight"], *MISSING),
+        (["preflight"], "rows.txt", "unknown file type '.txt'"),
+        (["preflight"], "empty.jsonl", "is empty"),
+        (["show"], *MISSING),
+        (["fix", "--diff"], *MISSING),
+        (["outputs"], *MISSING),
+        (["overfit"], *MISSING),
+        (["diagnose"], *MISSING),
+        (
+            ["served", "--base", "M", "--adapter", "no-adapter"],
+            "nope.jsonl",
+            "adapter 'no-adapter' is not a folder",
+        ),
+    ],
+)
+def test_bad_paths_are_one_line_before_torch_or_transformers_is_imported(model_dir, tmp_path, command, bad,
+                                                                          needle):  # fmt: skip
+    """A missing dataset file, a file of an unknown type, an empty one (served: a missing adapter folder): one
+    line and exit 2, told from the file system alone, before torch, transformers or datasets are imported (they
+    take seconds to import)."""
+    (tmp_path / "rows.txt").write_text("a row\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    args = [model_dir if a == "M" else a for a in command]
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTS_AFTER, *args, "--model", model_dir, "--dataset", str(tmp_path / bad)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert_one_line_error(result, needle)
+    if command[0] != "served":
+        assert f"dataset {str(tmp_path / bad)!r}" in result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_a_missing_model_folder_is_one_line_before_torch_is_imported(tmp_path, data_file):
+    result = subprocess.run(
+        [sys.executable, "-c", IMPORTS_AFTER, "preflight", "--model", str(tmp_path / "nomodel"), "--dataset",
+         data_file],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert_one_line_error(result, f"model {str(tmp_path / 'nomodel')!r} does not exist")
+    assert result.stdout.strip() == "[]", result.stdout
 
 
 def test_malformed_dataset(model_dir, tmp_path):

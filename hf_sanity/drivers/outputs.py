@@ -44,14 +44,9 @@ def check_options(
 
 def check_adapter_folder(adapter: str | Path) -> None:
     """A saved PEFT adapter folder, readable (or one line saying what is wrong)."""
-    from hf_sanity.measure.adapters import adapter_config, adapter_state
+    from hf_sanity.drivers.load import check_adapter
 
-    if not Path(adapter).is_dir():
-        raise UserInputError(
-            f"adapter {str(adapter)!r} is not a folder; pass the folder written by peft's save_pretrained"
-        )
-    adapter_config(adapter)
-    adapter_state(adapter)
+    check_adapter(adapter)
 
 
 def outputs(

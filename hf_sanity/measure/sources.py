@@ -145,22 +145,31 @@ def load_dataset_ref(ref: str, split: str = "train"):
             datasets.enable_progress_bars()
 
 
+def check_dataset_path(ref: str) -> Path:
+    """The path of a local dataset that exists and, as a file, is of a known type and not empty (one line
+    otherwise, from the file system alone: called before any heavy import too)."""
+    path = Path(os.path.expanduser(ref))
+    if looks_local(ref):
+        if not path.exists():
+            raise _missing("dataset", ref)
+        if path.is_file():
+            if DATA_BUILDERS.get(path.suffix.lower()) is None:
+                raise UserInputError(
+                    f"dataset {ref!r}: unknown file type {path.suffix!r}; use .json, .jsonl, .csv or .parquet"
+                )
+            if path.stat().st_size == 0:
+                raise UserInputError(f"dataset {ref!r} is empty")
+    return path
+
+
 def _load_dataset_ref(ref: str, split: str):
     import datasets
 
-    path = Path(os.path.expanduser(ref))
     try:
+        path = check_dataset_path(ref)
         if looks_local(ref):
-            if not path.exists():
-                raise _missing("dataset", ref)
             if path.is_file():
-                builder = DATA_BUILDERS.get(path.suffix.lower())
-                if builder is None:
-                    raise UserInputError(
-                        f"dataset {ref!r}: unknown file type {path.suffix!r}; use .json, .jsonl, .csv or .parquet"
-                    )
-                if path.stat().st_size == 0:
-                    raise UserInputError(f"dataset {ref!r} is empty")
+                builder = DATA_BUILDERS[path.suffix.lower()]
                 if builder in TEXT_BUILDERS:
                     check_utf8(path, ref)
                 try:

@@ -8,7 +8,7 @@
 * :func:`from_objects`: a model, a tokenizer and dataset rows; rows are tokenized by the measurement core's
   :class:`~hf_sanity.measure.encode.Encoder` (as TRL does: completion-only labels unless ``loss_on="all"``),
   right-padded (labels -100), optionally with a LoRA adapter; the optimizer is AdamW, the loss the model's.
-* :func:`from_paths`: the CLI's way: the same, loaded from paths with `hf_sanity.measure.sources`.
+* :func:`from_paths`: the CLI's way: the same, loaded from paths with `hf_sanity.drivers.load`.
 """
 
 from __future__ import annotations
@@ -205,17 +205,14 @@ def from_paths(
     command: list[str] | None = None,
 ) -> Pipeline:
     """The CLI's pipeline: everything loaded from paths, bad input raised as one-line errors before any work."""
-    from hf_sanity.measure.sources import load_config, load_dataset_ref, load_model, load_tokenizer
+    from hf_sanity.drivers.load import from_paths as load_paths
 
     lora = lora_config(adapter_config, lora_r, lora_alpha, lora_target)
-    # a broken model folder fails before the data is read
-    load_config(model, trust_remote_code=trust_remote_code)
-    tok = load_tokenizer(tokenizer or model, trust_remote_code=trust_remote_code)
-    data = load_dataset_ref(dataset, split)
-    rows_model = load_model(model, trust_remote_code=trust_remote_code)
+    setup = load_paths(model, dataset, tokenizer=tokenizer, split=split, trust_remote_code=trust_remote_code)
+    rows_model = setup.load_model()
     if lora is not None:
         rows_model = attach_lora(rows_model, lora)  # loaded here: nobody else holds it
-    pipeline = from_objects(rows_model, tok, data, options=options)
+    pipeline = from_objects(rows_model, setup.tokenizer, setup.dataset, options=options)
     pipeline.source = "paths"
     pipeline.model_ref = model
     pipeline.command = command
