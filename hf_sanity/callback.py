@@ -183,6 +183,8 @@ class SanityCallback(TrainerCallback, ExportableState):
             outcome.log_counts(self.sink, state, logs)  # and into state.log_history, which Trainer keeps
         return control
 
+    on_save = saved.on_save  # each checkpoint as written: what a server needs beside the weights
+
     def on_train_end(self, args, state, control, **kwargs):
         try:
             with self.sink.guard("callback-read"):
@@ -192,8 +194,6 @@ class SanityCallback(TrainerCallback, ExportableState):
             with self.sink.guard("callback-sync"):
                 if self.sink.world_size > 1:
                     self._sync(state.global_step, control, final=True)
-            with self.sink.guard("processor-not-saved"):
-                saved.check_last_checkpoint(self, args, state)
             with self.sink.guard("report"):
                 self.report.stats.update(outcome.stats(self, steps=state.global_step))
             with self.sink.guard("report"):

@@ -240,16 +240,16 @@ def test_idefics3_tiles_count_by_resolution_and_the_cut_row_is_found(tmp_path):
 
 
 # -- processor-not-saved --------------------------------------------------------------------------------------
-def checkpointed_run(tmp_path, processing_class_of):
-    """The tutorials' setup: transformers' Trainer with the masking collator, two steps, a checkpoint saved at
-    step 2, the trainer's processing_class ``processing_class_of(processor)``; the callback's report and the
-    checkpoint folder. (TRL's SFTTrainer refuses a tokenizer alone on image rows; Trainer takes it.)"""
+def checkpointed_run(tmp_path, processing_class_of, save_steps: int = 2):
+    """The tutorials' setup: transformers' Trainer with the masking collator, two steps, a checkpoint saved
+    every ``save_steps``, the trainer's processing_class ``processing_class_of(processor)``; the callback's report
+    and the checkpoint of step 2. (TRL's SFTTrainer refuses a tokenizer alone on image rows; Trainer takes it.)"""
     from transformers import Trainer, TrainingArguments
 
     model, processor = vlm.load_tiny_llava()
     config = TrainingArguments(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3, report_to=[],
-        save_strategy="steps", save_steps=2, save_only_model=True, use_cpu=True, bf16=False, seed=0,
+        save_strategy="steps", save_steps=save_steps, save_only_model=True, use_cpu=True, bf16=False, seed=0,
         disable_tqdm=True, remove_unused_columns=False,
     )  # fmt: skip
     callback = SanityCallback()

@@ -3,7 +3,8 @@
 What the fine-tuned model actually says: it renders each held-out prompt with the chat template the model is
 served with, generates greedily in left-padded batches (seeded, on the model's device), and checks the
 generations: never stopping, stray template markers, echoing the prompt, repetition loops, answers cut short,
-outputs identical to the base model's, and the generation config's stop tokens.
+outputs identical to the base model's, and the generation config's stop tokens. A vision-language model's
+folder is read for the processor a server needs beside it (`processor-not-saved`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hf_sanity.errors import UserInputError
 from hf_sanity.measure.formats import check_alpaca_template
 from hf_sanity.measure.generate import DEFAULT_BATCH_SIZE, DEFAULT_MAX_NEW_TOKENS
 from hf_sanity.measure.objective import KINDS, of_columns
+from hf_sanity.measure.saved import processor_beside, served_folder
 from hf_sanity.measure.sources import as_dataset
 from hf_sanity.report import Report
 from hf_sanity.selection import resolve
@@ -67,6 +69,7 @@ def outputs(
     reward_funcs=None,
     train_reward=None,
     seed: int = 0,
+    processor=None,
     select: str | Iterable[str] | None = None,
     ignore: str | Iterable[str] | None = None,
     use_config: bool = True,
@@ -88,7 +91,9 @@ def outputs(
     limit) scored on the held-out generations; ``train_reward``: the reward of the run's last steps to compare with
     (a number, ``trainer.state.log_history``, or a ``trainer_state.json`` or its folder: the mean logged ``reward``
     of the last 10% of the steps); ``policy-drift`` says when the held-out reward is below it by more than 0.1.
-    Nothing of the model, its generation config or the tokenizer is changed.
+    ``processor``: a vision-language model's serving processor (default: the one saved in
+    ``inference_tokenizer``'s folder, if any), compared with the one saved beside the model
+    (`image-settings-drift`). Nothing of the model, its generation config or the tokenizer is changed.
     """
     from hf_sanity.measure.generate import generate, held_out_prompts, renderable, with_base
 
@@ -155,6 +160,13 @@ def outputs(
         gens = dataclasses.replace(gens, rewards={**rewards, "train": training_reward(train_reward)})
     report = Report(title="hf-sanity outputs")
     report.extend(catalog.run_all("outputs", gens, selection))
+    if processor is None and inference_tokenizer is not None:
+        processor = processor_beside(inference_tokenizer)
+    folder = served_folder(
+        model, adapter, processor
+    )  # a vision-language model: the processor saved beside it
+    if folder is not None:
+        report.extend(catalog.run_all("saved", folder, selection))
     report.stats.update(gens.stats(), objective=objective)
     if gens.rewards is not None:
         report.stats["rewards"] = dict(gens.rewards)

@@ -3,7 +3,8 @@
     report = hf_sanity.served(merged, base=base, adapter="out/adapter", tokenizer=tokenizer)
 
 The trained model is the base with the saved adapter attached; the served one is what a server loads (the
-merged model reloaded from disk). The adapter's own rules run too (saved empty, untrained, on the wrong base).
+merged model reloaded from disk). The adapter's own rules run too (saved empty, untrained, on the wrong base);
+a vision-language model's folder is read for the processor a server needs beside it (`processor-not-saved`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterable
 
 from hf_sanity import catalog
 from hf_sanity.errors import UserInputError
+from hf_sanity.measure.saved import processor_beside, served_folder
 from hf_sanity.measure.sources import as_dataset
 from hf_sanity.report import Report
 from hf_sanity.selection import resolve
@@ -23,6 +25,8 @@ SERVED_RULES = (
     "adapter-base-mismatch",
     "adapter-not-loaded",
     "served-model-differs",
+    "processor-not-saved",  # a vision-language model's folder: the processor a server needs beside it
+    "image-settings-drift",  # ... and the serving processor's image settings against it
 )
 PROBE_ROWS = 8  # conversations the logits are compared on: any text tells two models apart
 
@@ -35,13 +39,16 @@ def served(
     tokenizer,
     dataset=None,
     sample: int = PROBE_ROWS,
+    processor=None,
     select: str | Iterable[str] | None = None,
     ignore: str | Iterable[str] | None = None,
     use_config: bool = True,
 ) -> Report:
     """Check that ``model``, the served model object, computes what ``base`` + the saved ``adapter`` folder computed in
     training. ``dataset``: rows to compare the logits on (default: a few built-in conversations rendered with
-    the tokenizer). The base model gets the adapter's layers for the duration of the check only."""
+    the tokenizer). The base model gets the adapter's layers for the duration of the check only. ``processor``:
+    a vision-language model's serving processor (default: the one saved in ``tokenizer``'s folder, if any),
+    compared with the one saved beside ``model`` (`image-settings-drift`)."""
     from hf_sanity.measure.context import Context
     from hf_sanity.measure.encode import EncodeOptions
     from hf_sanity.measure.formats import detect_format
@@ -64,6 +71,9 @@ def served(
     )
     report = Report(title="hf-sanity served")
     report.extend(catalog.run_all("context", ctx, selection, stages=("model",)))
+    folder = served_folder(model, serving_processor=processor or processor_beside(tokenizer))
+    if folder is not None:
+        report.extend(catalog.run_all("saved", folder, selection))
     comparison = vars(ctx).get("served")  # measured by the rules that read it (not when one before failed)
     report.stats.update(adapter=str(adapter), seconds=round(time.perf_counter() - started, 2))
     if comparison is not None:

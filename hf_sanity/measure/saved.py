@@ -7,8 +7,10 @@ config)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 from hf_sanity.measure.vision import Modality, has_vision_processor
 
@@ -26,6 +28,24 @@ class SavedFolder:
     has_chat_template: bool
     trainer_has_processor: bool  # the trainer's processing_class carries an image processor (what it saves)
     processing_class: str | None  # "tokenizer-only" when the trainer's processing_class is a bare tokenizer
+    from_trainer: bool = True  # a checkpoint of a running Trainer; False: a folder a server loads
+    # The processor the server uses (or the folder it loads it from): `served` and `outputs` only.
+    serving_processor: Any = field(default=None, compare=False, repr=False)
+
+    @cached_property
+    def image_settings(self):
+        """The processor saved here against the serving one, on a reference picture
+        (`measure.image_settings`); None without both."""
+        if self.serving_processor is None or not self.has_image_processor:
+            return None
+        from transformers import AutoProcessor
+
+        from hf_sanity.measure.image_settings import compare_image_settings
+
+        serving = self.serving_processor
+        if isinstance(serving, Path):  # a folder the server loads its processor from
+            serving = AutoProcessor.from_pretrained(str(serving))
+        return compare_image_settings(AutoProcessor.from_pretrained(self.path), serving)
 
 
 def _json(path: Path) -> dict:
@@ -36,7 +56,9 @@ def _json(path: Path) -> dict:
     return loaded if isinstance(loaded, dict) else {}
 
 
-def read_saved(path: Path, step: int | None, modality: Modality, processing_class=None) -> SavedFolder:
+def read_saved(
+    path: Path, step: int | None, modality: Modality, processing_class=None, *, from_trainer: bool = True
+) -> SavedFolder:
     files = tuple(sorted(p.name for p in path.iterdir() if p.is_file()))
     image = "preprocessor_config.json" in files or "image_processor" in _json(path / "processor_config.json")
     template = any(name in files for name in TEMPLATE_FILES) or any(
@@ -45,8 +67,29 @@ def read_saved(path: Path, step: int | None, modality: Modality, processing_clas
     bare = processing_class is not None and hasattr(processing_class, "convert_tokens_to_ids")
     return SavedFolder(
         str(path), step, modality, files, image, bool(template), has_vision_processor(processing_class),
-        "tokenizer-only" if bare and not has_vision_processor(processing_class) else None,
+        "tokenizer-only" if bare and not has_vision_processor(processing_class) else None, from_trainer,
     )  # fmt: skip
+
+
+def served_folder(model, adapter=None, serving_processor=None) -> SavedFolder | None:
+    """The folder a vision-language model is served from, read: the saved adapter's when one is attached,
+    else the local folder the model was loaded from (``name_or_path``); None for a text model, or a model
+    not loaded from a local folder (a hub id: its processor is the hub's). ``serving_processor``: the processor
+    the server uses, compared with the one saved there (a processor without an image processor is none)."""
+    from hf_sanity.measure.vision import measure_modality
+
+    modality = measure_modality(None, model)
+    if not modality.is_vision:
+        return None
+    folder = Path(adapter) if adapter else Path(str(getattr(model, "name_or_path", "") or ""))
+    if not str(folder) or not folder.is_dir():
+        return None
+    subject = read_saved(folder, None, modality, from_trainer=False)
+    if isinstance(serving_processor, Path) or has_vision_processor(serving_processor):
+        import dataclasses
+
+        subject = dataclasses.replace(subject, serving_processor=serving_processor)
+    return subject
 
 
 def last_checkpoint(output_dir, step: int) -> Path | None:
@@ -58,3 +101,13 @@ def last_checkpoint(output_dir, step: int) -> Path | None:
         return exact
     saved = [p for p in root.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
     return max(saved, key=lambda p: int(p.name.split("-")[-1])) if saved else None
+
+
+def processor_beside(tokenizer) -> Path | None:
+    """The folder ``tokenizer`` was loaded from, when an image processor is saved there (what a server that
+    loads that folder uses; loaded when a rule reads it); else None."""
+    folder = Path(str(getattr(tokenizer, "name_or_path", "") or ""))
+    if not str(folder) or not folder.is_dir():
+        return None
+    has_config = "image_processor" in _json(folder / "processor_config.json")
+    return folder if has_config or (folder / "preprocessor_config.json").is_file() else None

@@ -111,12 +111,14 @@ def _check_model_folder(ref: str, weights: bool = True) -> Path:
 
 @progress.phase("loading the model")
 def load_model(ref: str, *, dtype=None, trust_remote_code: bool = False):
+    """A causal LM, or a vision-language model (image-text-to-text) whose config no causal LM class takes."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = _check_model_folder(ref)
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        auto = _vision_language_class(path, trust_remote_code) or AutoModelForCausalLM
+        return auto.from_pretrained(
             str(path) if looks_local(ref) else ref,
             dtype=dtype or "auto",
             device_map="auto" if torch.cuda.is_available() else None,
@@ -126,6 +128,28 @@ def load_model(ref: str, *, dtype=None, trust_remote_code: bool = False):
         raise _unreachable("model", ref, exc) or UserInputError(
             f"cannot load a causal LM from {ref!r}: {_first_line(exc)}"
         ) from None
+
+
+def _vision_language_class(path: Path, trust_remote_code: bool):
+    """AutoModelForImageTextToText for a local folder whose config is a vision-language one (LLaVA, Idefics3:
+    transformers maps them to no causal LM class); else None."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return None
+    model_type = getattr(
+        AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code), "model_type", None
+    )
+    if (
+        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        or model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    ):
+        return None
+    return AutoModelForImageTextToText
 
 
 @progress.phase("loading the dataset")

@@ -285,5 +285,11 @@ def _tokens_by_size(processor, example: Mapping[str, Any], modality: Modality, o
             return
         key = f"{size[0]}x{size[1]}"
         if key not in out:
-            ids = processor(text=[token], images=[[picture]], return_tensors="pt")["input_ids"][0].tolist()
-            out[key] = sum(1 for t in ids if t in modality.placeholder_ids or t < 0)
+            out[key] = placeholders_per_picture(processor, picture, modality)
+
+
+def placeholders_per_picture(processor, picture, modality: Modality) -> int:
+    """The placeholders ``processor`` expands one ``picture`` (a PIL image) into: its image token, processed
+    with the picture as a one-picture row."""
+    ids = processor(text=[processor.image_token], images=[[picture]], return_tensors="pt")["input_ids"][0]
+    return sum(1 for t in ids.tolist() if t in modality.placeholder_ids or t < 0)

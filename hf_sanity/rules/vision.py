@@ -204,12 +204,13 @@ PROCESSOR_NOT_SAVED = define(
     "the tokenizer but not the image processor's settings (resolution, normalisation, image splitting) or the chat "
     "template that places the pictures, so the server fails to load a processor or builds a default one whose "
     "pictures become other tokens.",
-    detects="On a vision-language run (`stats.modality`), at train end (SanityCallback): the last checkpoint the "
-    "Trainer saved, for the image processor's config (`preprocessor_config.json`, or `image_processor` in "
+    detects="On a vision-language run (`stats.modality`), at each save and at train end (SanityCallback): the "
+    "checkpoint the Trainer saved; and the folder `served` and `outputs` load the model (or the adapter) from: "
+    "each read for the image processor's config (`preprocessor_config.json`, or `image_processor` in "
     "`processor_config.json`) and a chat template (`chat_template.jinja` / `.json`, or `chat_template` in the "
     "tokenizer's or processor's config). Either missing is an error; cause `tokenizer-only` when the trainer's "
     "`processing_class` is the tokenizer alone (Trainer saves what it is given), `no-processing-class` when it "
-    "has none, else `not-saved`.",
+    "has none, else (and for a served folder) `not-saved`.",
     fix="Give the trainer the whole processor (`processing_class=processor`, not `processor.tokenizer`): Trainer "
     "saves it into every checkpoint; or save it beside the weights yourself (`processor.save_pretrained(folder)`).",
 )
@@ -228,7 +229,10 @@ def check_processor_not_saved(folder):
         missing.append("the chat template")
     if not missing:
         return
-    cause = "not-saved" if folder.trainer_has_processor else folder.processing_class or "no-processing-class"
+    if folder.trainer_has_processor or not folder.from_trainer:
+        cause = "not-saved"
+    else:
+        cause = folder.processing_class or "no-processing-class"
     fix = None
     if cause != "not-saved":
         fix = (
@@ -308,4 +312,52 @@ def check_vision_tower_adapters(ctx):
         "(peft fullmatches a string against each module's path). To train the vision side on purpose, name it "
         "in target_modules (e.g. `multi_modal_projector`) and serve with an engine that loads adapters on the "
         "vision tower: a language-model-only server will not load them.",
+    )
+
+
+IMAGE_SETTINGS_DRIFT = define(
+    "image-settings-drift",
+    severity="warning",
+    stage="outputs",
+    symptom="A vision-language model served with other image settings than it was trained with: each picture "
+    "becomes several times more (or fewer) tokens than in training (576 a picture in training, 16,384 at "
+    "inference), so the model sees images at a resolution or tiling it never learned, answers get worse, and "
+    "long contexts run out.",
+    detects="`served` and `outputs` given the serving processor (the folder of `--inference-tokenizer` / "
+    "`--tokenizer`, or `processor=`) with a model folder that holds the training processor: one reference "
+    "picture (512x512) through each; tokens per picture that differ by more than 2x are a warning, with the "
+    "settings that differ (resolution `size` / `longest_edge`, pixel bounds `min_pixels` / `max_pixels`, "
+    "`do_image_splitting`, tokens per tile); the cause names the first setting that decides the count.",
+    fix="Serve with the processor saved beside the model (`AutoProcessor.from_pretrained(model_folder)`), or "
+    "set the serving processor's image settings to the training ones (e.g. vLLM's `--mm-processor-kwargs`).",
+)
+
+DRIFT_RATIO = 2.0  # tokens per picture, serving against training, beyond which the model sees another input
+
+
+def has_serving_processor(folder) -> bool:
+    return folder.serving_processor is not None and folder.has_image_processor
+
+
+@IMAGE_SETTINGS_DRIFT.detector("saved", applies=has_serving_processor)
+def check_image_settings_drift(folder):
+    settings = folder.image_settings
+    if settings is None or settings.ratio <= DRIFT_RATIO:
+        return
+    cause = settings.cause
+    change = settings.differing.get(cause, {})
+    yield IMAGE_SETTINGS_DRIFT.finding(
+        f"a {settings.reference} picture is {settings.serving_tokens} tokens at serving against "
+        f"{settings.training_tokens} in training ({settings.ratio:.1f}x): {cause} is "
+        f"{change.get('serving')!r} at serving, {change.get('training')!r} in training",
+        evidence={
+            "cause": cause,
+            "reference": settings.reference,
+            "tokens_per_image": {"training": settings.training_tokens, "serving": settings.serving_tokens},
+            "ratio": round(settings.ratio, 2),
+            "differing": settings.differing,
+            "folder": folder.path,
+        },
+        fix=f"Serve with the processor saved in {folder.path} (`AutoProcessor.from_pretrained`), or set the "
+        f"serving processor's `{cause}` to {change.get('training')!r} as in training.",
     )

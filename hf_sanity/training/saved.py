@@ -1,5 +1,6 @@
-"""SanityCallback at train end: the last checkpoint the Trainer saved, read for what a server needs beside the
-weights (`hf_sanity.measure.saved`), judged by the `saved` detectors."""
+"""SanityCallback at each save: the checkpoint the Trainer just wrote, read for what a server needs beside the
+weights (`hf_sanity.measure.saved`), judged by the `saved` detectors (the sink reports a rule once: the first
+checkpoint that lacks it)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ from hf_sanity.measure.saved import last_checkpoint, read_saved
 from hf_sanity.measure.vision import measure_modality
 
 
+def on_save(callback, args, state, control, **kwargs):
+    """``SanityCallback.on_save``: Trainer calls it after each checkpoint it writes."""
+    with callback.sink.guard("processor-not-saved"):
+        check_last_checkpoint(callback, args, state)
+    return control
+
+
 def check_last_checkpoint(callback, args, state) -> None:
-    """The one call of ``SanityCallback.on_train_end`` for saved folders: only the main process reads it, and
-    only a checkpoint this run wrote (none when it saved none: nothing to judge)."""
+    """The checkpoint of ``state.global_step``: only the main process reads it, and only a checkpoint this run
+    wrote (none when it saved none: nothing to judge)."""
     if not callback.sink.is_main or not getattr(args, "output_dir", None):
         return
     folder = last_checkpoint(args.output_dir, state.global_step)
