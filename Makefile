@@ -11,7 +11,7 @@ export TOKENIZERS_PARALLELISM := false
 
 LINT_PATHS := $(wildcard hf_sanity tests recipes benchmarks)
 
-.PHONY: install demo test test-fast lint format docs bench clean
+.PHONY: install demo test test-fast test-lower lint format docs bench clean
 
 install: $(STAMP)
 
@@ -33,6 +33,25 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
 
+# The lower lanes: the fast suite on the oldest versions supported, each in its own cached venv (the torch pin
+# first). `llamafactory` (the default): LLaMA-Factory 0.9.5's upper pins, the lowest set of the supported
+# ranges (pyproject); `axolotl`: Axolotl 0.19's pins. `make test-lower LOWER=axolotl`.
+LOWER ?= llamafactory
+LOWER_PINS_llamafactory := transformers==5.6.0 trl==0.24.0 peft==0.18.1 datasets==4.0.0 accelerate==1.11.0
+LOWER_PINS_axolotl := transformers==5.16.1 trl==1.9.0 peft==0.20.0 datasets==4.8.4
+LOWER_VENV := .venv-lower-$(LOWER)
+
+$(LOWER_VENV)/.installed: pyproject.toml
+	@test -n "$(LOWER_PINS_$(LOWER))" || { echo "LOWER must be llamafactory or axolotl, not $(LOWER)"; exit 2; }
+	test -x $(LOWER_VENV)/bin/python || $(PYTHON) -m venv $(LOWER_VENV)
+	$(LOWER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(if $(TORCH),$(LOWER_VENV)/bin/python -m pip install -q "$(TORCH)")
+	$(LOWER_VENV)/bin/python -m pip install -q -e ".[dev]" $(LOWER_PINS_$(LOWER))
+	touch $@
+
+test-lower: $(LOWER_VENV)/.installed
+	$(LOWER_VENV)/bin/python -m pytest -m "not slow"
+
 lint: install
 	$(BIN)/ruff check $(LINT_PATHS)
 	$(BIN)/ruff format --check $(LINT_PATHS)
@@ -49,4 +68,4 @@ bench: install
 	$(BIN)/python -m benchmarks.run
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-lower-* build *.egg-info .pytest_cache .ruff_cache

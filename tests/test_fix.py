@@ -12,6 +12,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+import trl_setups as setups
 
 from conftest import real_tokenizer
 from helpers import assert_one_line_error, cli
@@ -65,6 +66,7 @@ def planted(case: str):
         model, tok = tiny_setup("chatml", "distinct")
         return model, tok, convs, None, {"max_len": 40}, "truncated-completion"
     if case == "drops-reasoning":
+        setups.trl_template("deepseek_r1_distill_training")  # the remedy: TRL's training twin
         tok = real_tokenizer("deepseek-r1-distill")
         return (
             tiny_model_for(tok, SMALL),
@@ -220,6 +222,7 @@ def test_a_twin_that_renders_other_text_is_unsafe():
     assistant-only loss asked it answers both findings."""
     import hf_sanity
 
+    setups.trl_template("deepseek_r1_distill_training")  # the remedy: TRL's training twin
     tok = real_tokenizer("deepseek-r1-distill")
     data = datasets.Dataset.from_list(reasoning_conversations(8))
     report = hf_sanity.preflight(tokenizer=tok, dataset=data, loss_on="assistant", use_config=False,

@@ -8,14 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
-import trl
+import trl_setups as setups
 from test_rules_agents import multi_turn_thinking
 
 from conftest import real_tokenizer
 from helpers import cli
 from hf_sanity.testing import demo_conversations, tiny_model_for
-
-TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +66,7 @@ def test_multi_turn_prompts_over_a_template_that_strips_past_thinking(qwen, tmp_
     """Qwen3's template drops the thinking of past turns: a tool loop re-rendering these prompts scores tokens
     that were never sampled (an error for RL), caught from the file alone."""
     tok = copy.deepcopy(qwen)
-    tok.chat_template = (TRL_TEMPLATES / "qwen3.jinja").read_text()
+    tok.chat_template = setups.trl_template("qwen3")
     rows = [{"prompt": r["messages"][:3]} for r in multi_turn_thinking(8)]
     result, report = preflight_cli(tmp_path, model_folder(tmp_path, tok), write_prompts(tmp_path, rows))
     assert result.returncode == 1, result.stdout + result.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 import datasets
 import pytest
 import trl
+import trl_setups as setups
 
 from conftest import real_tokenizer
 from helpers import run
@@ -50,7 +51,7 @@ MASK_AND_TEMPLATE_RULES = ["tokens", "template"]
 
 
 def template(name: str) -> str:
-    return (TRL_TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+    return setups.trl_template(name)
 
 
 def training_twin(name: str) -> str:

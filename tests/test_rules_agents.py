@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import datasets
 import pytest
-import trl
+import trl_setups as setups
 
 from conftest import real_tokenizer
 from helpers import cli, run
@@ -17,7 +16,6 @@ from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing import TinyConfig, tiny_model_for, tool_conversations
 
 pytestmark = pytest.mark.slow  # real vocabularies of up to 152k tokens
-TRL_TEMPLATES = Path(trl.__file__).parent / "chat_templates"
 
 SMALL = TinyConfig(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
@@ -99,7 +97,7 @@ def string_arguments(rows):
 def with_template(tok, name):
     """A copy of ``tok`` with TRL's ``name``.jinja as its chat template."""
     copied = copy.deepcopy(tok)
-    copied.chat_template = (TRL_TEMPLATES / f"{name}.jinja").read_text()
+    copied.chat_template = setups.trl_template(name)
     return copied
 
 

@@ -72,10 +72,19 @@ def test_the_deprecated_rope_scaling_setter_leaves_a_config_that_does_not_load(t
         model.config.rope_scaling = {"type": "linear", "factor": 2.0}  # transformers 4 style: no rope_theta
     (finding,) = check(model, tok)
     assert finding.evidence["cause"] == "rope"
-    assert "TypeError" in finding.evidence["modules"][0]["rebuild_error"]
+    said = finding.evidence["modules"][0]["rebuild_error"]
     model.save_pretrained(tmp_path)
-    with pytest.raises(TypeError):  # what the finding says: the saved model does not load
-        AutoModelForCausalLM.from_pretrained(tmp_path)
+    # What the finding says: the config does not rebuild (transformers 5.25: a TypeError; 5.16: KeyError
+    # 'rope_type'), and from 5.25 on the saved model does not load, with the error it names (5.16 converts the
+    # legacy key when it loads from disk: the model trained is still not the one the config describes).
+    import transformers
+    from packaging.version import Version
+
+    assert said.startswith(("TypeError:", "KeyError:")), said
+    if Version(transformers.__version__) >= Version("5.25"):
+        with pytest.raises(TypeError) as raised:
+            AutoModelForCausalLM.from_pretrained(tmp_path)
+        assert said.startswith(f"{type(raised.value).__name__}:"), (said, raised.value)
 
 
 @pytest.mark.planted("config-not-applied")

@@ -1,6 +1,7 @@
 """Template parity rules."""
 
 import pytest
+import trl_setups as setups
 
 from conftest import real_tokenizer
 from helpers import run, slugs
@@ -239,10 +240,6 @@ def test_native_templates_stop_and_their_markers_are_what_the_family_trained_on(
 def test_deepseek_r1_template_drops_the_reasoning_it_is_trained_on():
     """DeepSeek-R1's template keeps only what follows ``</think>``: the data teaches reasoning, the model is
     trained on answers alone. TRL's training twin keeps the reasoning, and is clean."""
-    from pathlib import Path
-
-    import trl
-
     from hf_sanity.testing import reasoning_conversations
 
     tok = real_tokenizer("deepseek-r1-distill")
@@ -251,8 +248,7 @@ def test_deepseek_r1_template_drops_the_reasoning_it_is_trained_on():
     assert finding.severity == "error" and finding.evidence["examples"] == 8
     assert finding.evidence["first_dropped"].startswith("<think>") and 0.3 < finding.evidence["fraction"] < 1
     assert "training variant" in finding.fix
-    twin = Path(trl.__file__).parent / "chat_templates" / "deepseek_r1_distill_training.jinja"
-    tok.chat_template = twin.read_text()
+    tok.chat_template = setups.trl_template("deepseek_r1_distill_training")
     assert run(tok, rows, select="template-drops-content").findings == []
 
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import copy
 import warnings
-from pathlib import Path
 
 import datasets
 import pytest
-import trl
+import trl_setups as setups
 
 from conftest import real_tokenizer
 from helpers import run
@@ -19,7 +18,6 @@ from hf_sanity.drivers.preflight import preflight
 from hf_sanity.testing import TinyConfig, tiny_model_for, tool_conversations
 
 pytestmark = pytest.mark.slow  # a real vocabulary of 152k tokens
-TRAINING = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5_training.jinja").read_text()
 SMALL = TinyConfig(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1
 )
@@ -54,12 +52,16 @@ def measured(monkeypatch):
 def tool_turns_in_generation(tok):
     """A copy of ``tok`` whose template is TRL's Qwen2.5 training template with the `tool` branch inside
     `{% generation %}` too, as a template hand-written to 'train the agent's side' marks it."""
-    planted = TRAINING.replace(
-        '{%- elif message.role == "tool" %}\n',
-        '{%- elif message.role == "tool" %}\n        {%- generation %}\n',
-    ).replace(
-        "        {%- endif %}\n    {%- endif %}\n{%- endfor %}",
-        "        {%- endif %}\n        {%- endgeneration %}\n    {%- endif %}\n{%- endfor %}",
+    planted = (
+        setups.trl_template("qwen2_5_training")
+        .replace(
+            '{%- elif message.role == "tool" %}\n',
+            '{%- elif message.role == "tool" %}\n        {%- generation %}\n',
+        )
+        .replace(
+            "        {%- endif %}\n    {%- endif %}\n{%- endfor %}",
+            "        {%- endif %}\n        {%- endgeneration %}\n    {%- endif %}\n{%- endfor %}",
+        )
     )
     assert planted.count("{%- generation %}") == 2 and planted.count("{%- endgeneration %}") == 2
     copied = copy.deepcopy(tok)

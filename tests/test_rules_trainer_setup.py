@@ -5,6 +5,7 @@ import copy
 import datasets
 import pytest
 import torch
+import trl_setups as setups
 from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
 
 from hf_sanity.drivers.preflight import preflight
@@ -91,6 +92,18 @@ def test_packing_without_isolation(tmp_path, model_tok):
 
     trainer.data_collator = NoPositions(trainer.data_collator)
     (finding,) = preflight(trainer=trainer, select="packing-contamination", use_config=False).findings
+    if (
+        "keys" in finding.evidence
+    ):  # TRL 1.9's collator marks the examples by position_ids alone: none is left
+        import trl
+        from packaging.version import Version
+
+        assert Version(trl.__version__) < Version(setups.NEWEST_TRL), finding.evidence
+        assert (
+            not {"seq_idx", "cu_seq_lens_q"} & set(finding.evidence["keys"])
+            and "no example" in finding.message
+        )
+        return
     assert finding.evidence["position_ids"] is False and finding.evidence["max_logit_difference"] > 0
 
 

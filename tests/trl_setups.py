@@ -20,6 +20,20 @@ warnings.filterwarnings("ignore", message=".*padding-free.*")
 NEWEST_TRL = "1.16"
 
 
+def trl_template(name: str) -> str:
+    """The text of TRL's chat template ``name``.jinja (its library of originals and training twins), or the test
+    skipped, naming TRL's version, where an older TRL does not ship it (TRL 0.24 ships none)."""
+    import trl
+    from packaging.version import Version
+
+    path = Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja"
+    if not path.is_file():
+        if Version(trl.__version__) >= Version(NEWEST_TRL):
+            raise FileNotFoundError(path)
+        pytest.skip(f"TRL {trl.__version__} ships no chat template {name}.jinja")
+    return path.read_text(encoding="utf-8")
+
+
 def from_trl(module: str, *names: str) -> tuple:
     """``names`` from TRL's ``module``, or the test skipped, naming the versions, where an older TRL lacks them or
     cannot import them (TRL 0.24 under transformers 5: its trainers but SFT's import ``mergekit``, because
