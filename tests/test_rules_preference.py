@@ -136,8 +136,7 @@ def test_balanced_pairs_are_not_separable(tmp_path, seed):
 
 def separability_of(report, tmp_path, seed):
     from hf_sanity.measure.objective import of_columns
-    from hf_sanity.measure.preference import rows_context
-    from hf_sanity.rules.preference import separability
+    from hf_sanity.measure.preference import rows_context, separability
 
     data = datasets.Dataset.from_list(demo_preference_pairs(48, seed=seed))
     ctx = rows_context(setups.tokenizer(), data, objective=of_columns(data.column_names), max_len=256)

@@ -486,3 +486,21 @@ def rows_context(tokenizer, dataset, *, objective, max_len: int | None, **contex
         tokenizer=tokenizer, dataset=data, fmt="tokens", options=EncodeOptions(fmt="tokens", max_len=max_len),
         objective=objective, pairs=pairs, unpaired=unpaired, **context,
     )  # fmt: skip
+
+
+def separability(pairs) -> dict[str, float]:
+    """The accuracy of each content-blind rule on the pairs (ties count as not separated)."""
+    n = len(pairs)
+    if n == 0:
+        return {}
+    out = {
+        "longer-wins": float((pairs.chosen_len > pairs.rejected_len).mean()),
+        "shorter-wins": float((pairs.chosen_len < pairs.rejected_len).mean()),
+        "only-chosen-ends": float((pairs.chosen_ends & ~pairs.rejected_ends).mean()),
+        "only-rejected-ends": float((pairs.rejected_ends & ~pairs.chosen_ends).mean()),
+    }
+    if pairs.chosen_script and pairs.rejected_script:  # measured on the first pairs
+        c, r = np.asarray(pairs.chosen_script), np.asarray(pairs.rejected_script)
+        for script in set(pairs.chosen_script) - {""}:
+            out[f"chosen-is-{script.lower()}"] = float(((c == script) & (r != script)).mean())
+    return out

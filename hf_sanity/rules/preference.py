@@ -16,6 +16,7 @@ import numpy as np
 from hf_sanity.catalog import define, monitor
 from hf_sanity.findings import Finding
 from hf_sanity.measure.objective import PAIRED, PREFERENCE
+from hf_sanity.measure.preference import separability
 from hf_sanity.numbers import fmt
 from hf_sanity.rules.training.base import Monitor, TrainingSetup
 
@@ -186,34 +187,19 @@ def check_pairs_identical(ctx):
         )
 
 
-def separability(pairs) -> dict[str, float]:
-    """The accuracy of each content-blind rule on the pairs (ties count as not separated)."""
-    n = len(pairs)
-    if n == 0:
-        return {}
-    out = {
-        "longer-wins": float((pairs.chosen_len > pairs.rejected_len).mean()),
-        "shorter-wins": float((pairs.chosen_len < pairs.rejected_len).mean()),
-        "only-chosen-ends": float((pairs.chosen_ends & ~pairs.rejected_ends).mean()),
-        "only-rejected-ends": float((pairs.rejected_ends & ~pairs.chosen_ends).mean()),
-    }
-    if pairs.chosen_script and pairs.rejected_script:  # measured on the first pairs
-        c, r = np.asarray(pairs.chosen_script), np.asarray(pairs.rejected_script)
-        for script in set(pairs.chosen_script) - {""}:
-            out[f"chosen-is-{script.lower()}"] = float(((c == script) & (r != script)).mean())
-    return out
-
-
 CAUSE_OF_RULE = {"longer-wins": "length", "shorter-wins": "length", "only-chosen-ends": "eos",
                  "only-rejected-ends": "eos"}  # fmt: skip
 
 
 def separable(pairs) -> tuple[str, str, float] | None:
     """(rule, cause, accuracy) of the best content-blind rule at or above the warning threshold."""
-    if pairs is None or len(pairs) < MIN_PAIRS:
-        return None
-    scores = separability(pairs)
-    if not scores:
+    return None if pairs is None else strongest(separability(pairs), len(pairs))
+
+
+def strongest(scores: dict[str, float], pairs: int) -> tuple[str, str, float] | None:
+    """Of the content-blind rules' accuracies on ``pairs`` pairs (``measure.preference.separability``), the best
+    at or above the warning threshold, as (rule, cause, accuracy)."""
+    if pairs < MIN_PAIRS or not scores:
         return None
     rule = max(scores, key=scores.get)
     if scores[rule] < SEPARABLE_WARN:
@@ -390,7 +376,8 @@ class SeparatedEarlyMonitor(Monitor):
         self.run = [*self.run, step] if accuracy >= ACCURATE else []
         if len(self.run) < ACCURATE_LOGS:
             return []
-        found = self.data.get("separable") or {}
+        strong = strongest(self.data.get("separability") or {}, self.data.get("pairs") or 0)
+        found = dict(zip(("rule", "cause", "accuracy"), strong, strict=True)) if strong else {}
         cause = found.get("cause", "unknown")
         explained = (
             f"; {found['rule']} separates {found['accuracy']:.0%} of the pairs (see preference-trivially-separable)"

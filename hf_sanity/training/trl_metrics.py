@@ -234,8 +234,7 @@ def pair_summary(trainer, *, reward: bool) -> dict[str, Any]:
     """The shares the preference rules read in training, from the first :data:`SUMMARY_ROWS` pairs as the trainer
     prepared them: identical pairs and why, content-blind separability, the chosen completion's mean length."""
     from hf_sanity.measure.markers import derive_markers
-    from hf_sanity.measure.preference import pairs_from_trainer
-    from hf_sanity.rules.preference import separable
+    from hf_sanity.measure.preference import pairs_from_trainer, separability
 
     data = getattr(trainer, "train_dataset", None)
     tokenizer = getattr(trainer, "processing_class", None)
@@ -248,13 +247,12 @@ def pair_summary(trainer, *, reward: bool) -> dict[str, Any]:
     if not len(pairs):
         return {}
     causes = [str(c) for c in pairs.cause[pairs.identical]]
-    found = separable(pairs)
     kept = pairs.chosen_kept[pairs.chosen_kept > 0]
     return {
         "pairs": len(pairs),
         "identical_fraction": float(pairs.identical.mean()),
         "identical_cause": max(set(causes), key=causes.count) if causes else None,
-        "separable": {"rule": found[0], "cause": found[1], "accuracy": found[2]} if found else None,
+        "separability": separability(pairs),  # each content-blind rule's accuracy (judged by the rule)
         "chosen_tokens_mean": float(kept.mean()) if len(kept) else None,
     }
 
