@@ -27,12 +27,12 @@ console = Console()
 err_console = Console(stderr=True)
 
 
-def _show_progress() -> None:
-    """What a long command is doing, on stderr while it works: on a terminal only (nothing when piped), cleared
-    before the report prints."""
+def _show_progress(lines: bool = False) -> None:
+    """What a long command is doing, on stderr while it works: on a terminal, cleared before the report prints;
+    piped, nothing, or with ``lines`` one line per phase."""
     from hf_sanity import progress
 
-    progress.enable(err_console)
+    progress.enable(err_console, lines=lines)
 
 
 def _progress_off() -> None:
@@ -313,7 +313,7 @@ def overfit_command(
     """Overfit a handful of examples of your pipeline: if the loss does not reach near zero, name the broken link."""
     from hf_sanity.protocol import overfit
 
-    _show_progress()
+    _show_progress(lines=True)
     options, pipeline = commands.protocol_pipeline(
         **given, trust_remote_code=trust_remote_code, command=sys.argv
     )
@@ -337,7 +337,7 @@ def diagnose_command(
     the first broken layer, with its fix, a single-batch reproduction and the verification checklist."""
     from hf_sanity.protocol import diagnose
 
-    _show_progress()
+    _show_progress(lines=True)
     options, pipeline = commands.protocol_pipeline(
         **given, trust_remote_code=trust_remote_code, command=sys.argv
     )

@@ -6,8 +6,9 @@
             progress.advance(len(batch))
 
 and stays plain: every call is a no-op unless a display is on (:func:`enable`), which the CLI turns on only
-when stderr is a terminal. A piped run, ``--json -`` and the Python API print nothing extra, and stdout is never
-touched. Phases nest (``advance`` and ``describe`` act on the innermost); each is drawn as soon as it opens; the
+when stderr is a terminal. A long command whose stderr is not a terminal (`overfit`, `diagnose` in a job's log)
+gets one plain line per phase instead (``lines=True``); other piped runs, ``--json -`` and the Python API print
+nothing extra, and stdout is never touched. Phases nest (``advance`` and ``describe`` act on the innermost); each is drawn as soon as it opens; the
 display starts with the first phase and is cleared by :func:`disable`, before the report prints.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 _console: Any = None  # where the display goes once enabled; None: every call below is a no-op
 _live: Any = None  # the rich Progress, started by the first phase
 _open: list[tuple[Any, str]] = []  # (task id, name) of the open phases, innermost last
+_lines: Any = None  # where one plain line per phase goes when no display is on (stderr not a terminal)
 
 
 def active() -> bool:
@@ -32,6 +34,8 @@ def active() -> bool:
 @contextlib.contextmanager
 def phase(name: str, total: int | None = None) -> Iterator[None]:
     """One step of the work, shown with its name (and ``advance``'s count of ``total``) while the block runs."""
+    if _lines is not None:
+        _say(name, total)
     live = _start() if _console is not None else None
     if live is None:
         yield
@@ -80,21 +84,30 @@ def wanted(stream=None) -> bool:
     return tty and os.environ.get("RANK", "0") == "0" and os.environ.get("TERM") != "dumb"
 
 
-def enable(console=None, *, enabled: bool | None = None) -> bool:
+def enable(console=None, *, enabled: bool | None = None, lines: bool = False) -> bool:
     """Show the phases from now on, on ``console`` (default: a rich console on stderr), when ``enabled``
-    (default: :func:`wanted`). Returns whether it is on."""
-    global _console
+    (default: :func:`wanted`); where not, and ``lines``, one plain line per phase on stderr (the main process
+    only). Returns whether the display is on."""
+    global _console, _lines
     if _console is None and (wanted() if enabled is None else enabled):
         from rich.console import Console
 
         _console = console or Console(stderr=True)
+    elif _console is None and lines and os.environ.get("RANK", "0") == "0":
+        _lines = sys.stderr
     return _console is not None
+
+
+def _say(name: str, total: int | None) -> None:
+    with contextlib.suppress(Exception):  # a closed or broken stream never stops the work
+        _lines.write(f"hf-sanity: {name}" + (f" ({total})" if total else "") + "\n")
+        _lines.flush()
 
 
 def disable() -> None:
     """Clear the display (nothing of it stays on the terminal) and show nothing more."""
-    global _console, _live
-    live, _console, _live = _live, None, None
+    global _console, _live, _lines
+    live, _console, _live, _lines = _live, None, None, None
     _open.clear()
     if live is not None:
         with contextlib.suppress(Exception):

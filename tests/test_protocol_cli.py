@@ -81,6 +81,8 @@ def test_overfit_clean_exits_0_with_plot_json_and_html(model_dir, data_file, tmp
     page = (tmp_path / "r.html").read_text()
     assert page.startswith("<!DOCTYPE html>") and "data:image/png;base64," in page
     assert not (tmp_path / "hf-sanity-repro").exists()  # nothing is broken: nothing to reproduce
+    # stderr is a pipe here, as in a job's log: one plain line per phase says what it is doing
+    assert "hf-sanity: overfit: the first step (gradient path)\n" in result.stderr, result.stderr
 
 
 def test_diagnose_broken_exits_1_names_the_layer_and_reproduces(model_dir, masked_file, tmp_path):
@@ -113,6 +115,7 @@ def test_diagnose_broken_exits_1_names_the_layer_and_reproduces(model_dir, maske
     replay = run(sys.executable, str(folder / "reproduce.py"), cwd=tmp_path)
     assert replay.returncode == 0, replay.stdout + replay.stderr
     assert "0 label positions carry loss" in replay.stdout
+    assert "hf-sanity: layer 1 of" in result.stderr, result.stderr  # one line per phase where stderr is piped
 
 
 def test_bad_example_count_is_one_line(model_dir, data_file, tmp_path):
