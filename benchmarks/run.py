@@ -1,6 +1,6 @@
 """`make bench`: every benchmark of hf-sanity, printed as tables (figures go to docs/benchmarks.md).
 
-python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference|rl|moe|agents]
+python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference|rl|moe|agents|vlm]
 """
 
 from __future__ import annotations
@@ -27,7 +27,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller sizes, one repeat (a smoke run)")
     parser.add_argument(
         "--only",
-        choices=["preflight", "model", "callback", "overfit", "outputs", "preference", "rl", "moe", "agents"],
+        choices=[
+            "preflight",
+            "model",
+            "callback",
+            "overfit",
+            "outputs",
+            "preference",
+            "rl",
+            "moe",
+            "agents",
+            "vlm",
+        ],
         default=None,
     )
     args = parser.parse_args()
@@ -103,6 +114,11 @@ def main() -> None:
 
         print("preflight's agent and reasoning rules against the scan (encoding) on tool conversations")
         print(table([agents_speed.run(quick=args.quick)]), "\n")
+    if args.only in (None, "vlm"):
+        from benchmarks import vlm_speed
+
+        print("preflight(trainer=SFTTrainer) on vision-language rows vs the trainer's own collation of them")
+        print(table([vlm_speed.run(quick=args.quick)]), "\n")
     if args.only in (None, "overfit"):
         from benchmarks import protocol_speed
 
