@@ -1,6 +1,6 @@
 """`make bench`: every benchmark of hf-sanity, printed as tables (figures go to docs/benchmarks.md).
 
-python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference|rl|moe|agents|launch]
+python -m benchmarks.run [--quick] [--only preflight|model|callback|overfit|outputs|preference|rl|moe|agents|vlm|launch]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main() -> None:
             "rl",
             "moe",
             "agents",
+            "vlm",
             "launch",
         ],
         default=None,
@@ -124,6 +125,11 @@ def main() -> None:
             "hf-sanity preflight -- python train.py vs the command's start-up + in-process preflight(trainer=)"
         )
         print(table([checked]), "\n")
+    if args.only in (None, "vlm"):
+        from benchmarks import vlm_speed
+
+        print("preflight(trainer=SFTTrainer) on vision-language rows vs the trainer's own collation of them")
+        print(table([vlm_speed.run(quick=args.quick)]), "\n")
     if args.only in (None, "overfit"):
         from benchmarks import protocol_speed
 

@@ -69,8 +69,8 @@ KINDS: dict[str, str] = {
     "protocol": "a measurement of the debugging protocol (overfit run, LR sweep, precision run): overfit, diagnose",
     "outputs": "greedy generations for held-out prompts (`hf_sanity.measure.generate.Generations`): outputs, and "
     "SanityCallback(generate_every=...) at evaluations",
-    "saved": "a folder the model was saved to (`hf_sanity.measure.saved.SavedFolder`): SanityCallback at train end, "
-    "on the last checkpoint the Trainer saved",
+    "saved": "a folder the model was saved to (`hf_sanity.measure.saved.SavedFolder`): SanityCallback at each "
+    "checkpoint the Trainer saves; `served` and `outputs` on the folder the model is loaded from",
 }
 
 

@@ -225,7 +225,7 @@ def vision_tokens(encoded, modality: Modality) -> VisionTokens:
     return VisionTokens(total, supervised, first)
 
 
-SPAN_ROWS = 2000  # rows of the trainer's dataset whose image spans are checked (each one collated alone)
+SPAN_ROWS = 2000  # rows of the trainer's dataset whose image spans are checked
 
 
 @dataclass(frozen=True)
@@ -258,16 +258,34 @@ def image_spans(trainer, modality: Modality, refused: list[str], limit: int = SP
     whole.max_length = None
     cut, vision, per_image = [], [], {}
     checked = min(len(data), limit)
-    for row in range(checked):
-        example = dict(data[row])
-        _tokens_by_size(getattr(trainer, "processing_class", None), example, modality, per_image)
-        ids = whole([example])["input_ids"][0].tolist()
-        expected = sum(1 for t in ids if t in modality.placeholder_ids or t < 0)
-        surviving = sum(1 for t in ids[:max_length] if t in modality.placeholder_ids or t < 0)
-        vision.append(expected)
-        if surviving < expected:
-            cut.append({"row": row, "expected": expected, "surviving": surviving, "length": len(ids)})
+    for start in range(0, checked, SPAN_BATCH):
+        rows = range(start, min(start + SPAN_BATCH, checked))
+        examples = [dict(data[row]) for row in rows]
+        for example in examples:
+            _tokens_by_size(getattr(trainer, "processing_class", None), example, modality, per_image)
+        for row, ids in zip(rows, _uncut_rows(whole, examples), strict=True):
+            expected = sum(1 for t in ids if t in modality.placeholder_ids or t < 0)
+            surviving = sum(1 for t in ids[:max_length] if t in modality.placeholder_ids or t < 0)
+            vision.append(expected)
+            if surviving < expected:
+                cut.append({"row": row, "expected": expected, "surviving": surviving, "length": len(ids)})
     return ImageSpans(int(max_length), checked, len(data), cut, list(refused), vision, per_image)
+
+
+SPAN_BATCH = 32  # rows collated together (padding adds no placeholder: each row's count is its own)
+
+
+def _uncut_rows(collator, examples: list[dict]) -> list[list[int]]:
+    """Each example's ids as ``collator`` (without its cut) writes them, padding dropped: the examples
+    collated together, or one by one where the batch is refused (rows with and without pictures)."""
+    try:
+        batch = collator(examples)
+    except (ValueError, RuntimeError, TypeError):
+        return [collator([example])["input_ids"][0].tolist() for example in examples]
+    ids, mask = batch["input_ids"], batch.get("attention_mask")
+    if mask is None:
+        return [row.tolist() for row in ids]
+    return [row[keep.bool()].tolist() for row, keep in zip(ids, mask, strict=True)]
 
 
 RESOLUTIONS = 16  # picture sizes whose token count is measured

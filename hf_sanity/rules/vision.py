@@ -204,8 +204,8 @@ PROCESSOR_NOT_SAVED = define(
     "the tokenizer but not the image processor's settings (resolution, normalisation, image splitting) or the chat "
     "template that places the pictures, so the server fails to load a processor or builds a default one whose "
     "pictures become other tokens.",
-    detects="On a vision-language run (`stats.modality`), at each save and at train end (SanityCallback): the "
-    "checkpoint the Trainer saved; and the folder `served` and `outputs` load the model (or the adapter) from: "
+    detects="On a vision-language run (`stats.modality`), at each checkpoint the Trainer saves (SanityCallback, "
+    "on_save); and the folder `served` and `outputs` load the model (or the adapter) from: "
     "each read for the image processor's config (`preprocessor_config.json`, or `image_processor` in "
     "`processor_config.json`) and a chat template (`chat_template.jinja` / `.json`, or `chat_template` in the "
     "tokenizer's or processor's config). Either missing is an error; cause `tokenizer-only` when the trainer's "
