@@ -8,8 +8,6 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.markdown import Markdown
-from rich.table import Table
 
 from hf_sanity import cli_options as opt
 from hf_sanity.drivers import commands
@@ -74,6 +72,8 @@ def _finish(
 @app.command("rules")
 def rules_command(stage: opt.StageOpt = None) -> None:
     """List every rule: slug, default severity, stage and the symptom it explains."""
+    from rich.table import Table
+
     from hf_sanity import catalog
 
     rules = catalog.all_rules()
@@ -92,6 +92,8 @@ def rules_command(stage: opt.StageOpt = None) -> None:
 @app.command("explain")
 def explain_command(slug: opt.SlugArg) -> None:
     """Print one rule: the symptom, how it is detected, and the fix."""
+    from rich.markdown import Markdown
+
     from hf_sanity import catalog
 
     console.print(Markdown(catalog.get(slug).explain()))
