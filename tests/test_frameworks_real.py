@@ -103,3 +103,33 @@ def test_a_cutoff_len_that_cuts_the_answers_is_truncation_not_a_masked_eos(files
     evidence = found["truncated-completion"]["evidence"]
     assert evidence["cause"] == "trainer-max-length" and evidence["cut_mid_answer"] == 2
     assert found["truncated-completion"]["severity"] == "error"
+
+
+def test_run_dash_dash_on_llamafactory_cli_reads_the_cutoff_len_of_its_command_line(files):
+    """`hf-sanity run -- llamafactory-cli train cfg.yaml cutoff_len=30`: the import hook attaches the callback to
+    LLaMA-Factory's trainer and reads the cut from the config and the override the command line gives."""
+    import sys
+
+    config = {
+        "model_name_or_path": str(files / "model"), "stage": "sft", "do_train": True, "finetuning_type": "lora",
+        "lora_target": "all", "dataset": "demo", "dataset_dir": str(files), "template": "qwen", "cutoff_len": 1024,
+        "output_dir": str(files / "cli-out"), "overwrite_output_dir": True, "per_device_train_batch_size": 2,
+        "max_steps": 2, "save_strategy": "no", "report_to": "none", "preprocessing_num_workers": 1, "bf16": False,
+    }  # fmt: skip
+    (files / "cli.yaml").write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "DISABLE_VERSION_CHECK": "1"}  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_sanity.cli", "run", "--report", str(files / "cli-report"), "--",
+         str(VENV / "bin" / "llamafactory-cli"), "train", str(files / "cli.yaml"), "cutoff_len=30"],
+        capture_output=True, text=True, timeout=900, cwd=files, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "SanityCallback watched CustomSeq2SeqTrainer in 1 process" in " ".join(
+        (result.stdout + result.stderr).split()
+    )
+    report = json.loads((files / "cli-report" / "hf-sanity" / "report.json").read_text())
+    found = by_rule(report)
+    assert "eos-not-learned" not in found and "internal-error" not in found, found
+    evidence = found["truncated-completion"]["evidence"]
+    assert evidence["max_len"] == 30 and evidence["cut_read_from"] == "config" and evidence["prompt_cut"] == 2

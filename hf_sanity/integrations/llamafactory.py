@@ -51,13 +51,36 @@ def run(config: str | Path | dict[str, Any], *, callback=None, **overrides: Any)
     from hf_sanity.callback import SanityCallback
 
     callback = callback if callback is not None else SanityCallback()
-    # LLaMA-Factory cuts each row to cutoff_len (2048 by default) before its collator; its trainer never sees it.
-    # (With packing it packs whole rows into cutoff_len - 1: not a cut of each row.)
-    cutoff = args.get("cutoff_len", CUTOFF_LEN_DEFAULT)
-    packed = args.get("packing") or args.get("neat_packing")
-    if isinstance(cutoff, int) and not isinstance(cutoff, bool) and cutoff > 0 and not packed:
-        callback.framework_cut = cutoff
+    callback.framework_cut = cut_of(args)
     run_exp(args, callbacks=[callback])
+
+
+def cut_of(args: dict[str, Any]) -> int | None:
+    """The length LLaMA-Factory cuts each row to before its collator (``cutoff_len``, 2048 by default), which its
+    trainer never sees; None with packing (it packs whole rows into cutoff_len - 1: no row is cut)."""
+    cutoff = args.get("cutoff_len", CUTOFF_LEN_DEFAULT)
+    if args.get("packing") or args.get("neat_packing"):
+        return None
+    return cutoff if isinstance(cutoff, int) and not isinstance(cutoff, bool) and cutoff > 0 else None
+
+
+def cut_of_command(argv: list[str]) -> int | None:
+    """``cut_of`` the config a LLaMA-Factory process reads from its command line (as its ``read_args`` does: the
+    first argument after the program and its subcommand that is a .yaml/.yml/.json file, with ``key=value``
+    overrides after it); None where there is none or it cannot be read. For `hf-sanity run -- llamafactory-cli
+    train cfg.yaml`, whose trainer gets its callback from the import hook."""
+    for i, arg in enumerate(argv[1:3], start=1):
+        if arg.endswith((".yaml", ".yml", ".json")):
+            try:
+                args = read_config(arg)
+            except Exception:  # not readable here: LLaMA-Factory says so itself
+                return None
+            for override in argv[i + 1 :]:
+                key, _, value = override.partition("=")
+                if key in ("cutoff_len", "packing", "neat_packing") and value:
+                    args[key] = int(value) if value.isdigit() else value.lower() in ("true", "1")
+            return cut_of(args)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -166,11 +166,17 @@ class HfSanityLaunch(TrainerCallback):
         if self.sanity is not None:
             return
         from hf_sanity.callback import SanityCallback
+        from hf_sanity.integrations.llamafactory import cut_of_command
+        from hf_sanity.measure.frameworks import LLAMA_FACTORY, of_trainer
 
         settings = self.settings
         self.added = self.sanity = SanityCallback(
             abort_on=settings.abort_on, select=settings.select, ignore=settings.ignore
         )
+        if (
+            of_trainer(self.trainer) is LLAMA_FACTORY
+        ):  # its cutoff_len is in the config its command line names
+            self.added.framework_cut = cut_of_command(sys.argv)
         callbacks = self.trainer.callback_handler.callbacks
         callbacks.insert(callbacks.index(self) + 1, self.added)  # after us: Trainer is iterating the list
 
