@@ -206,6 +206,7 @@ def test_a_template_without_markers_and_a_twin_in_trls_library(conversations):
     import hf_sanity
     from hf_sanity.measure.chat_templates import training_twin
 
+    setups.trl_template("qwen2_5_training")  # the remedy: TRL's training twin
     tok = real_tokenizer("qwen2.5-instruct")
     fixed = hf_sanity.fix(tokenizer=tok, dataset=datasets.Dataset.from_list(conversations), loss_on="assistant",
                           select="template", use_config=False)  # fmt: skip

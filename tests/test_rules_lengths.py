@@ -1,6 +1,7 @@
 """Length rules: max_len against the data and against the model."""
 
 import pytest
+import trl_setups as setups
 from transformers import LlamaConfig
 
 from helpers import run
@@ -101,6 +102,7 @@ def sft_trainer(tmp_path, max_length: int | None, callbacks=(), rows=None, steps
 
     from hf_sanity.testing import as_prompt_completion
 
+    setups.skip_where_trl_trains_the_prompt()
     model, tok = tt.setup()
     rows = rows if rows is not None else demo_conversations(32)
     data = datasets.Dataset.from_list(as_prompt_completion(rows, conversational=True))

@@ -35,6 +35,9 @@ def model_tok():
 def sft(tmp_path, model, tok, rows, **config):
     from trl import SFTConfig, SFTTrainer
 
+    if rows and isinstance(rows[0].get("prompt"), list):  # conversational prompt-completion rows
+        setups.skip_where_trl_trains_the_prompt()
+
     base = dict(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
                 save_strategy="no", max_length=128, dataset_num_proc=None)  # fmt: skip
     return SFTTrainer(model=model, args=SFTConfig(**{**base, **config}), train_dataset=datasets.Dataset.from_list(rows),
@@ -116,6 +119,7 @@ def packed_run(tmp_path, model, tok, strategy, max_length, collator=None):
     its batches, then a real run with the callback. Both reports."""
     from hf_sanity.callback import SanityCallback
 
+    setups.skip_where_trl_trains_the_prompt()
     rows = as_prompt_completion(demo_conversations(48), conversational=True)
     trainer = sft(tmp_path, model, tok, rows, packing=True, packing_strategy=strategy, max_length=max_length,
                   max_steps=3, disable_tqdm=True)  # fmt: skip

@@ -304,9 +304,14 @@ def chosen_rows(prompts, chosen) -> list[dict[str, list[int]]]:
 
 
 def read_columns(data, *names: str) -> list[list]:
-    """Whole columns of a dataset as Python lists, read in one pass (iterating ``data[name]`` reads row by row)."""
-    table = data.select_columns(list(names)).to_dict()
+    """Whole columns of a dataset as Python lists, read in one pass (iterating ``data[name]`` reads row by row),
+    as stored: without the format a trainer set on it (TRL 0.24's reward trainer sets a transform)."""
+    table = data.with_format(None).select_columns(list(names)).to_dict()
     return [table[name] for name in names]
+
+
+def _stored_ids(value) -> list:
+    return list(value.get("input_ids") or []) if isinstance(value, dict) else value
 
 
 def trainer_pair_ids(trainer, *, reward: bool):
@@ -327,7 +332,14 @@ def trainer_pair_ids(trainer, *, reward: bool):
             chosen.append(ids[n:])
             rejected.append(other[n:])
         return prompts, chosen, rejected, None, "keep_start", True
-    chosen, rejected = read_columns(data, "chosen_ids", "rejected_ids")
+    # The reward trainer of TRL 0.24 names them chosen_input_ids/rejected_input_ids (no labels: not precut).
+    names = (
+        ("chosen_ids", "rejected_ids")
+        if "chosen_ids" in columns
+        else ("chosen_input_ids", "rejected_input_ids")
+    )
+    # TRL 0.24 under transformers 5 stores apply_chat_template's dict in them: its input_ids are the ids.
+    chosen, rejected = ([_stored_ids(v) for v in column] for column in read_columns(data, *names))
     if reward or "prompt_ids" not in columns:  # one sequence per side: the prompt is what both share
         prompts = [c[: common_prefix(c, r)] for c, r in zip(chosen, rejected)]
         chosen = [c[len(p) :] for c, p in zip(chosen, prompts)]
