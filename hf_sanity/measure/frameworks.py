@@ -18,23 +18,14 @@ from typing import Any
 @dataclass(frozen=True)
 class Framework:
     name: str  # as its users call it
-    cut_key: str  # the setting that cuts every row to a length
-    prompt_loss_key: str  # the setting that puts the prompt in the loss, or keeps it out
-    template_key: str  # the setting that picks the chat template the rows are rendered with
+    cut_key: str  # the setting that cuts every row to a length (the rules say the rest in its terms)
     cuts_before_collator: bool = True  # rows arrive cut (else the user's own tokenization decides)
 
 
-TRL = Framework(
-    "TRL", "max_length", "assistant_only_loss / completion_only_loss", "the tokenizer's chat_template"
-)
-AXOLOTL = Framework(
-    "Axolotl", "sequence_len", "train_on_inputs (roles_to_train for chat_template)", "chat_template"
-)
-LLAMA_FACTORY = Framework("LLaMA-Factory", "cutoff_len", "train_on_prompt", "template")
-TRANSFORMERS = Framework(
-    "transformers", "max_length of your tokenization", "the labels your collator makes", "the chat template you "
-    "render with", cuts_before_collator=False,
-)  # fmt: skip
+TRL = Framework("TRL", "max_length")
+AXOLOTL = Framework("Axolotl", "sequence_len")
+LLAMA_FACTORY = Framework("LLaMA-Factory", "cutoff_len")
+TRANSFORMERS = Framework("transformers", "max_length of your tokenization", cuts_before_collator=False)
 # By the top package of a class in the trainer's MRO, the most specific first (Axolotl's trainers subclass TRL's).
 BY_PACKAGE = {"llamafactory": LLAMA_FACTORY, "axolotl": AXOLOTL, "trl": TRL}
 
@@ -49,18 +40,14 @@ def of_trainer(trainer) -> Framework:
 
 
 def trainer_facts(trainer) -> dict[str, Any]:
-    """``stats.trainer``: the trainer's class and module, its framework and, where the framework keeps it, the
-    chat template it renders with (LLaMA-Factory's template object sits on its collator)."""
+    """``stats.trainer``: the trainer's class and module, its framework and, where its arguments say it, the length
+    the framework cuts each row to."""
     cls = type(trainer)
     facts: dict[str, Any] = {
         "class": cls.__name__,
         "module": cls.__module__,
         "framework": of_trainer(trainer).name,
     }
-    template = getattr(getattr(trainer, "data_collator", None), "template", None)
-    name = getattr(template, "name", None) or getattr(template, "template_name", None)
-    if isinstance(name, str):
-        facts["template"] = name
     length = configured_cut(trainer)
     if length:
         facts["cut_length"] = length
