@@ -339,6 +339,81 @@ def test_rules_read_the_measurement_core_not_the_drivers():
             assert not [t for t in targets if t.startswith(drivers)], name
 
 
+def test_measurement_imports_no_rule_module():
+    """Measurement reads the data and the model; judgement reads measurements. The TRL metric readers are
+    measurement too: what they compute a rule judges, so none of them may import a rule module."""
+    graph = import_graph()
+    readers = [n for n in graph if n.startswith("hf_sanity.measure") or n == "hf_sanity.training.trl_metrics"]
+    assert "hf_sanity.training.trl_metrics" in readers
+    assert {n: sorted(t for t in graph[n] if t.startswith("hf_sanity.rules")) for n in readers} == {
+        n: [] for n in readers
+    }
+
+
+# What runs the model, by the name it is called by: a forward (``model(...)``, ``trainer.model(...)``,
+# ``peft_model(...)``, ``.forward(...)``), a backward, the trainer's loss, generation.
+MODEL_CALLS = {"forward", "backward", "compute_loss", "generate"}
+
+
+def runs_the_model(call: ast.Call) -> bool:
+    func = call.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    a_model = name == "model" or (name.endswith("_model") and not name.startswith(("get_", "has_", "is_")))
+    return a_model or name in MODEL_CALLS
+
+
+def model_calls(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node.func)}(...)"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and runs_the_model(node)
+    ]
+
+
+def test_model_calls_are_found_as_written():
+    """The check below sees each way a rule could run the model, and not a getter of one."""
+    calls = [
+        ast.parse(code).body[0].value
+        for code in (
+            "model(**inputs)",
+            "trainer.model(input_ids=ids)",
+            "peft_model(x)",
+            "loss.backward()",
+            "trainer.compute_loss(model, inputs)",
+            "model.generate(ids)",
+            "model.forward(ids)",
+        )
+    ]
+    assert all(runs_the_model(c) for c in calls)
+    getters = [
+        ast.parse(c).body[0].value for c in ("model.get_base_model()", "has_peft_model(ctx)", "f(model)")
+    ]
+    assert not any(runs_the_model(c) for c in getters)
+
+
+def test_rules_run_no_forward_or_backward():
+    """Every extra forward and backward is owned by the measurement layer (hf_sanity/measure/, reached through
+    the context's lazy measurements); a rule reads what it measured and judges it."""
+    found = [line for path in sorted((PACKAGE / "rules").rglob("*.py")) for line in model_calls(path)]
+    assert found == []
+
+
+def test_rules_read_only_the_public_context():
+    """A rule reads what the context offers (``ctx.model``, ``ctx.model_given``, its measurements), never its
+    private state: what the context keeps privately it may change."""
+    private = [
+        f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+        for path in sorted((PACKAGE / "rules").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "ctx"
+        and node.attr.startswith("_")
+    ]
+    assert private == []
+
+
 def test_production_code_does_not_depend_on_the_test_fixtures():
     """hf_sanity.testing builds tiny models and data for tests; what checks a user's setup never needs it. The
     demo is the exception by design: it runs on those fixtures."""

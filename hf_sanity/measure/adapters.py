@@ -83,3 +83,28 @@ def fit_to_adapter(model, state: dict) -> None:
     embeddings = model.get_input_embeddings()
     if rows and embeddings is not None and max(rows) > embeddings.num_embeddings:
         model.resize_token_embeddings(max(rows))
+
+
+def saved_adapter_changes_outputs(model, folder: str | Path, batch) -> bool:
+    """Whether the saved adapter in ``folder``, attached to ``model`` for the call, changes its logits on
+    ``batch`` at all (the model is left as it was)."""
+    import torch
+
+    from hf_sanity.measure.served import logits
+
+    base = logits(model, batch)
+    with attached_adapter(model, folder) as adapted:
+        return not torch.equal(base, logits(adapted, batch))
+
+
+def attached_adapter_changes_outputs(model, batch) -> bool:
+    """Whether the adapter ``model`` (a PEFT model) carries changes its logits on ``batch``: against the same
+    model with its adapter disabled."""
+    import torch
+
+    from hf_sanity.measure.served import logits
+
+    adapted = logits(model, batch)
+    with model.disable_adapter():
+        base = logits(model, batch)
+    return not torch.equal(base, adapted)

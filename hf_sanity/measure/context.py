@@ -36,6 +36,7 @@ ABLATION_EXAMPLES = 16  # examples whose inputs are blanked to see what the prom
 # Sampled examples the step-0 loss is measured on: its 1,024 scored positions, 16 per example, need no more (the
 # transformer runs on every one of them).
 INIT_LOSS_EXAMPLES = 64
+TEMPLATE_EXAMPLES = 32  # conversations whose answers are scored in the template and as plain text
 
 
 class _Mapped:
@@ -437,6 +438,22 @@ class Context:
         with attached_adapter(self.model, self.adapter_path) as trained:
             return compare_served(trained, self.served_model, batch, base_logits=base_logits)
 
+    @cached_property
+    def adapter_changes_outputs(self) -> bool | None:
+        """Whether the adapter changes the model's logits on the first sample batch: the saved one
+        (``--adapter``) attached against the model alone, else the model's own adapter against it disabled
+        (``measure.adapters``); None without a model, an adapter or a sample."""
+        from hf_sanity.measure.adapters import attached_adapter_changes_outputs, saved_adapter_changes_outputs
+
+        batches = self.sample_batches(batch_size=4) if self.has_model else []
+        if not batches:
+            return None
+        if self.adapter_path:
+            return saved_adapter_changes_outputs(self.model, self.adapter_path, batches[0])
+        if getattr(self.model, "peft_config", None) and hasattr(self.model, "disable_adapter"):
+            return attached_adapter_changes_outputs(self.model, batches[0])
+        return None
+
     @property
     def modality(self):
         from hf_sanity.measure.vision import TEXT_MODALITY
@@ -594,6 +611,27 @@ class Context:
             self.model_as_trained, self.tokenizer, seqs, partial(self.batches, by_length=True)
         )
 
+    @cached_property
+    def template_against_text(self) -> dict[str, Any] | None:
+        """The sampled conversations' last answers scored in the chat template and after the same content as
+        plain text, by the model as trained (``forwards.template_against_text``); None without a model, without
+        conversations, or with fewer than two that end in an answer."""
+        from hf_sanity.measure.forwards import template_against_text
+
+        if not self.has_model or self.fmt not in ("messages", "prompt-completion") or self.dataset is None:
+            return None
+        examples = (
+            (self.conversation(i), self.spans(i), self.row(i)["input_ids"])
+            for i in self.sample_indices[:TEMPLATE_EXAMPLES]
+        )
+        return template_against_text(
+            examples,
+            self.tokenizer,
+            self.markers.stop_ids,
+            self.model_as_trained,
+            partial(self.batches, by_length=True),
+        )
+
     @property
     def input_ablation(self) -> dict[str, Any] | None:
         """The examples as they are and with their whole input blanked; None without supervised tokens."""
@@ -621,6 +659,38 @@ class Context:
         if trainer is None or batch is None or "labels" not in batch or not hasattr(trainer, "compute_loss"):
             return None
         return self.unless_image_cut(lambda: trainer_step(trainer, batch))
+
+    @cached_property
+    def packed_against_alone(self):
+        """With a trainer: the second example of the first packed row of its first batch, its logits packed
+        against alone (``trainer_setup.packed_against_alone``); None without a packed row."""
+        from hf_sanity.measure.trainer_setup import packed_against_alone
+
+        if self.trainer is None or self.first_batch is None:
+            return None
+        return packed_against_alone(self.trainer.model, self.first_batch)
+
+    @cached_property
+    def items_scaling(self):
+        """With gradient accumulation: whether the trainer's compute_loss scales by ``num_items_in_batch`` on its
+        first batch (``trainer_setup.items_scaling``); None without accumulation or a batch with labels."""
+        from hf_sanity.measure.trainer_setup import items_scaling
+
+        trainer, batch = self.trainer, self.first_batch
+        if trainer is None or batch is None or trainer.args.gradient_accumulation_steps <= 1:
+            return None
+        return items_scaling(trainer, batch) if "labels" in batch else None
+
+    @cached_property
+    def checkpointing_grads(self):
+        """With activation checkpointing on: which trainable tensors one forward/backward of the trainer's first
+        batch reaches (``trainer_setup.grads_reached``); None with it off, or without a batch with labels."""
+        from hf_sanity.measure.trainer_setup import checkpointing_on, grads_reached
+
+        trainer, batch = self.trainer, self.first_batch
+        if trainer is None or batch is None or "labels" not in batch or not checkpointing_on(trainer.model):
+            return None
+        return grads_reached(trainer.model, batch)
 
     @property
     def trainer_loss(self) -> float | None:

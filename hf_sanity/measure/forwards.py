@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -191,3 +191,49 @@ def trainer_step(trainer, batch: dict[str, Any]) -> TrainerStep:
         hook.remove()
     loss = loss[0] if isinstance(loss, tuple) else loss
     return TrainerStep(float(loss.detach().float().mean()), as_number(returned[-1]) if returned else None)
+
+
+TEMPLATE_TOKENS = (
+    256  # answer tokens scored each way (the gap init-loss-above-base looks for: 0.5 nat and 50%)
+)
+
+
+def template_against_text(
+    examples: Iterable[tuple[list[dict] | None, Sequence[Any], list[int]]],
+    tokenizer,
+    stop_ids,
+    model: Callable[[], Any],
+    batches: Callable[[list], list[dict[str, Any]]],
+) -> dict[str, Any] | None:
+    """The loss on each conversation's last answer in the chat template against the same answer after the same
+    content as plain text. ``examples`` gives (messages, assistant spans, input_ids) per conversation;
+    ``model`` the model to score as a context manager (the context's ``model_as_trained``); ``batches`` pads
+    (input_ids, labels) pairs. None with fewer than two conversations that end in an answer with text."""
+    from hf_sanity.measure.encode import text_of
+
+    templated, plain = [], []
+    for messages, spans, input_ids in examples:
+        # A last turn that is only a tool call (`content: null`, valid OpenAI format) has no answer text to
+        # score as plain text.
+        if not messages or not spans or messages[-1].get("role") != "assistant":
+            continue
+        answer_text = messages[-1].get("content")
+        if not isinstance(answer_text, str) or not answer_text:
+            continue
+        span = spans[-1]
+        stop = span.stop - 1 if input_ids[span.stop - 1] in stop_ids else span.stop
+        ids = input_ids[:stop]
+        templated.append((ids, [IGNORE_INDEX] * span.start + ids[span.start : stop]))
+        # The context as plain text: each turn's text and its tool calls (a call turn's content is often null).
+        context = "\n\n".join(text_of(m) for m in messages[:-1]) + "\n\n"
+        prefix = tokenizer(context)["input_ids"]
+        answer = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
+        plain.append((prefix + answer, [IGNORE_INDEX] * len(prefix) + answer))
+    if len(templated) < 2:
+        return None
+    with model() as scored:
+        in_template, as_text = (
+            token_loss(scored, batches(seqs), max_tokens=TEMPLATE_TOKENS)["loss"]
+            for seqs in (templated, plain)
+        )
+    return {"templated_loss": in_template, "plain_loss": as_text, "examples": len(templated)}

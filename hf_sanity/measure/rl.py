@@ -45,6 +45,7 @@ from functools import cached_property
 from typing import Any
 
 from hf_sanity.measure.formats import is_conversational
+from hf_sanity.measure.processing import trainer_tokenizer
 
 SAMPLE_PROMPTS = 4  # prompts the preflight estimate generates a group for
 SYNTHETIC_PROMPTS = 4  # rows the dry run builds completions for (4 completions each)
@@ -61,11 +62,6 @@ REASONING = "<think>\nLet me think step by step.\n</think>\n<answer>\n{}\n</answ
 
 
 # -- the trainer's settings ----------------------------------------------------------------------------------
-def trainer_tokenizer(trainer):
-    tokenizer = getattr(trainer, "processing_class", None)
-    return getattr(tokenizer, "tokenizer", tokenizer)
-
-
 def stop_ids(trainer) -> list[int]:
     """The ids the trainer's generation stops on: the ``eos_token_id`` of the generation config it passes
     ``generate`` (TRL 1.16: ``trainer.eos_token_ids``, the model's generation config's EOS and the tokenizer's,

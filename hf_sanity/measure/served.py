@@ -50,11 +50,15 @@ def logits(model, batch):
         return model(**inputs).logits.float().cpu()
 
 
-def compare_served(trained, served, batch: dict[str, Any], *, base_logits=None) -> ServedComparison:
-    """The served model against the trained one (and the base model's logits on ``batch``, when given), and
-    their input embeddings and LM heads weight by weight."""
+def compare_served(
+    trained, served, batch: dict[str, Any], *, base_logits=None, base=None
+) -> ServedComparison:
+    """The served model against the trained one (and the base model's logits on ``batch``, when given, or the
+    ``base`` model's, run here), and their input embeddings and LM heads weight by weight."""
     import torch
 
+    if base is not None:
+        base_logits = logits(base, batch)
     trained_logits, served_logits = logits(trained, batch), logits(served, batch)
     scale = float(trained_logits.abs().max()) or 1.0
     gaps: dict[str, Any] = {"served_vs_trained": _gap(served_logits, trained_logits)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hf_sanity.catalog import define
-from hf_sanity.measure.adapters import adapter_config, adapter_state, attached_adapter, lora_keys, module_path
+from hf_sanity.measure.adapters import adapter_config, adapter_state, lora_keys, module_path
 from hf_sanity.measure.objective import ANY
 
 
@@ -191,7 +191,6 @@ def check_adapter_not_loaded(ctx):
 
 
 def _saved_adapter_applies(ctx):
-    import torch
 
     state = adapter_state(ctx.adapter_path)
     modules = {name for name, _ in ctx.model.named_modules()}
@@ -204,13 +203,8 @@ def _saved_adapter_applies(ctx):
         )
         return
     trained = any(float(t.abs().max()) > 0 for t in lora_keys(state, "B").values())
-    batch = _probe_batch(ctx)
-    if not trained or batch is None:
-        return  # an untrained adapter equals the base by construction: adapter-untrained says so
-    base_logits = _logits(ctx.model, batch)
-    with attached_adapter(ctx.model, ctx.adapter_path) as peft_model:
-        adapted = _logits(peft_model, batch)
-    if torch.equal(base_logits, adapted):
+    # An untrained adapter equals the base by construction: adapter-untrained says so.
+    if trained and ctx.adapter_changes_outputs is False:
         yield ADAPTER_NOT_LOADED.finding(
             "with the adapter attached the model's outputs equal the base model's exactly",
             evidence={"adapter": str(ctx.adapter_path), "matched_modules": len(matched)},
@@ -218,32 +212,13 @@ def _saved_adapter_applies(ctx):
 
 
 def _attached_adapter_active(ctx):
-    import torch
-
     model = ctx.model
     trained = any(float(p.detach().abs().max()) > 0 for n, p in model.named_parameters() if "lora_B" in n)
-    batch = _probe_batch(ctx)
-    if not trained or batch is None or not hasattr(model, "disable_adapter"):
-        return
-    adapted = _logits(model, batch)
-    with model.disable_adapter():
-        base = _logits(model, batch)
-    if torch.equal(base, adapted):
+    if trained and ctx.adapter_changes_outputs is False:
         yield ADAPTER_NOT_LOADED.finding(
             "the model carries a trained adapter, but its outputs equal the base model's: the adapter is not active",
             evidence={"active_adapter": getattr(model, "active_adapter", None)},
         )
-
-
-def _probe_batch(ctx):
-    batches = ctx.sample_batches(batch_size=4)
-    return batches[0] if batches else None
-
-
-def _logits(model, batch):
-    from hf_sanity.measure.served import logits
-
-    return logits(model, batch)
 
 
 def served_base_findings(served):
@@ -362,6 +337,5 @@ def served_model_findings(trained, served, batch, *, base=None):
     the same judgement as ``hf-sanity served`` (``adapter-not-loaded``, ``served-model-differs``)."""
     from hf_sanity.measure.served import compare_served
 
-    base_logits = _logits(base, batch) if base is not None else None
-    comparison = compare_served(trained, served, batch, base_logits=base_logits)
+    comparison = compare_served(trained, served, batch, base=base)
     return [*served_base_findings(comparison), *served_differs_findings(comparison)]

@@ -7,8 +7,6 @@ import math
 import numpy as np
 
 from hf_sanity.catalog import NotMeasured, define
-from hf_sanity.constants import IGNORE_INDEX
-from hf_sanity.measure.losses import token_loss
 from hf_sanity.measure.objective import ANY, SEQUENCES
 from hf_sanity.remedies import RemedyDoc, embeddings_from_text
 
@@ -533,55 +531,22 @@ INIT_LOSS_ABOVE_BASE = define(
     needs=("vocab-size-mismatch", "adapter-empty", "adapter-base-mismatch"),
 )
 
-ABOVE_BASE_SAMPLE = 32  # conversations compared ...
-ABOVE_BASE_TOKENS = 256  # ... on this many answer tokens each way (the gap it looks for: 0.5 nat and 50%)
-
 
 @INIT_LOSS_ABOVE_BASE.check(
     applies=lambda ctx: ctx.has_model and ctx.fmt in ("messages", "prompt-completion")
 )
 def check_init_loss_above_base(ctx):
-    if not ctx.has_model or ctx.fmt not in ("messages", "prompt-completion") or ctx.dataset is None:
+    measured = ctx.template_against_text
+    if measured is None:
         return
-    from hf_sanity.measure.encode import text_of
-
-    tok = ctx.tokenizer
-    templated, plain = [], []
-    for i in ctx.sample_indices[:ABOVE_BASE_SAMPLE]:
-        messages = ctx.conversation(i)
-        spans = ctx.spans(i)
-        # A last turn that is only a tool call (`content: null`, valid OpenAI format) has no answer text to
-        # score as plain text.
-        if not messages or not spans or messages[-1].get("role") != "assistant":
-            continue
-        answer_text = messages[-1].get("content")
-        if not isinstance(answer_text, str) or not answer_text:
-            continue
-        row = ctx.row(i)
-        span = spans[-1]
-        stop = span.stop - 1 if row["input_ids"][span.stop - 1] in ctx.markers.stop_ids else span.stop
-        ids = row["input_ids"][:stop]
-        templated.append((ids, [IGNORE_INDEX] * span.start + ids[span.start : stop]))
-        # The context as plain text: each turn's text and its tool calls (a call turn's content is often null).
-        context = "\n\n".join(text_of(m) for m in messages[:-1]) + "\n\n"
-        prefix = tok(context)["input_ids"]
-        answer = tok(answer_text, add_special_tokens=False)["input_ids"]
-        plain.append((prefix + answer, [IGNORE_INDEX] * len(prefix) + answer))
-    if len(templated) < 2:
-        return
-
-    with ctx.model_as_trained() as model:
-        in_template, as_text = (
-            token_loss(model, ctx.batches(seqs, by_length=True), max_tokens=ABOVE_BASE_TOKENS)["loss"]
-            for seqs in (templated, plain)
-        )
+    in_template, as_text = measured["templated_loss"], measured["plain_loss"]
     if in_template > as_text + 0.5 and in_template > 1.5 * as_text:
         yield INIT_LOSS_ABOVE_BASE.finding(
             f"the answers cost {in_template:.2f} nats/token in the chat template but {as_text:.2f} as plain text",
             evidence={
                 "templated_loss": round(in_template, 4),
                 "plain_loss": round(as_text, 4),
-                "examples": len(templated),
+                "examples": measured["examples"],
             },
         )
 

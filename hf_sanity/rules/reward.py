@@ -56,7 +56,7 @@ def _is_classifier(model) -> bool:
     return type(_base(model)).__name__.endswith("ForSequenceClassification")
 
 
-@REWARD_HEAD_FROZEN.check(applies=lambda ctx: ctx._model is not None and _is_classifier(ctx._model))
+@REWARD_HEAD_FROZEN.check(applies=lambda ctx: ctx.model_given and _is_classifier(ctx.model))
 def check_reward_head_frozen(ctx):
     model = ctx.model
     head = _head_parameters(model)

@@ -1,26 +1,18 @@
 """Trainer setup rules (`preflight(trainer=...)`): packing, gradient accumulation, checkpointing.
 
-Each is measured on the trainer's own model and first batch, not guessed from its arguments: extra
-passes run with RNG states preserved, and gradients are restored afterwards.
+Each is measured on the trainer's own model and first batch, not guessed from its arguments
+(``measure.trainer_setup``, read through the context's lazy measurements): these rules judge what it found.
 """
 
 from __future__ import annotations
 
-import inspect
-
 from hf_sanity.catalog import define
-from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.objective import ANY
-from hf_sanity.measure.tensors import model_device, to_device
-from hf_sanity.untouched import untouched
+from hf_sanity.measure.trainer_setup import checkpointing_on, example_bounds
 
 
 def has_trainer_batch(ctx) -> bool:
     return ctx.trainer is not None and ctx.first_batch is not None
-
-
-def _device_batch(model, batch):
-    return to_device(batch, model_device(model))
 
 
 PACKING_CONTAMINATION = define(
@@ -38,24 +30,6 @@ PACKING_CONTAMINATION = define(
 )
 
 
-def example_bounds(batch) -> list[list[int]] | None:
-    """Start positions of the examples packed into each row, from ``position_ids`` restarts, ``seq_idx``
-    changes or ``cu_seq_lens_q``; None when the batch says nothing about example boundaries."""
-    import torch
-
-    if batch.get("position_ids") is not None:
-        positions = batch["position_ids"]
-        return [(positions[r] == 0).nonzero().flatten().tolist() for r in range(positions.shape[0])]
-    if batch.get("seq_idx") is not None:
-        seq = batch["seq_idx"]
-        return [
-            [0, *((seq[r, 1:] != seq[r, :-1]).nonzero().flatten() + 1).tolist()] for r in range(seq.shape[0])
-        ]
-    if isinstance(batch.get("cu_seq_lens_q"), torch.Tensor) and batch["input_ids"].shape[0] == 1:
-        return [batch["cu_seq_lens_q"][:-1].tolist()]
-    return None
-
-
 @PACKING_CONTAMINATION.check(applies=has_trainer_batch)
 def check_packing(ctx):
     batch, trainer = ctx.first_batch, ctx.trainer
@@ -70,23 +44,12 @@ def check_packing(ctx):
                 evidence={"keys": sorted(batch)},
             )
         return
-    packed = [(r, starts) for r, starts in enumerate(bounds) if len(starts) >= 2]
-    if not packed:
+    measured = ctx.packed_against_alone
+    if measured is None:
         return
-    row, starts = packed[0]
-    start = starts[1]
-    stop = starts[2] if len(starts) > 2 else int(batch["input_ids"].shape[1])
-    if stop - start < 2:
-        return
-    model = trainer.model
-    inputs = _device_batch(model, {k: v for k, v in batch.items() if k != "labels"})
-    with untouched(model):
-        packed_logits = model(**inputs).logits[row, start:stop].float()
-        alone_logits = model(input_ids=inputs["input_ids"][row : row + 1, start:stop]).logits[0].float()
-    diff = float((packed_logits - alone_logits).abs().max())
-    scale = float(alone_logits.abs().max()) or 1.0
-    if diff > 1e-3 * scale:
-        backend = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    row, start, stop, diff = measured.row, measured.start, measured.stop, measured.max_logit_difference
+    if diff > 1e-3 * measured.logit_scale:
+        backend = measured.attn_implementation
         # transformers isolates packed examples by their position_ids only when no 2-D attention mask is passed.
         with_mask = ctx.attention is not None and ctx.attention.packed_with_mask
         yield PACKING_CONTAMINATION.finding(
@@ -132,50 +95,17 @@ GRAD_ACCUM_LOSS_SCALING = define(
 
 @GRAD_ACCUM_LOSS_SCALING.check(applies=has_trainer_batch)
 def check_grad_accum(ctx):
-    import torch
-
-    batch, trainer = ctx.first_batch, ctx.trainer
-    if (
-        batch is None
-        or trainer is None
-        or trainer.args.gradient_accumulation_steps <= 1
-        or "labels" not in batch
-    ):
+    trainer, measured = ctx.trainer, ctx.items_scaling
+    if measured is None:
         return
-    parameters = inspect.signature(trainer.compute_loss).parameters
-    takes_items = "num_items_in_batch" in parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
-    )
-    model = trainer.model
-    inputs = _device_batch(model, batch)
-    items = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
-    if not takes_items:
-        ignores = True
-    else:
-        from hf_sanity.measure.forwards import as_in_a_step
-
-        with untouched(model), as_in_a_step(trainer):  # transformers' loop sets what compute_loss reads
-            one = float(
-                trainer.compute_loss(
-                    model, dict(inputs), num_items_in_batch=torch.tensor(items, device=model_device(model))
-                )
-            )
-            two = float(
-                trainer.compute_loss(
-                    model,
-                    dict(inputs),
-                    num_items_in_batch=torch.tensor(2 * items, device=model_device(model)),
-                )
-            )
-        ignores = abs(one - two) <= 1e-6 * max(abs(one), 1e-12)
-    if ignores:
+    if measured.ignores_num_items:
         yield GRAD_ACCUM_LOSS_SCALING.finding(
             f"compute_loss ignores num_items_in_batch under gradient_accumulation_steps="
             f"{trainer.args.gradient_accumulation_steps}: each micro-batch is averaged on its own",
             evidence={
                 "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
                 "compute_loss": f"{type(trainer).__name__}.compute_loss",
-                "accepts_num_items": takes_items,
+                "accepts_num_items": measured.accepts_num_items,
             },
         )
 
@@ -194,16 +124,6 @@ CHECKPOINTING_BLOCKS_GRADS = define(
 )
 
 
-def checkpointing_on(model) -> bool:
-    """Whether activation (gradient) checkpointing is on. transformers 5 renamed `is_gradient_checkpointing`
-    to `is_activation_checkpointing` and warns on the old name: read the new one where it exists."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        value = getattr(model, name, None)
-        if value is not None:
-            return bool(value)
-    return False
-
-
 def _checkpointing_batch(ctx) -> bool:
     """A trainer's batch, with activation checkpointing on: what the check replays."""
     return has_trainer_batch(ctx) and "labels" in ctx.first_batch and checkpointing_on(ctx.trainer.model)
@@ -211,25 +131,14 @@ def _checkpointing_batch(ctx) -> bool:
 
 @CHECKPOINTING_BLOCKS_GRADS.check(applies=_checkpointing_batch)
 def check_checkpointing(ctx):
-    batch, trainer = ctx.first_batch, ctx.trainer
-    if batch is None or trainer is None or "labels" not in batch:
+    measured = ctx.checkpointing_grads
+    if measured is None:
         return
-    model = trainer.model
-    if not checkpointing_on(model):
-        return
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not trainable:
-        return
-    inputs = _device_batch(model, batch)
-    with untouched(model, train=True, grad=True):
-        loss = model(**inputs).loss
-        if loss is not None and loss.requires_grad:
-            loss.backward()
-        missing = [n for n, p in trainable if p.grad is None]
+    trainable, missing = measured.trainable, measured.without_grad
     if len(missing) == len(trainable):
         yield CHECKPOINTING_BLOCKS_GRADS.finding(
             f"with gradient checkpointing on, none of the {len(trainable)} trainable tensors receives a gradient",
-            evidence={"trainable_tensors": len(trainable), "without_grad": missing[:5]},
+            evidence={"trainable_tensors": len(trainable), "without_grad": list(missing[:5])},
         )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from hf_sanity import catalog
 from hf_sanity.findings import Finding
+from hf_sanity.measure.processing import trainer_tokenizer
 from hf_sanity.rules.training.predictions import FROZEN_PROBES
 from hf_sanity.selection import Selection
 from hf_sanity.training.budget import Budget
@@ -193,8 +194,7 @@ class FirstBatch:
                     measured = probing.probe(module, self._probe_batch, stats=True)
                 self._probe_prev = measured.get("argmax")
                 step0 = measured.get("stats")
-        tokenizer = getattr(trainer, "processing_class", None)
-        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
+        tokenizer = trainer_tokenizer(trainer)
         if self.show and tokenizer is not None and "input_ids" in batch:
             with sink.guard("show-first-batch"):
                 self.shown(tokenizer, batch, sink)

@@ -26,6 +26,7 @@ from hf_sanity.measure.generate import (
     held_out_prompts,
     prompts_from_tokens,
 )
+from hf_sanity.measure.processing import trainer_tokenizer
 
 DEFAULT_PROMPTS = 8
 MIN_NEW_TOKENS = 32
@@ -130,8 +131,7 @@ class GenerationCheck:
                 sink.report.stats["generate"] = self.stats()
                 return
             trainer = callback.trainer
-            tokenizer = getattr(trainer, "processing_class", None)
-            tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor wraps its tokenizer
+            tokenizer = trainer_tokenizer(trainer)
             model = callback.model if callback.model is not None else getattr(trainer, "model", None)
             if tokenizer is None or model is None:
                 self.skipped = "the trainer has no tokenizer (processing_class) to render prompts with"

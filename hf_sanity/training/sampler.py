@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from hf_sanity.measure.processing import trainer_tokenizer
 from hf_sanity.training.budget import Budget
 
 RULE = "sampler-mismatch"
@@ -69,8 +70,7 @@ class SamplerProbe:
             return
         from hf_sanity.measure.sampler import sampler_facts
 
-        tokenizer = getattr(self.trainer, "processing_class", None)
-        tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+        tokenizer = trainer_tokenizer(self.trainer)
         with self.budget.spend():
             facts = sampler_facts(
                 self.trainer.model, buffered[0], self.temperature, initial=self.initial,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from hf_sanity import versions
+from hf_sanity.measure.processing import trainer_tokenizer
 
 # The rows of a trainer's prepared dataset summarised at train begin: enough for the shares the rules read,
 # a bounded cost whatever the dataset's size.
@@ -237,8 +238,7 @@ def pair_summary(trainer, *, reward: bool) -> dict[str, Any]:
     from hf_sanity.measure.preference import pairs_from_trainer, separability
 
     data = getattr(trainer, "train_dataset", None)
-    tokenizer = getattr(trainer, "processing_class", None)
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+    tokenizer = trainer_tokenizer(trainer)
     if data is None or tokenizer is None or not hasattr(data, "select"):
         return {}
     head = _Head(trainer, data.select(range(min(SUMMARY_ROWS, len(data)))))
