@@ -16,6 +16,7 @@ from hf_sanity.errors import UserInputError
 from hf_sanity.measure import loss_mask
 from hf_sanity.measure.context import Context
 from hf_sanity.measure.encode import EncodeOptions
+from hf_sanity.measure.processing import text_tokenizer
 from hf_sanity.untouched import preserved_rng
 
 
@@ -196,7 +197,7 @@ def trainer_tokenizer(trainer, tokenizer=None):
         raise UserInputError(
             "preflight(trainer=...) needs a tokenizer: pass processing_class= to the Trainer or tokenizer= to preflight"
         )
-    return getattr(tokenizer, "tokenizer", tokenizer)
+    return text_tokenizer(tokenizer)
 
 
 def trainer_context(

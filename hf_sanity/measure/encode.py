@@ -19,7 +19,14 @@ from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure import loss_mask
 from hf_sanity.measure.families import FAMILY_OF, NO_TEMPLATE
 from hf_sanity.measure.formats import USER_TEXTS, Layout, conversation_problem, text_problem
-from hf_sanity.measure.markers import Span, TemplateMarkers, boundary_ids, derive_markers, find_sequence
+from hf_sanity.measure.markers import (
+    Span,
+    TemplateMarkers,
+    boundary_ids,
+    common_prefix,
+    derive_markers,
+    find_sequence,
+)
 
 
 def content_markers(tokenizer, markers: TemplateMarkers) -> set[str]:
@@ -466,7 +473,7 @@ class Encoder:
                 start_char = len(prompt)
             else:  # the inference prompt is not what training saw: fall back to the shared prefix
                 differs += 1
-                start_char = _common_prefix(full, prompt)
+                start_char = common_prefix(full, prompt)
             start = bisect_left(starts, start_char)
             straddles = (start < len(starts) and starts[start] != start_char) or (
                 start > 0 and offsets[start - 1][1] > start_char
@@ -502,7 +509,7 @@ class Encoder:
         full_text = prompt + completion + ("" if completion.endswith(eos) else eos)  # TRL appends EOS
         prompt_ids = tok(prompt)["input_ids"]
         ids = tok(full_text)["input_ids"]
-        start = _common_prefix(prompt_ids, ids)
+        start = common_prefix(prompt_ids, ids)
         spans = [self._close(ids, start, len(ids))]
         labels = self._labels(ids, spans if self._masked else None)
         out = self.measure(ids, labels, spans, user_labels=False)
@@ -787,11 +794,3 @@ def offsetless_ids(tokenizer, texts: list[str]) -> list[list[int]] | None:
     if encode is None:
         return None
     return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
-
-
-def _common_prefix(a: Sequence, b: Sequence) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

@@ -86,6 +86,15 @@ class TemplateMarkers:
         return spans
 
 
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """How many leading items ``a`` and ``b`` share (strings or id lists)."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def find_sequence(ids: Sequence[int], needle: tuple[int, ...], start: int, stop: int) -> int:
     """First index >= start where ``needle`` occurs entirely before ``stop``, or -1 (``list.index`` does
     the scanning in C)."""

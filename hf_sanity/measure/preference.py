@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hf_sanity.measure.formats import extract_prompt, is_conversational
+from hf_sanity.measure.markers import common_prefix
 
 # TRL's defaults (1.16), for rows checked without a trainer.
 DEFAULT_MAX_LENGTH = 1024
@@ -30,15 +31,6 @@ SCRIPT_SAMPLE = 256  # pairs whose completions are decoded for their script
 PREFIX_SAMPLE = (
     64  # rows re-tokenized for TRL's prompt-prefix condition (a template's way: the same for every row)
 )
-
-
-def common_prefix(a: Sequence, b: Sequence) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def kept(prompt_len: int, completion_len: int, max_length: int | None, mode: str) -> int:
