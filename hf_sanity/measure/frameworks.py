@@ -25,7 +25,7 @@ class Framework:
 TRL = Framework("TRL", "max_length")
 AXOLOTL = Framework("Axolotl", "sequence_len")
 LLAMA_FACTORY = Framework("LLaMA-Factory", "cutoff_len")
-TRANSFORMERS = Framework("transformers", "max_length of your tokenization", cuts_before_collator=False)
+TRANSFORMERS = Framework("transformers", "max_length", cuts_before_collator=False)  # the user's own arguments
 # By the top package of a class in the trainer's MRO, the most specific first (Axolotl's trainers subclass TRL's).
 BY_PACKAGE = {"llamafactory": LLAMA_FACTORY, "axolotl": AXOLOTL, "trl": TRL}
 

@@ -149,7 +149,8 @@ def _cut_by_trainer(ctx, max_len: int):
     read_off = (
         ctx.options.arrived_cut_source == "batch"
     )  # else the trainer's arguments or the framework's config
-    setting = f"{framework.name}'s {framework.cut_key}"
+    owner = "the trainer" if framework is frameworks.TRANSFORMERS else framework.name
+    setting = f"{owner}'s {framework.cut_key}"
     yield TRUNCATED_COMPLETION.finding(
         f"{setting}={max_len:,} "
         + " and ".join(parts)
