@@ -154,9 +154,8 @@ class EncodeOptions:
     # The rows arrive already cut at this length (a trainer's max_length, keeping the start): a row this long
     # whose last completion has no end-of-turn lost its end to truncation, not to a masking bug.
     arrived_cut_at: int | None = None
-    arrived_cut_source: str | None = (
-        None  # where that length was read: the trainer's "arguments", or the "batch"
-    )
+    # Where that length was read: the trainer's "arguments", a framework's "config", or off the first "batch".
+    arrived_cut_source: str | None = None
     # The rows are pieces of a packed stream of examples, cut every this many tokens (TRL's "wrapped" or
     # "bfd_split" packing): a row may start inside an answer begun in the row before, and a row this long may
     # end inside one that the next row continues. Neither is a missing end of turn, a prompt in the loss or a
@@ -217,8 +216,8 @@ MEASURES: dict[str, Any] = {
 
 
 def end_before_whitespace(ids, start: int, last: int, stop_ids, whitespace_ids) -> int | None:
-    """Where a span that ends in whitespace tokens closes: the stop token just before them (LLaMA-Factory's and
-    Axolotl's templates train ``<|im_end|>\n``), or None when no stop token precedes the whitespace."""
+    """Where a span that ends in whitespace tokens closes: the stop token just before them (LLaMA-Factory's
+    templates train ``<|im_end|>\n``), or None when no stop token precedes the whitespace."""
     at = last
     while at > start and ids[at] in whitespace_ids:
         at -= 1

@@ -146,9 +146,7 @@ def _cut_by_trainer(ctx, max_len: int):
     rows = ctx.first(cut) if n_cut else []
     think = _think_lost(ctx, cut)
     framework = frameworks.of_trainer(ctx.trainer)
-    read_off = (
-        ctx.options.arrived_cut_source == "batch"
-    )  # else the trainer's arguments or the framework's config
+    read_off = ctx.options.arrived_cut_source == "batch"  # not from the arguments or a framework's config
     owner = "the trainer" if framework is frameworks.TRANSFORMERS else framework.name
     setting = f"{owner}'s {framework.cut_key}"
     yield TRUNCATED_COMPLETION.finding(
