@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_sanity.errors import UserInputError
-from hf_sanity.measure.sources import _check_model_folder, _missing, check_dataset_path, looks_local
+from hf_sanity.measure.sources import check_dataset_path, check_model_folder, looks_local, missing_path
 
 
 def quiet_libraries() -> None:
@@ -30,7 +30,7 @@ def quiet_libraries() -> None:
 
 def check_tokenizer_path(ref: str | None, kind: str) -> None:
     if ref and looks_local(ref) and not Path(os.path.expanduser(ref)).exists():
-        raise _missing(kind, ref)
+        raise missing_path(kind, ref)
 
 
 def check_paths(
@@ -47,7 +47,7 @@ def check_paths(
     folder without weights), in the order the loaders meet it; before any heavy import."""
     for ref, needs_weights in ((model, weights), (base, True)):
         if ref:  # the loaders' own check: a missing folder, a file, a folder without weights
-            _check_model_folder(ref, needs_weights)
+            check_model_folder(ref, needs_weights)
     if tokenizer:
         check_tokenizer_path(tokenizer, "tokenizer")
     for ref in (dataset, eval_dataset):

@@ -97,9 +97,9 @@ def vlm_trainer(model_ref: str, processor, data, *, max_len: int | None, loss_on
     from transformers import AutoModelForImageTextToText
     from trl import SFTConfig, SFTTrainer
 
-    from hf_sanity.measure.sources import _check_model_folder
+    from hf_sanity.measure.sources import check_model_folder
 
-    _check_model_folder(model_ref)
+    check_model_folder(model_ref)
     try:
         model = AutoModelForImageTextToText.from_pretrained(
             model_ref, dtype="auto", trust_remote_code=trust_remote_code

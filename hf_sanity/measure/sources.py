@@ -31,7 +31,7 @@ def looks_local(ref: str) -> bool:
     )
 
 
-def _missing(kind: str, ref: str) -> UserInputError:
+def missing_path(kind: str, ref: str) -> UserInputError:
     return UserInputError(f"{kind} {ref!r} does not exist; pass a local path or a hub id (org/name)")
 
 
@@ -75,7 +75,7 @@ def load_tokenizer(ref: str, *, trust_remote_code: bool = False, kind: str = "to
 
     path = Path(os.path.expanduser(ref))
     if looks_local(ref) and not path.exists():
-        raise _missing(kind, ref)
+        raise missing_path(kind, ref)
     if path.is_dir() and not any(any(path.glob(p)) for p in TOKENIZER_PATTERNS):
         hint = (
             "pass --tokenizer with the tokenizer's folder or hub id"
@@ -94,11 +94,11 @@ def load_tokenizer(ref: str, *, trust_remote_code: bool = False, kind: str = "to
         ) from None
 
 
-def _check_model_folder(ref: str, weights: bool = True) -> Path:
+def check_model_folder(ref: str, weights: bool = True) -> Path:
     path = Path(os.path.expanduser(ref))
     if looks_local(ref):
         if not path.exists():
-            raise _missing("model", ref)
+            raise missing_path("model", ref)
         if not path.is_dir():
             raise UserInputError(f"model {ref!r} is a file; pass the folder written by save_pretrained")
         if weights and not any(any(path.glob(p)) for p in WEIGHT_PATTERNS):
@@ -115,7 +115,7 @@ def load_model(ref: str, *, dtype=None, trust_remote_code: bool = False):
     import torch
     from transformers import AutoModelForCausalLM
 
-    path = _check_model_folder(ref)
+    path = check_model_folder(ref)
     try:
         auto = _vision_language_class(path, trust_remote_code) or AutoModelForCausalLM
         return auto.from_pretrained(
@@ -175,7 +175,7 @@ def check_dataset_path(ref: str) -> Path:
     path = Path(os.path.expanduser(ref))
     if looks_local(ref):
         if not path.exists():
-            raise _missing("dataset", ref)
+            raise missing_path("dataset", ref)
         if path.is_file():
             if DATA_BUILDERS.get(path.suffix.lower()) is None:
                 raise UserInputError(
@@ -330,7 +330,7 @@ def load_config(ref: str, *, trust_remote_code: bool = False, weights: bool = Tr
     False (checked early, so a broken folder fails before any work is done)."""
     from transformers import AutoConfig
 
-    path = _check_model_folder(ref, weights)
+    path = check_model_folder(ref, weights)
     try:
         return AutoConfig.from_pretrained(
             str(path) if looks_local(ref) else ref, trust_remote_code=trust_remote_code
