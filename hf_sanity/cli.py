@@ -315,10 +315,11 @@ def overfit_command(
     """Overfit a handful of examples of your pipeline: if the loss does not reach near zero, name the broken link."""
     from hf_sanity.protocol import overfit
 
-    _show_progress(lines=True)
+    _show_progress()
     options, pipeline = commands.protocol_pipeline(
         **given, trust_remote_code=trust_remote_code, command=sys.argv
     )
+    _show_progress(lines=True)  # piped: a line per phase from here (bad input before it stays one line)
 
     report = overfit(pipeline=pipeline, options=options, plot=plot, with_plot=html is not None)
     if plot is not None:
@@ -339,10 +340,11 @@ def diagnose_command(
     the first broken layer, with its fix, a single-batch reproduction and the verification checklist."""
     from hf_sanity.protocol import diagnose
 
-    _show_progress(lines=True)
+    _show_progress()
     options, pipeline = commands.protocol_pipeline(
         **given, trust_remote_code=trust_remote_code, command=sys.argv
     )
+    _show_progress(lines=True)  # piped: a line per phase from here (bad input before it stays one line)
 
     report = diagnose(pipeline=pipeline, options=options, repro=repro, with_plot=html is not None)
     _finish(report, json, html)
