@@ -156,10 +156,11 @@ def trainer_cuts(
     cuts: dict[str, Any] = {"arrived_cut_at": None, "packed_cut_at": None, "arrived_cut_source": None}
     if args is None or getattr(args, "truncation_mode", "keep_start") != "keep_start":
         return cuts
+    configured = trainer_max_len(trainer)
     if getattr(args, "packing", False) and getattr(args, "packing_strategy", "bfd") in CUTTING_PACKINGS:
-        cuts["packed_cut_at"] = trainer_max_len(trainer)
-    elif trainer_max_len(trainer):
-        cuts["arrived_cut_at"], cuts["arrived_cut_source"] = trainer_max_len(trainer), "arguments"
+        cuts["packed_cut_at"] = configured
+    elif configured:
+        cuts["arrived_cut_at"], cuts["arrived_cut_source"] = configured, "arguments"
     elif framework_cut:
         cuts["arrived_cut_at"], cuts["arrived_cut_source"] = framework_cut, "config"
     elif (
