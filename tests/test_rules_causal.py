@@ -17,6 +17,7 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutput
 
+from conftest import real_tokenizer
 from helpers import cli, token_rows, trainer_args
 from hf_sanity.callback import SanityCallback
 from hf_sanity.drivers.preflight import preflight
@@ -284,4 +285,46 @@ def test_a_clean_run_with_the_callback_is_silent_and_unchanged(tmp_path, measure
             assert callbacks[0].report.findings == []
     assert losses[0] == losses[1]
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), watched.state_dict().values()))
+    assert ran_and_unmoved(measured)
+
+
+# -- a real vocabulary: the logits compared on a subset of the head's rows ---------------------------------
+def test_the_compared_logits_are_the_full_logits_on_a_subset_of_the_vocabulary():
+    """Above 2 x HEAD_ROWS tokens the measurement projects the head's input on HEAD_ROWS evenly spread rows: the
+    numbers are the model's own logits at those columns, not an approximation."""
+    tok = real_tokenizer("qwen2.5-instruct")
+    model = tiny_model_for(tok).eval()
+    batch = {
+        "input_ids": torch.randint(0, len(tok), (2, 12)),
+        "attention_mask": torch.ones(2, 12, dtype=torch.long),
+    }
+    with torch.no_grad():
+        full = model(**batch).logits
+        subset = causal._logits(model, batch)
+    assert full.shape[-1] > 2 * causal.HEAD_ROWS and subset.shape[-1] == causal.HEAD_ROWS
+    columns = torch.linspace(0, full.shape[-1] - 1, causal.HEAD_ROWS).round().long()
+    torch.testing.assert_close(subset, full[..., columns], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.planted("future-token-leak")
+def test_a_bidirectional_mask_over_a_152k_vocabulary(tmp_path):
+    """Qwen2.5's real vocabulary: the leak of a 4-D mask that marks padding only is found on the subset of the
+    vocabulary, with its cause."""
+    tok = real_tokenizer("qwen2.5-instruct")
+    model = tiny_model_for(tok)
+    trainer = Trainer(model=model, args=trainer_args(tmp_path), train_dataset=token_rows(tok), processing_class=tok,
+                      data_collator=FourDimMask(lm_collator(tok), causal=False))  # fmt: skip
+    found = leak(preflight(trainer=trainer, select=RULE, use_config=False))
+    assert found is not None and found.rule == RULE and found.evidence["cause"] == "attention-mask"
+    assert found.evidence["relative_difference"] > 10 * found.evidence["tolerance"]
+
+
+@pytest.mark.clean("future-token-leak")
+@pytest.mark.parametrize("four_dim", [False, True])
+def test_a_causal_model_over_a_152k_vocabulary_is_silent(tmp_path, four_dim, measured):
+    tok = real_tokenizer("qwen2.5-instruct")
+    collator = FourDimMask(lm_collator(tok), causal=True) if four_dim else lm_collator(tok)
+    trainer = Trainer(model=tiny_model_for(tok), args=trainer_args(tmp_path), train_dataset=token_rows(tok),
+                      processing_class=tok, data_collator=collator)  # fmt: skip
+    assert leak(preflight(trainer=trainer, select=RULE, use_config=False)) is None
     assert ran_and_unmoved(measured)

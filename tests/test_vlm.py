@@ -163,6 +163,41 @@ def assistant_only_trainer(tmp_path, data, **config):
         pytest.skip(f"TRL {trl.__version__} has no assistant-only loss for vision-language models")
 
 
+# -- the trainer's own loss on the first rows of its first batch ------------------------------------------------
+@pytest.mark.parametrize("images_in", [{}, {0: 2, 1: 3}], ids=["one-each", "two-and-three"])
+def test_the_first_rows_of_a_llava_batch_carry_their_own_pictures(tmp_path, images_in):
+    """`trainer_step` runs the trainer's compute_loss on the first rows of its first batch: taken with their
+    pictures, the model computes for them what it computes for them inside the whole batch."""
+    import torch
+
+    from hf_sanity.measure.vision import leading_rows, measure_modality
+
+    trainer = vlm.vlm_sft_trainer(
+        tmp_path, vlm.vlm_prompt_completion(8, images_in=images_in), max_length=None
+    )
+    batch = trainer.data_collator([dict(trainer.train_dataset[i]) for i in range(8)])  # rows in order
+    modality = measure_modality(trainer.processing_class, trainer.model, batch)
+    rows = leading_rows(batch, 2, modality.placeholder_ids)
+    assert rows is not None and rows["input_ids"].shape[0] == 2
+    assert rows["pixel_values"].shape[0] == 2 + sum(images_in.values()) - len(images_in)
+    model = trainer.model.eval()
+    with torch.no_grad():
+        whole = model(**{k: v for k, v in batch.items() if k != "labels"}).logits[:2]
+        alone = model(**{k: v for k, v in rows.items() if k != "labels"}).logits
+    torch.testing.assert_close(alone, whole, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_whose_pictures_cannot_be_told_apart_are_not_cut(tmp_path):
+    """Idefics3's batches hold each row's tiles in tensors of their own shape: no rows are taken from them."""
+    from hf_sanity.measure.vision import leading_rows, measure_modality
+
+    model, processor = vlm.load_tiny_idefics3()
+    trainer = vlm.vlm_sft_trainer(tmp_path, vlm.vlm_prompt_completion(8), model=model, processor=processor)
+    batch = next(iter(trainer.get_train_dataloader()))
+    modality = measure_modality(trainer.processing_class, trainer.model, batch)
+    assert leading_rows(batch, 2, modality.placeholder_ids) is None
+
+
 # -- image-span-truncated -------------------------------------------------------------------------------------
 @pytest.mark.planted("image-span-truncated")
 @pytest.mark.parametrize(

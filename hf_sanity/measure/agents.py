@@ -31,11 +31,13 @@ def conversations(ctx, indices=None) -> Iterator[Conversation]:
     """The conversations of ``ctx`` as TRL renders them (every row, or ``indices``); nothing for plain-text
     or token rows, or a trainer that kept no conversation column."""
     from hf_sanity.measure.encode import template_kwargs
+    from hf_sanity.measure.vision import without_pictures
 
     source = _source(ctx)
     if source is None:
         return
     data, to_trl = source
+    data = without_pictures(data)
     # Iterating a dataset reads it in batches; indexing it row by row costs a table lookup per row.
     wanted = range(len(data)) if indices is None else [int(i) for i in indices]
     rows = data if indices is None else data.select(wanted)

@@ -9,6 +9,11 @@ The measurement: on a few rows of a batch, the tokens after position t (the midd
 tokens) are replaced by other tokens of the same row, everything else (attention mask, position ids) kept;
 the logits at positions <= t are compared. Under a causal model they are identical (the masked keys add
 exact zeros): the comparison's own noise is measured by running the unchanged batch twice.
+
+The logits compared are those of an evenly spread subset of the vocabulary (``HEAD_ROWS`` rows of the LM head,
+applied to the hidden states it receives): the head is a per-position map, so whatever moves a position's hidden
+state moves its logits on these rows too, and with a 152k vocabulary the full projection of every position was
+most of the measurement's cost. A model whose head is not a plain linear layer is compared on its full logits.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 LEAK_ROWS = 4  # rows of the batch whose future is changed
+HEAD_ROWS = 2048  # vocabulary rows the logits are compared on (all of them below twice as many)
 NO_MASK_KEYS = ("attention_mask",)
 
 
@@ -47,9 +53,61 @@ def changed_future(ids, positions: list[int], t: int, keep_ids: frozenset[int] =
 
 
 def _logits(model, batch: Mapping[str, Any]):
+    """The logits of ``batch`` on ``HEAD_ROWS`` rows of the vocabulary (the LM head's input captured by a
+    pre-hook, which lets the head itself run on one position per row), or the full logits where the head is not
+    a plain linear layer or never sees this batch's hidden states."""
     from hf_sanity.measure.tensors import forward_kwargs, logits_of
 
-    return logits_of(model(**forward_kwargs(model, batch, use_cache=False)))
+    kwargs = forward_kwargs(model, batch, use_cache=False)
+    head = _linear_head(model)
+    if head is None:
+        return logits_of(model(**kwargs))
+    shape = tuple(batch["input_ids"].shape[:2])
+    captured = []
+
+    def take_input(module, args):
+        hidden = args[0] if args else None
+        if captured or hidden is None or hidden.dim() != 3 or tuple(hidden.shape[:2]) != shape:
+            return None
+        captured.append(hidden)
+        return (hidden[:, -1:],)
+
+    handle = head.register_forward_pre_hook(take_input)
+    try:
+        output = model(**kwargs)
+    finally:
+        handle.remove()
+    if not captured:
+        return logits_of(output)
+    return _head_rows(model, head, captured[0])
+
+
+def _linear_head(model):
+    """The model's output embeddings when they are a plain ``nn.Linear`` (weights the subset can be read from),
+    else None."""
+    import torch
+
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not torch.nn.Linear or head.weight.dim() != 2:
+        return None
+    return head
+
+
+def _head_rows(model, head, hidden):
+    """``hidden`` projected on ``HEAD_ROWS`` evenly spread rows of ``head`` (all rows of a small vocabulary),
+    finished as the model finishes its logits (soft-capping, a logit scale)."""
+    import torch
+
+    from hf_sanity.measure.losses import finish_logits
+
+    vocab = int(head.weight.shape[0])
+    weight, bias = head.weight, head.bias
+    if vocab > 2 * HEAD_ROWS:
+        rows = torch.linspace(0, vocab - 1, HEAD_ROWS, device=weight.device).round().long()
+        weight = weight[rows]
+        bias = bias[rows] if bias is not None else None
+    return finish_logits(model, torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias))
 
 
 def future_token_leak(

@@ -36,6 +36,7 @@ ABLATION_EXAMPLES = 16  # examples whose inputs are blanked to see what the prom
 # Sampled examples the step-0 loss is measured on: its 1,024 scored positions, 16 per example, need no more (the
 # transformer runs on every one of them).
 INIT_LOSS_EXAMPLES = 64
+STEP_ROWS = 2  # rows of the first batch the trainer's own compute_loss is measured on (`trainer_step`)
 TEMPLATE_EXAMPLES = 32  # conversations whose answers are scored in the template and as plain text
 
 
@@ -650,15 +651,20 @@ class Context:
 
     @cached_property
     def trainer_step(self):
-        """What the trainer's own compute_loss makes of its first batch: the loss, and what the model's forward
-        returned inside it (``forwards.trainer_step``); None without a trainer and a batch with labels, or when
-        the batch holds image spans `max_length` cut (`unless_image_cut`)."""
+        """What the trainer's own compute_loss makes of the first rows of its first batch (``STEP_ROWS``, with
+        their pictures; the whole batch where its rows cannot be taken apart): the loss, and what the model's
+        forward returned inside it (``forwards.trainer_step``). A scaled or replaced loss, or a router's
+        load-balancing term, shows on two rows as on all; the vocabulary projection of a whole batch, TRL's
+        included, was the measurement's cost. None without a trainer and a batch with labels, or when the batch
+        holds image spans `max_length` cut (`unless_image_cut`)."""
         from hf_sanity.measure.forwards import trainer_step
+        from hf_sanity.measure.vision import leading_rows
 
         trainer, batch = self.trainer, self.first_batch
         if trainer is None or batch is None or "labels" not in batch or not hasattr(trainer, "compute_loss"):
             return None
-        return self.unless_image_cut(lambda: trainer_step(trainer, batch))
+        rows = leading_rows(batch, STEP_ROWS, self.modality.placeholder_ids) or batch
+        return self.unless_image_cut(lambda: trainer_step(trainer, rows))
 
     @cached_property
     def packed_against_alone(self):

@@ -5,7 +5,7 @@ embeddings (a forward pre-hook on the LM head) and projected on the vocabulary i
 with the log-softmax and its sums in float32. ``[batch, sequence, vocabulary]`` logits never exist: with a
 152k vocabulary they are gigabytes per batch, while a chunk is a few megabytes. The LM head itself then runs on
 one position per row, so the rest of the forward (a final soft-capping, say) stays as the model defines it and
-is applied to the chunks the same way (see :func:`_finish_logits`).
+is applied to the chunks the same way (see :func:`finish_logits`).
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ class _SupervisedScorer:
         vocab = int(getattr(module, "out_features", 0) or module.weight.shape[0])
         self._inside = True
         try:
-            self._score(hidden[:, :-1], vocab, lambda rows: _finish_logits(self.model, module(rows)))
+            self._score(hidden[:, :-1], vocab, lambda rows: finish_logits(self.model, module(rows)))
         finally:
             self._inside = False
         self._scored = True
@@ -226,7 +226,7 @@ class _SupervisedScorer:
             self.scores.add(to_logits(rows[part]), targets[part], {k: v[part] for k, v in others.items()})
 
 
-def _finish_logits(model, logits):
+def finish_logits(model, logits):
     """What a causal LM does to the head's output before returning it: a final soft-capping (Gemma 2/3) or a
     logit scale (Cohere), read from its config."""
     config = getattr(model, "config", None)

@@ -28,6 +28,8 @@ VISION_BATCH_KEYS = (
     "pixel_attention_mask",
     "image_attention_mask",
 )
+# Dataset columns that hold a row's pictures (TRL's names): a pass that reads only the text leaves them out.
+PICTURE_COLUMNS = ("images", "image", "videos", "video")
 # Config fields (of the model, or its text config) that hold a vision token's id: the placeholders...
 PLACEHOLDER_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index")
 # ... and the tokens that open and close an image's span (Qwen2-VL, Gemma 3, Idefics3).
@@ -48,6 +50,56 @@ BOUNDARY_ATTRS = (
     "global_image_token",
     "boi_token",
 )
+
+
+def without_pictures(data):
+    """``data`` without its picture columns: iterating a dataset decodes every picture of every row it reads,
+    which a pass over the conversations' text does not need."""
+    columns = [name for name in getattr(data, "column_names", None) or () if name in PICTURE_COLUMNS]
+    return data.remove_columns(columns) if columns and hasattr(data, "remove_columns") else data
+
+
+# A batch's tensors with one entry per picture (LLaVA's): the pictures of its first rows are their first entries.
+PER_PICTURE_KEYS = ("pixel_values", "image_sizes")
+
+
+def leading_rows(batch: Mapping[str, Any], rows: int, placeholder_ids=frozenset()) -> dict[str, Any] | None:
+    """The first ``rows`` rows of a collated batch and what belongs to them: each per-row tensor cut to them
+    and, in a vision-language batch whose picture tensors hold one entry per picture and every picture the same
+    number of placeholders (LLaVA), those rows' pictures. None where the rows' share of a tensor cannot be told
+    (patches flattened across pictures, a count of placeholders per picture that varies, a tensor of another
+    length such as packed sequences' boundaries): the caller then uses the whole batch."""
+    import torch
+
+    ids = batch["input_ids"]
+    total = int(ids.shape[0])
+    if rows >= total:
+        return dict(batch)
+    present = [key for key in VISION_BATCH_KEYS if key in batch]
+    pictures = 0
+    if present:
+        if set(present) - set(PER_PICTURE_KEYS) or "pixel_values" not in batch:
+            return None
+        given = int(batch["pixel_values"].shape[0])
+        vision = (ids < 0) | torch.isin(ids, torch.tensor(sorted(placeholder_ids), dtype=ids.dtype))
+        per_row = [int(n) for n in vision.sum(dim=1)]
+        if not given or sum(per_row) % given:
+            return None
+        each = sum(per_row) // given
+        if not each or any(n % each for n in per_row):
+            return None
+        pictures = sum(per_row[:rows]) // each
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if not hasattr(value, "shape") or value.dim() == 0:
+            out[key] = value
+        elif key in PER_PICTURE_KEYS:
+            out[key] = value[:pictures]
+        elif int(value.shape[0]) == total:
+            out[key] = value[:rows]
+        else:
+            return None
+    return out
 
 
 @dataclass(frozen=True)

@@ -435,9 +435,9 @@ TRAINER_SCALED = 1.5  # a trainer loss 1.5x the model's own cross-entropy is sca
     )
 )
 def check_trainer_loss(ctx):
-    """The loss that trains: the trainer's own compute_loss on its first batch, against chance and against the
-    model's own cross-entropy on the same examples (a scaled or replaced loss starts far above chance while
-    the model does not)."""
+    """The loss that trains: the trainer's own compute_loss on the first rows of its first batch, against chance
+    and against the model's own cross-entropy on the sampled examples (a scaled or replaced loss starts far above
+    chance while the model does not)."""
     loss, measured = ctx.trainer_loss, ctx.init_loss
     vocab = ctx.embedding_rows or len(ctx.tokenizer)
     if loss is None or measured is None or not measured["tokens"] or not math.isfinite(loss):
@@ -447,7 +447,7 @@ def check_trainer_loss(ctx):
     if not far_above_chance(loss, chance) or loss < TRAINER_SCALED * model_loss:
         return  # the model's own loss is what is off, if anything: check_init_loss says so with its cause
     yield INIT_LOSS_OFF_CHANCE.finding(
-        f"the trainer's compute_loss returns {loss:.2f} on its first batch, far above chance "
+        f"the trainer's compute_loss returns {loss:.2f} on the first rows of its first batch, far above chance "
         f"ln(V)={chance:.2f} and {loss / model_loss:.1f}x the model's own cross-entropy {model_loss:.2f}",
         evidence={
             "trainer_loss": loss,
