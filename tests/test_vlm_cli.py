@@ -120,3 +120,54 @@ def test_a_missing_picture_is_one_line_and_exit_2(tmp_path):
     message = proc.stderr.strip()
     assert len(message.splitlines()) == 1 and "row 3" in message and "pics/3-0.png" in message
     assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def saved_lora(folder, target_modules) -> str:
+    """A LoRA adapter saved by peft from the tiny LLaVA, as a user's vision-language LoRA run leaves it."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = vlm.load_tiny_llava()
+    get_peft_model(model, LoraConfig(r=4, target_modules=target_modules)).save_pretrained(str(folder))
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.planted("vision-tower-adapters")
+def test_a_saved_all_linear_adapter_has_layers_on_the_vision_tower(tmp_path):
+    """`--adapter` on a vision-language model: the saved adapter goes onto the model as a training that goes on
+    with it loads it, so its vision-side layers are found."""
+    data = write_rows(tmp_path, prompt_completion=True)
+    adapter = saved_lora(tmp_path / "lora", "all-linear")
+    proc, report = preflight(tmp_path, data, "--adapter", adapter)
+    assert report is not None, proc.stdout + proc.stderr
+    assert "internal-error" not in {f["rule"] for f in report["findings"]}
+    [finding] = findings(report, "vision-tower-adapters")
+    assert finding["evidence"]["cause"] == "untargeted"
+    assert "model.vision_tower.encoder.layers.0.self_attn.q_proj" in finding["evidence"]["vision_layers"]
+    assert finding["evidence"]["language_only_target"] in finding["fix"]
+
+
+@pytest.mark.slow
+@pytest.mark.clean("vision-tower-adapters")
+def test_a_saved_adapter_on_the_language_model_alone_is_silent(tmp_path):
+    data = write_rows(tmp_path, prompt_completion=True)
+    adapter = saved_lora(tmp_path / "lora", r"model\.language_model\..*\.(q_proj|v_proj)")
+    proc, report = preflight(tmp_path, data, "--adapter", adapter)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [f["rule"] for f in report["findings"] if f["severity"] != "info"] == []
+
+
+@pytest.mark.slow
+def test_an_adapter_of_another_model_is_one_line_and_exit_2(tmp_path):
+    """A text model's adapter (its layers named for a model without a vision tower) on the LLaVA folder."""
+    import json as json_lib
+
+    data = write_rows(tmp_path, prompt_completion=True)
+    adapter = saved_lora(tmp_path / "lora", "all-linear")
+    config = tmp_path / "lora" / "adapter_config.json"
+    settings = json_lib.loads(config.read_text())
+    settings["target_modules"] = ["no_such_layer"]
+    config.write_text(json_lib.dumps(settings))
+    proc = cli("preflight", "--model", vlm.tiny_llava_dir(), "--dataset", data, "--adapter", adapter)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "adapter" in proc.stderr

@@ -131,8 +131,8 @@ def preflight_paths(
             raise UserInputError(
                 "--fix does not repair vision-language data yet; run preflight without --fix"
             )
-        report = preflight_vlm(setup, dataset, max_len=max_len, loss_on=loss_on, sample=sample, select=select,
-                               ignore=ignore, show=show)  # fmt: skip
+        report = preflight_vlm(setup, dataset, max_len=max_len, loss_on=loss_on, adapter=adapter, sample=sample,
+                               select=select, ignore=ignore, show=show)  # fmt: skip
         return report, None
     inputs = dict(
         model=setup.load_model if weights else None, model_config=setup.config,
@@ -157,9 +157,12 @@ def _with_load_time(report, seconds: float) -> None:
         report.stats["seconds_by_phase"] = {"load": round(seconds, 2), **phases}
 
 
-def preflight_vlm(setup: load.Setup, dataset: str, *, max_len, loss_on, sample, select, ignore, show):
-    """preflight(trainer=) on TRL's SFTTrainer built from the model folder, its processor and the rows whose
-    picture paths are read relative to the data file; the trainer's output folder is a temporary one."""
+def preflight_vlm(
+    setup: load.Setup, dataset: str, *, max_len, loss_on, adapter, sample, select, ignore, show
+):
+    """preflight(trainer=) on TRL's SFTTrainer built from the model folder (with --adapter, the saved adapter on
+    it), its processor and the rows whose picture paths are read relative to the data file; the trainer's
+    output folder is a temporary one."""
     import time
 
     from hf_sanity.drivers.preflight import preflight
@@ -170,7 +173,7 @@ def preflight_vlm(setup: load.Setup, dataset: str, *, max_len, loss_on, sample, 
     with tempfile.TemporaryDirectory(prefix="hf-sanity-vlm-") as scratch:
         trainer = vlm_trainer(
             setup.model_ref, setup.processor, data, max_len=max_len, loss_on=loss_on, output_dir=scratch,
-            trust_remote_code=setup.trust_remote_code,
+            adapter=adapter, trust_remote_code=setup.trust_remote_code,
         )  # fmt: skip
         loaded = time.perf_counter() - started
         report = preflight(

@@ -89,10 +89,12 @@ LOSS_ON_CONFIG = {
 
 
 def vlm_trainer(model_ref: str, processor, data, *, max_len: int | None, loss_on: str | None, output_dir: str,
-                trust_remote_code: bool = False):  # fmt: skip
+                adapter: str | None = None, trust_remote_code: bool = False):  # fmt: skip
     """TRL's SFTTrainer on the model, its processor and the rows, as the user's training would build it:
     TRL's vision-language collator, ``max_length`` from --max-len (None: no cut), the loss where --loss-on
-    says (default: TRL's for the format). Nothing is trained or saved; ``output_dir`` is a temporary folder."""
+    says (default: TRL's for the format); with ``adapter`` (--adapter), the saved adapter on the model as a
+    training that goes on with it loads it (trainable). Nothing is trained or saved; ``output_dir`` is a
+    temporary folder."""
     import torch
     from transformers import AutoModelForImageTextToText
     from trl import SFTConfig, SFTTrainer
@@ -110,6 +112,9 @@ def vlm_trainer(model_ref: str, processor, data, *, max_len: int | None, loss_on
         ) from None
     import warnings
 
+    if adapter:
+        model = _with_adapter(model, adapter)
+
     with warnings.catch_warnings():  # transformers' deprecation notes on TRL's defaults: not the user's doing
         warnings.simplefilter("ignore", FutureWarning)
         config = SFTConfig(
@@ -118,3 +123,22 @@ def vlm_trainer(model_ref: str, processor, data, *, max_len: int | None, loss_on
             **LOSS_ON_CONFIG.get(loss_on or "", {}),
         )  # fmt: skip
     return SFTTrainer(model=model, args=config, train_dataset=data, processing_class=processor)
+
+
+def _with_adapter(model, adapter: str):
+    """``model`` with the saved adapter loaded trainable (a folder the loader has checked); one line where peft
+    cannot put it on this model."""
+    import warnings
+
+    from peft import PeftModel
+
+    try:
+        with (
+            warnings.catch_warnings()
+        ):  # peft reads transformers' deprecated names; the user cannot act on it
+            warnings.simplefilter("ignore", FutureWarning)
+            return PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    except Exception as exc:
+        raise UserInputError(
+            f"cannot load the adapter {adapter!r} on this model: {str(exc).strip().splitlines()[0]}"
+        ) from None
