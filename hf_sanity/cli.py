@@ -371,7 +371,7 @@ def run_command(
     command = command_line(command, "run")
     if abort_on not in ("error", "never"):
         raise UserInputError(f"--abort-on must be error or never, got {abort_on!r}")
-    stops = stopping_rules(select, ignore)  # an unknown slug fails before the command starts
+    stops = stopping_rules(select, ignore, abort_on)  # an unknown slug fails before the command starts
     if abort_on == "error":  # say which findings stop the run before it starts: errors only
         err_console.print(abort_line(stops), highlight=False, soft_wrap=True, markup=False)
     outcome = _launched(command, mode="run", abort_on=abort_on, select=select, ignore=ignore)
