@@ -133,3 +133,45 @@ def test_run_dash_dash_on_llamafactory_cli_reads_the_cutoff_len_of_its_command_l
     assert "eos-not-learned" not in found and "internal-error" not in found, found
     evidence = found["truncated-completion"]["evidence"]
     assert evidence["max_len"] == 30 and evidence["cut_read_from"] == "config" and evidence["prompt_cut"] == 2
+
+
+@pytest.mark.planted("template-mismatch")
+def test_a_llama3_template_on_a_chatml_model_is_caught_at_the_first_step(files):
+    """`template: llama3` with `resize_vocab: true` on the Qwen2.5 tokenizer: LLaMA-Factory trains on Llama-3's
+    header markers split into text pieces, while the saved tokenizer keeps ChatML. Caught on the first batch, the
+    fix in LLaMA-Factory's terms."""
+    found = by_rule(llamafactory_train(files, "llama3", template="llama3", resize_vocab=True))
+    assert "internal-error" not in found, found
+    finding = found["template-mismatch"]
+    assert finding["severity"] == "error" and finding["step"] == 1
+    assert "llama-3 chat markers" in finding["message"] and "chatml" in finding["message"]
+    assert "`template:` in the LLaMA-Factory config" in finding["fix"]
+
+
+def test_without_resize_vocab_llamafactorys_own_crash_shows_its_own_traceback(files):
+    """Without `resize_vocab`, LLaMA-Factory adds Llama-3's tokens to the tokenizer and not to the model: its
+    first step raises on ids the embedding does not hold. Before that crash the report names the cause
+    (`vocab-size-mismatch`, measured without a probe on ids the model cannot embed: no internal-error), and the
+    crash's traceback is LLaMA-Factory's and torch's, without the callback's pass-through frames."""
+    out = files / "no-resize"
+    config = {
+        "model_name_or_path": str(files / "model"), "stage": "sft", "do_train": True, "finetuning_type": "lora",
+        "lora_target": "all", "dataset": "demo", "dataset_dir": str(files), "template": "llama3", "cutoff_len": 1024,
+        "output_dir": str(out), "overwrite_output_dir": True, "per_device_train_batch_size": 2, "max_steps": 4,
+        "save_strategy": "no", "report_to": "none", "preprocessing_num_workers": 1, "bf16": False,
+    }  # fmt: skip
+    (files / "no-resize.yaml").write_text(json.dumps(config))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DISABLE_VERSION_CHECK": "1"}  # fmt: skip
+    env.pop("VIRTUAL_ENV", None)
+    result = subprocess.run(
+        [str(VENV / "bin" / "python"), "-m", "hf_sanity.integrations.llamafactory", str(files / "no-resize.yaml")],
+        capture_output=True, text=True, timeout=900, cwd=files, env=env,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "\nIndexError: index out of range in self" in result.stderr
+    frames = [line for line in result.stderr.splitlines() if line.lstrip().startswith('File "')]
+    assert any("torch/nn/functional.py" in line for line in frames)
+    assert not [line for line in frames if "hf_sanity/training/" in line], frames
+    report = by_rule(json.loads((out / "hf-sanity" / "report.json").read_text()))
+    assert "vocab-size-mismatch" in report and "internal-error" not in report, report

@@ -162,6 +162,20 @@ def test_a_crash_in_the_users_loss_shows_the_traceback_it_shows_without_hf_sanit
     assert "instrument.py" not in {frame[0] for frame in plain[0]}
 
 
+def test_the_traceback_cleaning_is_installed_once_whoever_asks(monkeypatch):
+    """The launch's hook and every SanityCallback that wraps a trainer's step ask for it: one hook, chained once
+    to the one in place."""
+    from hf_sanity.training.instrument import Instruments
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    tracebacks.install()
+    first = sys.excepthook
+    assert first is not sys.__excepthook__ and first.hf_sanity_cleans
+    Instruments().install(None, None, None)
+    tracebacks.install()
+    assert sys.excepthook is first
+
+
 def test_a_pass_through_frame_that_called_hf_sanitys_own_code_stays():
     """An error of hf-sanity's own code keeps every frame (a bug report needs them)."""
     from hf_sanity.training.instrument import Instruments, OwnClock

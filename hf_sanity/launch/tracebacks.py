@@ -3,7 +3,8 @@
 SanityCallback observes a step through a few wrappers that only pass the call on (the wrapped
 ``training_step`` and ``_get_grad_norm``, the first step's torch function mode): when the user's loss or the
 framework's step raises inside one, the traceback goes through its frame, and a user reads hf-sanity in their
-own crash. In a process of ``hf-sanity run -- CMD`` the uncaught exception is printed without those frames
+own crash. In a process whose trainer SanityCallback watches (``hf-sanity run -- CMD``, the frameworks' native
+hooks, a callback the user attached) the uncaught exception is printed without those frames
 (nothing else of it changes: the exception, its chain and every other frame), unless the error began in hf-sanity's
 own code (then its traceback is shown whole).
 """
@@ -99,8 +100,11 @@ def clean(exc: BaseException) -> None:
 
 
 def install() -> None:
-    """Print uncaught exceptions through :func:`clean` (then as before: Python's hook, or the one in place)."""
+    """Print uncaught exceptions through :func:`clean` (then as before: Python's hook, or the one in place); once
+    per process, whoever asks first (the launch's hook, or SanityCallback when it wraps a trainer's step)."""
     shown = sys.excepthook
+    if getattr(shown, "hf_sanity_cleans", False):
+        return
 
     def excepthook(kind, exc, tb):
         try:
@@ -111,4 +115,5 @@ def install() -> None:
             pass
         shown(kind, exc, tb)
 
+    excepthook.hf_sanity_cleans = True
     sys.excepthook = excepthook

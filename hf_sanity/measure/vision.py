@@ -81,7 +81,9 @@ def leading_rows(batch: Mapping[str, Any], rows: int, placeholder_ids=frozenset(
         if set(present) - set(PER_PICTURE_KEYS) or "pixel_values" not in batch:
             return None
         given = int(batch["pixel_values"].shape[0])
-        vision = (ids < 0) | torch.isin(ids, torch.tensor(sorted(placeholder_ids), dtype=ids.dtype))
+        vision = (ids < 0) | torch.isin(
+            ids, torch.tensor(sorted(placeholder_ids), dtype=ids.dtype, device=ids.device)
+        )
         per_row = [int(n) for n in vision.sum(dim=1)]
         if not given or sum(per_row) % given:
             return None

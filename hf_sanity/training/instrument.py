@@ -122,6 +122,9 @@ class Instruments:
         self.busy = False  # hf-sanity runs its own forward: hooks stay quiet
 
     def install(self, trainer, model, observer) -> None:
+        from hf_sanity.launch import tracebacks
+
+        tracebacks.install()  # a crash that passes through these wrappers is printed without their frames
         if trainer is not None:
             self._wrap(trainer, "training_step", lambda original: self._training_step(original, observer))
             if hasattr(
