@@ -85,26 +85,51 @@ def axolotl_like_drop(dataset, sequence_len, cfg):
     return dataset.filter(lambda row: 2 <= len(row["input_ids"]) <= sequence_len)
 
 
+# Axolotl 0.19's SFT preparation, in the calls the counting goes through: `_load_tokenized_prepared_datasets` loads
+# the rows an earlier preparation saved under the config's hash, else `_load_raw_datasets` prepares them (the length
+# handling) and saves them.
+AXOLOTL_SFT = """
+def _load_tokenized_prepared_datasets(dataset, cfg, split):
+    loaded = load_preprocessed_dataset(cfg, cfg["hash"])
+    return loaded if loaded is not None else _load_raw_datasets(dataset, cfg, split)
+
+def _load_raw_datasets(dataset, cfg, split):
+    dataset = handle_long_seq_in_dataset(dataset, cfg["sequence_len"], cfg)
+    save_preprocessed_dataset(cfg, dataset, cfg["hash"], split)
+    return dataset
+"""
+
+
 @pytest.fixture
-def axolotl_preparation(monkeypatch):
+def axolotl_preparation(monkeypatch, tmp_path):
     """Axolotl's SFT preparation module as the plugin finds it (``axolotl.utils.data.sft``, which imports the
-    length handler by name and calls it from ``_load_raw_datasets(..., split)``), with the handler above; this
-    process's counts forgotten after the test."""
+    length handler by name), with the handler above and a prepared-rows folder in ``tmp_path``; hf-sanity's cache
+    there too; this process's counts forgotten after the test."""
     import types
+
+    import datasets
 
     from hf_sanity.integrations import axolotl_drops
     from hf_sanity.measure import frameworks
 
+    prepared = tmp_path / "last_run_prepared"
+
+    def save_preprocessed_dataset(cfg, dataset, dataset_hash, split):
+        dataset.save_to_disk(str(prepared / dataset_hash))
+
+    def load_preprocessed_dataset(cfg, dataset_hash):
+        folder = prepared / dataset_hash
+        return datasets.load_from_disk(str(folder)) if folder.is_dir() else None
+
     utils = types.ModuleType(axolotl_drops.DEFINED_IN)
     sft = types.ModuleType(axolotl_drops.CALLED_FROM)
     utils.handle_long_seq_in_dataset = sft.handle_long_seq_in_dataset = axolotl_like_drop
-    exec(
-        "def _load_raw_datasets(dataset, cfg, split):\n"
-        "    return handle_long_seq_in_dataset(dataset, cfg['sequence_len'], cfg)\n",
-        vars(sft),
-    )
+    sft.save_preprocessed_dataset = save_preprocessed_dataset
+    sft.load_preprocessed_dataset = load_preprocessed_dataset
+    exec(AXOLOTL_SFT, vars(sft))
     monkeypatch.setitem(sys.modules, axolotl_drops.DEFINED_IN, utils)
     monkeypatch.setitem(sys.modules, axolotl_drops.CALLED_FROM, sft)
+    monkeypatch.setenv("HF_SANITY_CACHE", str(tmp_path / "hf-sanity-cache"))
     yield sft
     frameworks.forget_prepared_drops()
 
@@ -191,10 +216,12 @@ def test_the_rows_axolotls_preparation_drops_for_length_are_counted_and_said_in_
 
 
 def prepare(sft, rows, **cfg):
-    """Axolotl's preparation of the training split (its `_load_raw_datasets(..., split="train")`) on ``rows``."""
+    """Axolotl's preparation of the training split on ``rows``: the rows it saved under the config's hash, else
+    prepared now (and saved)."""
     import datasets
 
-    return sft._load_raw_datasets(datasets.Dataset.from_list(rows), cfg, "train")
+    cfg.setdefault("hash", f"h{cfg['sequence_len']}")
+    return sft._load_tokenized_prepared_datasets(datasets.Dataset.from_list(rows), cfg, "train")
 
 
 @pytest.mark.clean("truncated-completion")
@@ -229,6 +256,38 @@ def test_axolotls_truncate_strategy_cuts_rows_and_drops_none(axolotl_preparation
     assert len(kept) == len(rows) and max(len(ids) for ids in kept["input_ids"]) == sequence_len
     drop = frameworks.prepared_drop(frameworks.AXOLOTL)
     assert drop.too_long == 0 and drop.strategy == "truncate" and drop.strategy_set
+
+
+def test_the_count_of_a_preparation_axolotl_saved_is_recalled_when_a_later_run_loads_it(axolotl_preparation):
+    """`axolotl preprocess`, then `axolotl train` (or a second run of the same config): the second process loads
+    the rows the first saved, drops nothing itself, and the first one's count is what it reports."""
+    from hf_sanity.integrations.axolotl import SanityPlugin
+    from hf_sanity.integrations.axolotl_drops import memory_dir
+    from hf_sanity.measure import frameworks
+
+    _, tok = tiny_setup("chatml")
+    rows = axolotl_rows(tok)
+    lengths = sorted(len(r["input_ids"]) for r in rows)
+    sequence_len = lengths[len(lengths) * 3 // 4]
+    longer = sum(n > sequence_len for n in lengths)
+    SanityPlugin().register({})
+    first = prepare(axolotl_preparation, rows, sequence_len=sequence_len)
+    counted = frameworks.prepared_drop(frameworks.AXOLOTL)
+    assert counted.too_long == longer and not counted.prepared_earlier
+    assert [p.name for p in memory_dir().iterdir()] == [f"h{sequence_len}.json"]  # hf-sanity's cache only
+
+    frameworks.forget_prepared_drops()  # the next process
+    again = prepare(axolotl_preparation, rows, sequence_len=sequence_len)
+    assert len(again) == len(first)
+    recalled = frameworks.prepared_drop(frameworks.AXOLOTL)
+    assert recalled.prepared_earlier and recalled.too_long == longer and recalled.rows_prepared == len(rows)
+
+    frameworks.forget_prepared_drops()  # rows saved again without hf-sanity: the count kept does not match them
+    (memory_dir() / f"h{sequence_len}.json").write_text(
+        (memory_dir() / f"h{sequence_len}.json").read_text().replace('"saved_rows": ', '"saved_rows": 1')
+    )
+    prepare(axolotl_preparation, rows, sequence_len=sequence_len)
+    assert frameworks.prepared_drop(frameworks.AXOLOTL) is None
 
 
 def test_an_axolotl_without_the_length_handler_is_one_line_and_no_count(monkeypatch, capsys):
@@ -273,7 +332,8 @@ def axolotl_train(
     root: Path, out: Path, *, through: str = "plugin", **keys
 ) -> tuple[subprocess.CompletedProcess, dict]:
     """`axolotl train config.yml` as a user runs it (its own virtualenv, offline): with the plugin listed
-    (``through="plugin"``), or under `hf-sanity run --json ... -- axolotl train config.yml` without it
+    (``through="plugin"``), after `axolotl preprocess config.yml` (``through="preprocessed"``: the result's output
+    is both commands'), or under `hf-sanity run --json ... -- axolotl train config.yml` without the plugin
     (``through="run"``)."""
     config = {
         "base_model": str(root / "model"), "chat_template": "tokenizer_default",
@@ -289,7 +349,8 @@ def axolotl_train(
     path.write_text(json.dumps(config))  # JSON is YAML
     env = {**os.environ, "PATH": f"{AXOLOTL_VENV / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": str(ROOT),
            "AXOLOTL_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_SANITY_CACHE": str(root / "hf-sanity-cache")}  # fmt: skip
     env.pop("VIRTUAL_ENV", None)
     command = [str(AXOLOTL_VENV / "bin" / "axolotl"), "train", str(path)]
     reported = out / "hf-sanity" / "report.json"
@@ -298,13 +359,20 @@ def axolotl_train(
         path.write_text(json.dumps(config))
         reported = out.parent / f"{out.name}-report.json"
         command = [sys.executable, "-m", "hf_sanity.cli", "run", "--json", str(reported), "--", *command]
+    before = ""
+    if through == "preprocessed":
+        pre = subprocess.run([command[0], "preprocess", str(path)], capture_output=True, text=True, timeout=900,
+                             cwd=out.parent, env=env)  # fmt: skip
+        assert pre.returncode == 0, pre.stdout[-3000:] + pre.stderr[-3000:]
+        before = pre.stdout + pre.stderr
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=out.parent, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result.stdout = before + result.stdout
     loaded = (
         "Plugin loaded successfully: hf_sanity.integrations.axolotl.SanityPlugin"
         in result.stdout + result.stderr
     )
-    assert loaded == (through == "plugin")
+    assert loaded == (through != "run")
     return result, json.loads(reported.read_text())
 
 
@@ -347,11 +415,12 @@ def test_an_axolotl_sequence_len_that_truncates_the_answers_is_named_in_axolotls
 
 @pytest.mark.slow
 @pytest.mark.planted("truncated-completion")
-@pytest.mark.parametrize("through", ["plugin", "run"])
+@pytest.mark.parametrize("through", ["plugin", "run", "preprocessed"])
 def test_the_rows_axolotl_drops_for_being_longer_than_sequence_len_are_counted(axolotl_files, through):
     """Axolotl's default `excess_length_strategy: drop` with a `sequence_len` a quarter of the rows exceed: its
     preparation drops them before any trainer exists (one log line); the report says how many of how many, why,
-    and the fix in Axolotl's terms, with the plugin listed and under `hf-sanity run -- axolotl train`."""
+    and the fix in Axolotl's terms: with the plugin listed, under `hf-sanity run -- axolotl train`, and in
+    `axolotl train` after `axolotl preprocess` (which prepared and saved the rows: the count kept then)."""
     from conftest import real_tokenizer
 
     tok = real_tokenizer("qwen2.5-instruct")
@@ -393,3 +462,11 @@ def test_the_rows_axolotl_drops_for_being_longer_than_sequence_len_are_counted(a
         and "shorten or split the rows" in finding["fix"]
     )
     assert "hf-sanity: cannot count" not in result.stderr
+    if through == "preprocessed":  # train loaded the rows preprocess saved: the count is the one kept then
+        assert "Loading prepared dataset from disk" in result.stdout + result.stderr
+        assert (
+            evidence["prepared_earlier"] is True
+            and "loaded from `dataset_prepared_path`" in finding["message"]
+        )
+    else:
+        assert "prepared_earlier" not in evidence

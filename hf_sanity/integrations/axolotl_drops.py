@@ -8,18 +8,28 @@ the rows kept. :func:`watch_preparation` (called by the Axolotl plugin's ``regis
 wrapper counts the training rows it got longer than the cut and the rows it returned (:func:`counted_drop`), and
 records them for ``truncated-completion`` (:func:`hf_sanity.measure.frameworks.record_prepared_drop`).
 
-The wrapper only passes the call on: Axolotl's result and errors are its own. Where Axolotl's internals differ
-(another version), one line says the count is missing and the run goes on. A prepared dataset Axolotl loads from
-its ``dataset_prepared_path`` was filtered when it was prepared: nothing is counted then. This module imports
-nothing of Axolotl's (the hook may call it while Axolotl is still importing transformers).
+Axolotl saves the rows it prepared under its ``dataset_prepared_path`` (by a hash of the config's data settings,
+``sequence_len`` among them) and a later run with the same settings, or ``axolotl train`` after ``axolotl
+preprocess``, loads them without preparing them again: the count is kept beside hf-sanity's other files
+(``$HF_SANITY_CACHE/axolotl-drops/HASH.json``, written when Axolotl saves the rows) and recalled when Axolotl loads
+them (``save_preprocessed_dataset``, ``load_preprocessed_dataset``, wrapped the same way), if the rows loaded are
+as many as were saved.
+
+The wrappers only pass the call on: Axolotl's result and errors are its own. Where Axolotl's internals differ
+(another version), one line says the count is missing and the run goes on. This module imports nothing of
+Axolotl's (the hook may call it while Axolotl is still importing transformers).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 # Where Axolotl 0.19 drops (or cuts) the rows longer than `sequence_len`, and the module of its SFT preparation
@@ -27,6 +37,8 @@ from typing import Any
 LENGTH_HANDLER = "handle_long_seq_in_dataset"
 DEFINED_IN = "axolotl.utils.data.utils"
 CALLED_FROM = "axolotl.utils.data.sft"
+# Where the same module saves the rows it prepared, and loads them from an earlier preparation.
+SAVE, LOAD = "save_preprocessed_dataset", "load_preprocessed_dataset"
 NO_COUNT = (
     "cannot count the rows Axolotl drops for being longer than sequence_len ({why}); the run goes on, and the "
     "report does not say how many"
@@ -74,6 +86,38 @@ def row_lengths(dataset) -> list[int] | None:
     return pc.list_value_length(table.column("input_ids")).to_pylist()
 
 
+def memory_dir() -> Path:
+    """Where the counts of preparations Axolotl saved are kept (hf-sanity's cache, never Axolotl's folder)."""
+    return Path(os.environ.get("HF_SANITY_CACHE") or Path.home() / ".cache" / "hf-sanity") / "axolotl-drops"
+
+
+def remember(dataset_hash: str, drop, saved_rows: int) -> None:
+    """Keep the count of the preparation Axolotl saved under ``dataset_hash`` (``saved_rows`` rows)."""
+    folder = memory_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{dataset_hash}.json"
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"saved_rows": saved_rows, "drop": dataclasses.asdict(drop)}))
+    partial.replace(path)  # whole or not at all: another process may read it
+
+
+def recalled(dataset_hash: str, loaded_rows: int):
+    """The count kept for the preparation Axolotl saved under ``dataset_hash``, marked as counted earlier; None
+    where none is kept or the rows loaded are not as many as were saved (prepared again without hf-sanity)."""
+    from hf_sanity.measure.frameworks import PreparedDrop
+
+    path = memory_dir() / f"{dataset_hash}.json"
+    if not path.is_file():
+        return None
+    kept = json.loads(path.read_text())
+    if kept.get("saved_rows") != loaded_rows:
+        return None
+    return dataclasses.replace(PreparedDrop(**kept["drop"]), prepared_earlier=True)
+
+
+_unsaved: list = []  # the training split's count, until Axolotl saves the rows it kept
+
+
 def _counting(handler):
     """``handler`` (Axolotl's ``handle_long_seq_in_dataset(dataset, sequence_len, cfg)``), counting what it drops
     from the training rows."""
@@ -100,17 +144,70 @@ def _counting(handler):
                 from hf_sanity.measure.frameworks import record_prepared_drop
 
                 cfg = bound["cfg"]
-                record_prepared_drop(
-                    counted_drop(
-                        before, len(result), int(bound["sequence_len"]), cfg.get("excess_length_strategy")
-                    )
-                )
+                strategy = cfg.get("excess_length_strategy")
+                drop = counted_drop(before, len(result), int(bound["sequence_len"]), strategy)
+                record_prepared_drop(drop)
+                _unsaved[:] = [drop]
             except Exception as exc:
                 say(NO_COUNT.format(why=f"{type(exc).__name__}: {exc}"))
         return result
 
     handle_long_seq_in_dataset.counts_for_hf_sanity = True
     return handle_long_seq_in_dataset
+
+
+def _remembering(save):
+    """``save`` (Axolotl's ``save_preprocessed_dataset(cfg, dataset, dataset_hash, split)``), keeping the count of
+    the training rows it saves."""
+    import inspect
+
+    signature = inspect.signature(save)
+
+    @functools.wraps(save)
+    def save_preprocessed_dataset(*args, **kwargs):
+        result = save(*args, **kwargs)  # Axolotl's own call
+        if _unsaved:
+            try:
+                bound = signature.bind(*args, **kwargs).arguments
+                if bound["split"] == "train":
+                    remember(str(bound["dataset_hash"]), _unsaved.pop(), len(bound["dataset"]))
+            except Exception as exc:
+                say(f"could not keep the count of the rows Axolotl dropped ({type(exc).__name__}: {exc})")
+        return result
+
+    save_preprocessed_dataset.counts_for_hf_sanity = True
+    return save_preprocessed_dataset
+
+
+def _recalling(load):
+    """``load`` (Axolotl's ``load_preprocessed_dataset(cfg, dataset_hash)``), recalling the count kept for the
+    training rows it loads."""
+    import inspect
+
+    signature = inspect.signature(load)
+
+    @functools.wraps(load)
+    def load_preprocessed_dataset(*args, **kwargs):
+        result = load(*args, **kwargs)  # Axolotl's own call
+        if result is not None:
+            try:
+                # its caller's split (`_load_tokenized_prepared_datasets(..., split)`)
+                split = sys._getframe(1).f_locals.get("split")
+                if split in ("train", None) and hasattr(result, "__len__"):
+                    from hf_sanity.measure.frameworks import record_prepared_drop
+
+                    drop = recalled(
+                        str(signature.bind(*args, **kwargs).arguments["dataset_hash"]),
+                        len(result),
+                    )
+                    if drop is not None:
+                        record_prepared_drop(drop)
+            except Exception as exc:
+                say(f"could not recall the count of the rows Axolotl dropped ({type(exc).__name__}: {exc})")
+        return result
+
+    load_preprocessed_dataset.counts_for_hf_sanity = True
+    return load_preprocessed_dataset
 
 
 def watch_preparation() -> None:
@@ -138,6 +235,11 @@ def _wrap() -> None:
     setattr(caller, LENGTH_HANDLER, counting)
     if defining is not None and getattr(defining, LENGTH_HANDLER, None) is handler:
         setattr(defining, LENGTH_HANDLER, counting)
+    # Without these only the runs that prepare their rows are counted (the first, not the ones after it).
+    for name, wrapper in ((SAVE, _remembering), (LOAD, _recalling)):
+        function = getattr(caller, name, None)
+        if callable(function) and not getattr(function, "counts_for_hf_sanity", False):
+            setattr(caller, name, wrapper(function))
 
 
 class _AfterImport:

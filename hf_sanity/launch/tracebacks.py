@@ -20,7 +20,10 @@ PASS_THROUGH = {
     ("hf_sanity.training.instrument", "training_step"),
     ("hf_sanity.training.instrument", "_get_grad_norm"),
     ("hf_sanity.training.broadcast", "__torch_function__"),
-    ("hf_sanity.integrations.axolotl_drops", "handle_long_seq_in_dataset"),  # Axolotl's, counting its drops
+    # Axolotl's preparation, counting the rows it drops for length (and keeping the count with its prepared rows)
+    ("hf_sanity.integrations.axolotl_drops", "handle_long_seq_in_dataset"),
+    ("hf_sanity.integrations.axolotl_drops", "save_preprocessed_dataset"),
+    ("hf_sanity.integrations.axolotl_drops", "load_preprocessed_dataset"),
 }
 
 

@@ -94,6 +94,9 @@ class PreparedDrop:
     strategy: str  # what the framework does with a longer row ("drop")
     strategy_set: bool  # the user's config set it (else it is the framework's default)
     longest: int | None = None  # the longest row dropped, in tokens
+    # Counted when the framework prepared the rows this run loaded from its cache (Axolotl's
+    # `dataset_prepared_path`: an earlier run, or `axolotl preprocess`), not in this process.
+    prepared_earlier: bool = False
 
     @property
     def other_dropped(self) -> int:

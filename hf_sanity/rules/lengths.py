@@ -24,8 +24,9 @@ TRUNCATED_COMPLETION = define(
     "whose prompt lost its end and the assistant header (LLaMA-Factory cuts the longer of prompt and answer); the "
     "rows the trainer dropped (TRL: the cut left them no completion token); and the rows Axolotl's data preparation "
     "dropped before training for being longer than `sequence_len` (`excess_length_strategy: drop`, its default; "
-    "counted where hf-sanity's Axolotl plugin or `hf-sanity run -- axolotl ...` ran the preparation: evidence "
-    "`dropped_too_long` of `rows_prepared`). Said in the framework's terms.",
+    "counted where hf-sanity's Axolotl plugin or `hf-sanity run -- axolotl ...` ran the preparation, and recalled "
+    "when a later run loads the rows it prepared: evidence `dropped_too_long` of `rows_prepared`). Said in the "
+    "framework's terms.",
     fix="Drop or split the examples longer than max_len, or raise max_len until they fit; the finding says what "
     "each costs (the examples and supervised tokens dropped, or how much longer the longest sequences get).",
     remedy=RemedyDoc(
@@ -217,10 +218,15 @@ def _prepared_drop_said(prepared) -> str:
     terms: how many of how many, how long, and whose choice the strategy was."""
     longest = f" (the longest {prepared.longest:,})" if prepared.longest else ""
     whose = "as set in the config" if prepared.strategy_set else f"{prepared.framework}'s default"
+    when = (
+        " (when it prepared the rows this run loaded from `dataset_prepared_path`)"
+        if prepared.prepared_earlier
+        else ""
+    )
     return (
         f"dropped {prepared.too_long} of the {prepared.rows_prepared} rows its data preparation tokenized "
-        f"({prepared.too_long / prepared.rows_prepared:.1%}) before training: rows longer than {prepared.cut:,} "
-        f"tokens{longest}, never trained (`excess_length_strategy: {prepared.strategy}`, {whose})"
+        f"({prepared.too_long / prepared.rows_prepared:.1%}) before training{when}: rows longer than "
+        f"{prepared.cut:,} tokens{longest}, never trained (`excess_length_strategy: {prepared.strategy}`, {whose})"
     )
 
 
@@ -233,6 +239,7 @@ def _prepared_drop_evidence(prepared) -> dict:
         "excess_length_strategy": prepared.strategy,
         "strategy_is_default": not prepared.strategy_set,
         **({"dropped_other": prepared.other_dropped} if prepared.other_dropped else {}),
+        **({"prepared_earlier": True} if prepared.prepared_earlier else {}),
     }
 
 
@@ -248,8 +255,10 @@ def _prepared_drop_fix(prepared) -> str:
         f"{grow}; or set `excess_length_strategy: truncate` to train the long rows cut at sequence_len (what is "
         "past the cut is never trained; an answer cut ends without its end-of-turn token, and the model learns to "
         "stop mid-answer, which truncated-completion then reports); or shorten or split the rows longer than "
-        f"{prepared.cut:,} tokens before training. `hf-sanity preflight --dataset ... --max-len N` prices each "
-        "length (the examples and supervised tokens it cuts)."
+        f"{prepared.cut:,} tokens before training. With the strategy or the rows changed, delete the rows Axolotl "
+        "prepared under `dataset_prepared_path` (its hash of them leaves both out: it would load the rows it "
+        "dropped again). `hf-sanity preflight --dataset ... --max-len N` prices each length (the examples and "
+        "supervised tokens it cuts)."
     )
 
 
