@@ -194,14 +194,14 @@ def _recalling(load):
                 # its caller's split (`_load_tokenized_prepared_datasets(..., split)`)
                 split = sys._getframe(1).f_locals.get("split")
                 if split in ("train", None) and hasattr(result, "__len__"):
-                    from hf_sanity.measure.frameworks import record_prepared_drop
+                    from hf_sanity.measure import frameworks
 
-                    drop = recalled(
-                        str(signature.bind(*args, **kwargs).arguments["dataset_hash"]),
-                        len(result),
-                    )
+                    # An earlier count of this process (another config) must not stand for these rows.
+                    frameworks.forget_prepared_drops(frameworks.AXOLOTL)
+                    dataset_hash = str(signature.bind(*args, **kwargs).arguments["dataset_hash"])
+                    drop = recalled(dataset_hash, len(result))
                     if drop is not None:
-                        record_prepared_drop(drop)
+                        frameworks.record_prepared_drop(drop)
             except Exception as exc:
                 say(f"could not recall the count of the rows Axolotl dropped ({type(exc).__name__}: {exc})")
         return result

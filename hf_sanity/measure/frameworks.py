@@ -118,5 +118,9 @@ def prepared_drop(framework: Framework) -> PreparedDrop | None:
     return _prepared_drops.get(framework.name)
 
 
-def forget_prepared_drops() -> None:
-    _prepared_drops.clear()
+def forget_prepared_drops(framework: Framework | None = None) -> None:
+    """No count for ``framework`` (every framework's when None): its rows were prepared again, uncounted."""
+    if framework is None:
+        _prepared_drops.clear()
+    else:
+        _prepared_drops.pop(framework.name, None)
