@@ -3,7 +3,8 @@
 :func:`install` (called by the bootstrap once ``transformers.trainer`` has loaded) appends :class:`HfSanityLaunch`
 to ``transformers.trainer.DEFAULT_CALLBACKS``, the list every ``Trainer.__init__`` (TRL's trainers' and any
 subclass's included) starts its callbacks from. Nothing wraps ``__init__`` or ``train``: an error in the user's
-code or the framework's raises through their own frames only. One anchor per trainer, right after Trainer's
+code or the framework's raises through their own frames only. In Axolotl's command it also counts the rows
+Axolotl's data preparation drops for length, before any trainer exists (:mod:`hf_sanity.integrations.axolotl_drops`). One anchor per trainer, right after Trainer's
 ``DefaultFlowCallback``:
 
 * ``run``: at the end of ``__init__`` it attaches ``SanityCallback`` with the options the parent passed, unless
@@ -74,6 +75,10 @@ def install(trainer_module) -> None:
         defaults.append(HfSanityLaunch)
         atexit.register(_at_exit, os.getpid())
         tracebacks.install()  # the user's crash shows without the callback's pass-through frames
+        if "axolotl" in sys.modules:  # Axolotl's command: the rows its data preparation drops, counted
+            from hf_sanity.integrations.axolotl_drops import watch_preparation
+
+            watch_preparation()
 
 
 def building_trainer():

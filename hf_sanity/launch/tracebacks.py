@@ -16,11 +16,15 @@ from pathlib import Path
 from types import CodeType, TracebackType
 
 PACKAGE = str(Path(__file__).resolve().parents[1])  # the hf_sanity folder
-# (module, name): the functions of SanityCallback's instruments that only call through to Trainer's or torch's
+# (module, name): the functions of hf-sanity's wrappers that only call through to Trainer's, torch's or a framework's
 PASS_THROUGH = {
     ("hf_sanity.training.instrument", "training_step"),
     ("hf_sanity.training.instrument", "_get_grad_norm"),
     ("hf_sanity.training.broadcast", "__torch_function__"),
+    # Axolotl's preparation, counting the rows it drops for length (and keeping the count with its prepared rows)
+    ("hf_sanity.integrations.axolotl_drops", "handle_long_seq_in_dataset"),
+    ("hf_sanity.integrations.axolotl_drops", "save_preprocessed_dataset"),
+    ("hf_sanity.integrations.axolotl_drops", "load_preprocessed_dataset"),
 }
 
 

@@ -342,11 +342,15 @@ class Context:
         """(rows the user passed, rows the trainer trains on) when a trainer without packing dropped some: TRL
         drops the examples its truncation left without a completion token. The rows passed are ``rows_given``,
         else read from the trainer's dataset, whose ``filter`` keeps the table it selected from."""
+        from hf_sanity.measure.frameworks import of_trainer
+
         data = getattr(self.trainer, "train_dataset", None)
         # Packed rows are packs, not examples (and TRL drops no row when it packs).
         packed = getattr(getattr(self.trainer, "args", None), "packing", False)
         if data is None or packed or not self.options.arrived_cut_at or not hasattr(data, "__len__"):
             return None
+        if not of_trainer(self.trainer).trainer_drops:
+            return None  # the framework's preparation filtered the rows, not its trainer (Axolotl)
         given = self._rows_given
         if given is None and getattr(data, "_indices", None) is not None:
             given = data.data.num_rows  # the table `filter` selected from: the rows before it dropped any

@@ -20,10 +20,14 @@ class Framework:
     name: str  # as its users call it
     cut_key: str  # the setting that cuts every row to a length (the rules say the rest in its terms)
     cuts_before_collator: bool = True  # rows arrive cut (else the user's own tokenization decides)
+    # The trainer's dataset is the table its own preparation filtered (TRL's SFTTrainer drops the rows its cut left
+    # without a completion token). Axolotl filters, splits and shuffles its rows before its trainer exists: the
+    # rows its trainer's dataset lacks are not the trainer's drops (see PreparedDrop).
+    trainer_drops: bool = True
 
 
 TRL = Framework("TRL", "max_length")
-AXOLOTL = Framework("Axolotl", "sequence_len")
+AXOLOTL = Framework("Axolotl", "sequence_len", trainer_drops=False)
 LLAMA_FACTORY = Framework("LLaMA-Factory", "cutoff_len")
 TRANSFORMERS = Framework("transformers", "max_length", cuts_before_collator=False)  # the user's own arguments
 # By the top package of a class in the trainer's MRO, the most specific first (Axolotl's trainers subclass TRL's).
@@ -74,3 +78,49 @@ def batch_cut(lengths: Sequence[int], ends_open: Sequence[bool]) -> int | None:
     if len(lengths) < 2 or len(set(lengths)) != 1 or not any(ends_open):
         return None
     return lengths[0]
+
+
+@dataclass(frozen=True)
+class PreparedDrop:
+    """Rows a framework's data preparation dropped for being longer than its cut, before its trainer existed
+    (Axolotl's `excess_length_strategy: drop`, its default): counted in the process that prepared them, by the
+    framework's integration (:mod:`hf_sanity.integrations.axolotl`), since the trainer never sees them."""
+
+    framework: str
+    rows_prepared: int  # the rows the preparation tokenized, before it dropped any
+    rows_kept: int
+    too_long: int  # of the dropped rows, those longer than the cut
+    cut: int  # the length (Axolotl's `sequence_len`)
+    strategy: str  # what the framework does with a longer row ("drop")
+    strategy_set: bool  # the user's config set it (else it is the framework's default)
+    longest: int | None = None  # the longest row dropped, in tokens
+    # Counted when the framework prepared the rows this run loaded from its cache (Axolotl's
+    # `dataset_prepared_path`: an earlier run, or `axolotl preprocess`), not in this process.
+    prepared_earlier: bool = False
+
+    @property
+    def other_dropped(self) -> int:
+        """Rows dropped for something else in the same pass (Axolotl also drops rows under `min_sample_len`)."""
+        return max(0, self.rows_prepared - self.rows_kept - self.too_long)
+
+
+_prepared_drops: dict[str, PreparedDrop] = {}  # by framework name: this process's training split
+
+
+def record_prepared_drop(drop: PreparedDrop) -> None:
+    """What a framework's preparation of the training rows dropped in this process (the latest wins)."""
+    _prepared_drops[drop.framework] = drop
+
+
+def prepared_drop(framework: Framework) -> PreparedDrop | None:
+    """The rows ``framework``'s preparation dropped for length in this process, or None (not counted: prepared
+    elsewhere, loaded from its cache, or nothing dropped)."""
+    return _prepared_drops.get(framework.name)
+
+
+def forget_prepared_drops(framework: Framework | None = None) -> None:
+    """No count for ``framework`` (every framework's when None): its rows were prepared again, uncounted."""
+    if framework is None:
+        _prepared_drops.clear()
+    else:
+        _prepared_drops.pop(framework.name, None)

@@ -21,8 +21,12 @@ TRUNCATED_COMPLETION = define(
     "LLaMA-Factory's `cutoff_len`, which its trainer does not know: from the config where hf-sanity's LLaMA-Factory "
     "entry point runs it, else read off a first batch whose rows are all one length with an answer running to the "
     "last token) whose last answer has no end of turn, that end in a later turn whose answer the cut removed, or "
-    "whose prompt lost its end and the assistant header (LLaMA-Factory cuts the longer of prompt and answer); and "
-    "the rows the trainer dropped. Said in the framework's terms.",
+    "whose prompt lost its end and the assistant header (LLaMA-Factory cuts the longer of prompt and answer); the "
+    "rows the trainer dropped (TRL: the cut left them no completion token); and the rows Axolotl's data preparation "
+    "dropped before training for being longer than `sequence_len` (`excess_length_strategy: drop`, its default; "
+    "counted where hf-sanity's Axolotl plugin or `hf-sanity run -- axolotl ...` ran the preparation, and recalled "
+    "when a later run loads the rows it prepared: evidence `dropped_too_long` of `rows_prepared`). Said in the "
+    "framework's terms.",
     fix="Drop or split the examples longer than max_len, or raise max_len until they fit; the finding says what "
     "each costs (the examples and supervised tokens dropped, or how much longer the longest sequences get).",
     remedy=RemedyDoc(
@@ -119,7 +123,10 @@ def _cut_by_trainer(ctx, max_len: int):
     n, n_cut = int(ctx.valid.sum()), int(cut.sum())
     given, kept = ctx.trainer_rows or (None, None)
     dropped = given - kept if given is not None else 0
-    if not n_cut and not dropped:
+    framework = frameworks.of_trainer(ctx.trainer)
+    prepared = frameworks.prepared_drop(framework)  # dropped for length before the trainer existed (Axolotl)
+    too_long = prepared.too_long if prepared is not None else 0
+    if not n_cut and not dropped and not too_long:
         return
     parts = []
     if answers_cut.any():
@@ -142,10 +149,15 @@ def _cut_by_trainer(ctx, max_len: int):
             f"dropped {dropped} of the {given} rows passed to it ({dropped / given:.1%}): the cut left them no "
             "completion token"
         )
-    share = max(n_cut / max(n, 1), dropped / given if given else 0.0)
+    if too_long:
+        parts.append(_prepared_drop_said(prepared))
+    share = max(
+        n_cut / max(n, 1),
+        dropped / given if given else 0.0,
+        too_long / prepared.rows_prepared if too_long else 0.0,
+    )
     rows = ctx.first(cut) if n_cut else []
     think = _think_lost(ctx, cut)
-    framework = frameworks.of_trainer(ctx.trainer)
     read_off = ctx.options.arrived_cut_source == "batch"  # not from the arguments or a framework's config
     owner = "the trainer" if framework is frameworks.TRANSFORMERS else framework.name
     setting = f"{owner}'s {framework.cut_key}"
@@ -173,13 +185,18 @@ def _cut_by_trainer(ctx, max_len: int):
             "framework": framework.name,
             "setting": framework.cut_key,
             "cut_read_from": ctx.options.arrived_cut_source or "arguments",
+            **(_prepared_drop_evidence(prepared) if too_long else {}),
             "rows": rows,
         },
         example=ctx.view(rows[0], focus=max_len - 1) if rows else None,
         severity="error" if share >= ERROR_FRACTION else "warning",
-        fix=f"Raise {CUT_FIX.get(framework.name, framework.cut_key)}, or drop or split the longest examples "
-        "before training; `hf-sanity preflight --dataset ... --max-len N` prices each choice (the examples and "
-        "supervised tokens a value cuts)."
+        fix=(
+            _prepared_drop_fix(prepared)
+            if too_long
+            else f"Raise {CUT_FIX.get(framework.name, framework.cut_key)}, or drop or split the longest examples "
+            "before training; `hf-sanity preflight --dataset ... --max-len N` prices each choice (the examples and "
+            "supervised tokens a value cuts)."
+        )
         + (
             " The completions cut here end without their end-of-turn token: the model learns to stop mid-answer; "
             "the answers removed whole are never trained."
@@ -193,6 +210,55 @@ def _cut_by_trainer(ctx, max_len: int):
             else ""
         ),
         rows=cut if n_cut else None,
+    )
+
+
+def _prepared_drop_said(prepared) -> str:
+    """The rows a framework's preparation dropped for length (Axolotl's `excess_length_strategy: drop`), in its
+    terms: how many of how many, how long, and whose choice the strategy was."""
+    longest = f" (the longest {prepared.longest:,})" if prepared.longest else ""
+    whose = "as set in the config" if prepared.strategy_set else f"{prepared.framework}'s default"
+    when = (
+        " (when it prepared the rows this run loaded from `dataset_prepared_path`)"
+        if prepared.prepared_earlier
+        else ""
+    )
+    return (
+        f"dropped {prepared.too_long} of the {prepared.rows_prepared} rows its data preparation tokenized "
+        f"({prepared.too_long / prepared.rows_prepared:.1%}) before training{when}: rows longer than "
+        f"{prepared.cut:,} tokens{longest}, never trained (`excess_length_strategy: {prepared.strategy}`, {whose})"
+    )
+
+
+def _prepared_drop_evidence(prepared) -> dict:
+    return {
+        "dropped_too_long": prepared.too_long,
+        "rows_prepared": prepared.rows_prepared,
+        "fraction_dropped": prepared.too_long / prepared.rows_prepared,
+        "longest_dropped": prepared.longest,
+        "excess_length_strategy": prepared.strategy,
+        "strategy_is_default": not prepared.strategy_set,
+        **({"dropped_other": prepared.other_dropped} if prepared.other_dropped else {}),
+        **({"prepared_earlier": True} if prepared.prepared_earlier else {}),
+    }
+
+
+def _prepared_drop_fix(prepared) -> str:
+    """The three ways out in Axolotl's config, each with what it costs."""
+    grow = f"Raise `sequence_len` in the {prepared.framework} config"
+    if prepared.longest:
+        grow += (
+            f" to {prepared.longest:,} to keep every row (the longest sequences grow "
+            f"{prepared.longest / prepared.cut - 1:.0%}: memory and time per batch)"
+        )
+    return (
+        f"{grow}; or set `excess_length_strategy: truncate` to train the long rows cut at sequence_len (what is "
+        "past the cut is never trained; an answer cut ends without its end-of-turn token, and the model learns to "
+        "stop mid-answer, which truncated-completion then reports); or shorten or split the rows longer than "
+        f"{prepared.cut:,} tokens before training. With the strategy or the rows changed, delete the rows Axolotl "
+        "prepared under `dataset_prepared_path` (its hash of them leaves both out: it would load the rows it "
+        "dropped again). `hf-sanity preflight --dataset ... --max-len N` prices each length (the examples and "
+        "supervised tokens it cuts)."
     )
 
 
