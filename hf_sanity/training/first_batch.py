@@ -187,6 +187,9 @@ class FirstBatch:
                 chosen = max(1, batch["input_ids"].shape[0] // 2)
                 self._probe_batch = probing.probe_batch(batch, min(chosen, probing.PROBE_ROWS))
                 self._probe_kind = "likelihood"
+                # One later probe shows a fall from the step-0 number (predictions-frozen needs 3 in a row): the
+                # first runs, the next ones within the probes' 0.1% of the run.
+                self.budget.free = 1
                 chosen = None
                 # Without dropout the training forward's own logits are the probe's: read from its output
                 # (logits_pending); else, or where the forward keeps only some logits, one forward of ours.
