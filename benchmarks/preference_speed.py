@@ -5,9 +5,10 @@ pairs, and SanityCallback on a DPO run against the same run without it.
   once) against ``hf_sanity.preflight(trainer=...)`` on the prepared trainer (the pairs measured, each chosen
   side encoded for the sequence rules, a sample re-tokenized for TRL's prompt-prefix condition). Median of
   ``repeats``, alternating.
-* ``callback``: a DPO run on the tiny model (the model saved to a folder, as TRL needs), ``steps`` steps, runs
-  alternating ABBA from the same weights and seed; the whole ``train()`` wall clock of each, the median of the
-  per-pair ratios and their range.
+* ``callback``: a DPO run on the tiny model (the model saved to a folder, as TRL needs), ``steps`` steps (160 by
+  default, issue 29's row), ``pairs`` pairs of runs with and without the callback in ABBA order, from the same
+  weights and seed; the whole ``train()`` wall clock of each, the median of the per-pair ratios and their range,
+  and the callback's own clock (``stats.callback_seconds``, ``stats.callback_share``: median and range).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def preparation(sizes=(500, 2_000), repeats: int = 3) -> list[dict]:
     return out
 
 
-def callback(steps: int = 40, pairs: int = 4) -> list[dict]:
+def callback(steps: int = 160, pairs: int = 8) -> list[dict]:
     import torch
 
     from hf_sanity import SanityCallback
@@ -88,6 +89,7 @@ def callback(steps: int = 40, pairs: int = 4) -> list[dict]:
     torch.set_num_threads(1)
     folder = tiny_model_dir("chatml", "distinct")
     rows = _pairs(400)
+    shares, own, findings = [], [], set()
 
     def run(with_callback: bool) -> float:
         with tempfile.TemporaryDirectory() as tmp:
@@ -95,21 +97,32 @@ def callback(steps: int = 40, pairs: int = 4) -> list[dict]:
             trainer = _trainer(folder, Path(tmp), rows, steps=steps, callbacks=cb)
             started = time.perf_counter()
             trainer.train()
-            return time.perf_counter() - started
+            wall = time.perf_counter() - started
+        if cb:
+            shares.append(cb[0].report.stats.get("callback_share") or 0.0)
+            own.append(cb[0].report.stats.get("callback_seconds", 0.0))
+            findings.update(f.rule for f in cb[0].report.findings)
+        return wall
 
     run(True)  # warm-up
+    shares.clear(), own.clear()
     ratios, bare, watched = [], [], []
-    for _ in range(pairs):  # ABBA
-        a1, b1, b2, a2 = run(False), run(True), run(True), run(False)
-        bare.append(a1 + a2)
-        watched.append(b1 + b2)
-        ratios.append((b1 + b2) / (a1 + a2))
+    for i in range(pairs):  # ABBA: pair i runs bare first when i is even, watched first when odd
+        order = (False, True) if i % 2 == 0 else (True, False)
+        got = {flag: run(flag) for flag in order}
+        bare.append(got[False])
+        watched.append(got[True])
+        ratios.append(got[True] / got[False])
     return [{
         "setup": f"DPO, tiny model, batch 8, {steps} steps, 1 thread",
         "pairs": pairs,
-        "bare_s": statistics.median(bare) / 2,
-        "with_callback_s": statistics.median(watched) / 2,
+        "bare_s": statistics.median(bare),
+        "with_callback_s": statistics.median(watched),
         "wall_ratio": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "callback_s": statistics.median(own),
+        "callback_share": statistics.median(shares),  # its own clock over the run's wall (report stats)
+        "share_min_max": f"{min(shares):.4f}-{max(shares):.4f}",
+        "findings": ", ".join(sorted(findings)) or "none",
     }]  # fmt: skip

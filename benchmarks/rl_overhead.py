@@ -2,9 +2,9 @@
 and the reward dry run).
 
 The same ``GRPOTrainer`` run (the tiny model fine-tuned on the demo chats, 64 demo prompts, batch 8, G=4,
-``max_completion_length`` 32, a graded reward) with and without ``SanityCallback()`` (all rules: the reward dry
-run and the KL probe of beta = 0 included), after one warm-up run, in ABBA order; the wall clock covers the
-whole ``trainer.train()`` call. Generation dominates a GRPO step, so the callback's per-step work weighs little;
+``max_completion_length`` 32, a graded reward, 40 steps: issue 29's row) with and without ``SanityCallback()``
+(all rules: the reward dry run and the KL probe of beta = 0 included), after one warm-up run, 8 pairs in ABBA
+order; the wall clock covers the whole ``trainer.train()`` call. Generation dominates a GRPO step, so the callback's per-step work weighs little;
 its one-off work at train begin (the reward dry run) is in its own clock. One CPU thread on both sides.
 """
 
@@ -67,13 +67,17 @@ def one_run(steps: int, with_callback: bool) -> dict:
     findings = [f.rule for f in callbacks[0].report.findings] if callbacks else []
     return {
         "wall": wall,
+        "share": stats.get("callback_share") or 0.0,  # its own clock over the time since train begin
         "callback_s": stats.get("callback_seconds", 0.0),
         "by_check": stats.get("callback_seconds_by_check", {}),
         "findings": findings,
     }
 
 
-def compare(steps: int = 20, repeats: int = 2) -> dict:
+def compare(steps: int = 40, repeats: int = 8) -> dict:
+    """``repeats`` pairs of runs with and without the callback, in ABBA order (pair i runs bare first when i is
+    even): the median of the per-pair wall ratios with their range, and the callback's own share of each watched
+    run (report ``stats.callback_share``: median and range)."""
     one_run(min(steps, 4), True)  # warm-up: caches, the first generate's set-up
     pairs, runs = [], []
     for i in range(repeats):
@@ -83,19 +87,21 @@ def compare(steps: int = 20, repeats: int = 2) -> dict:
         runs.append(got)
     without = statistics.median(r[False]["wall"] for r in runs)
     with_cb = statistics.median(r[True]["wall"] for r in runs)
+    shares = [r[True]["share"] for r in runs]
     last = runs[-1][True]
     return {
         "model": "GRPO: tiny 0.2M, batch 8, G=4, 32 tokens",
         "steps": steps,
-        "repeats": repeats,
+        "pairs": repeats,
         "wall_s_without": without,
         "wall_s_with": with_cb,
         "wall_ratio": statistics.median(pairs),
         "wall_ratio_range": f"{min(pairs):.3f}-{max(pairs):.3f}",
-        "callback_s": last["callback_s"],
-        "callback_share": last["callback_s"] / last["wall"],  # its own clock against the run's wall time
+        "callback_s": statistics.median(r[True]["callback_s"] for r in runs),
+        "callback_share": statistics.median(shares),  # its own clock against the run's wall time
+        "share_range": f"{min(shares):.4f}-{max(shares):.4f}",
         "top_checks_s": ", ".join(f"{k} {v:.3f}" for k, v in list(last["by_check"].items())[:4]),
-        "findings": ", ".join(last["findings"]) or "none",
+        "findings": ", ".join(sorted({f for r in runs for f in r[True]["findings"]})) or "none",
     }
 
 
@@ -190,6 +196,6 @@ def run(*, quick: bool = False) -> tuple[dict, dict]:
         1
     )  # the tiny model is overhead-bound: a second thread only contends (both sides alike)
     try:
-        return compare(steps=6 if quick else 20, repeats=1 if quick else 4), preflight_cost()
+        return compare(steps=6 if quick else 40, repeats=2 if quick else 8), preflight_cost()
     finally:
         torch.set_num_threads(threads)

@@ -238,9 +238,9 @@ class SanityCallback(TrainerCallback, ExportableState):
                 self.monitors.feed(1, values)
 
     def post_forward(self, module, output) -> None:
-        with self.sink.guard("first-batch"):
-            if (shapes := self.first.logits_pending(output)) is not None:
-                self.monitors.feed(1, shapes)
+        if self.first.awaits_output:  # the first forward's output only: no guard on every later one
+            with self.sink.guard("first-batch"), self.instruments.quiet():  # (a probe forward, if needed)
+                self.monitors.feed(1, self.first.logits_pending(output, module) or {})
 
     def failed(self, exc: BaseException) -> None:
         """Training dies with the user's ``exc``: an out-of-memory error is reported with its memory picture, the

@@ -85,6 +85,9 @@ def test_clean_dpo_runs_are_silent_and_never_stopped(tmp_path, seed):
     silent(cb)
     assert trainer.state.global_step == 8 and trainer.state.hf_sanity_aborted_at_step is None
     ran(cb, PreferenceSignalMonitor, ReferenceMonitor, LikelihoodMonitor)
+    # The pairs' summary names a firing rule's cause: a clean run never computes it (issue 29, item 5).
+    (signal,) = [m for m in cb.monitors.monitors if isinstance(m, PreferenceSignalMonitor)]
+    assert signal.data.computed is False
     # TRL's step-0 log: loss ln 2 and accuracy 0.0 (ties count as wrong): never flagged.
     first = trainer.state.log_history[0]
     assert abs(first["loss"] - 0.6931) < 1e-3 and first["rewards/accuracies"] == 0.0
@@ -231,3 +234,52 @@ def test_doctor_reads_a_dpo_run_as_one_not_as_a_flat_sft_loss(tmp_path):
     report = hf_sanity.doctor([tmp_path / "out"], use_config=False)
     assert report.stats["runs"][0]["objective"] == "preference"
     assert report.findings == []
+
+
+def test_the_step0_likelihood_is_read_from_the_training_forward_where_no_dropout_acts():
+    """Without dropout the training forward's logits are the probe's: the first batch's chosen log-probability is
+    read from them (no forward of ours), the same number as a probe forward gives; with dropout in the config or in
+    a module, or a forward that keeps only some logits, the probe runs its own forward."""
+    from hf_sanity.training import probe
+
+    model = AutoModelForCausalLM.from_pretrained(setups.folder())
+    model.train()
+    torch.manual_seed(0)
+    ids = torch.randint(5, 100, (4, 12))
+    labels = ids.masked_fill(torch.arange(12) < 5, -100)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    assert probe.logits_reusable(model, {"input_ids": ids})
+    assert not probe.logits_reusable(model, {"input_ids": ids, "logits_to_keep": 3})
+    with torch.no_grad():
+        training_logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits
+    rows = probe.probe_batch(batch, 2)  # the chosen rows: the first ones of the training batch
+    assert (
+        abs(float(probe.chosen_logp_of(training_logits, rows)) - float(probe.chosen_logp(model, rows))) < 1e-5
+    )
+    assert probe.chosen_logp_of(training_logits[:, :5], rows) is None  # logits that do not fit: not read
+    dropped = AutoModelForCausalLM.from_pretrained(setups.folder(), attention_dropout=0.3)
+    assert not probe.logits_reusable(dropped.train(), {}) and probe.logits_reusable(dropped.eval(), {})
+    model.model.layers[0].mlp.add_module("dropout", torch.nn.Dropout(0.1))  # a LoRA dropout, say
+    assert not probe.logits_reusable(model.train(), {})
+
+
+def test_a_dpo_runs_step0_likelihood_is_measured_before_its_first_update(tmp_path, monkeypatch):
+    """TRL's DPO computes its loss in a fused head (``fused_lm_head=True``: no logits returned), so the step-0
+    number comes from one forward of ours on the chosen rows at the first batch, before any update; the later
+    probes compare with it."""
+    from hf_sanity.training import probe
+
+    reused = []
+    real = probe.logits_reusable
+
+    def seen(model, kwargs):
+        reused.append(real(model, kwargs))
+        return reused[-1]
+
+    monkeypatch.setattr(probe, "logits_reusable", seen)
+    cb = watch("likelihood-displacement", probe_every=2)
+    setups.dpo(tmp_path, demo_preference_pairs(16), callbacks=[cb], max_steps=4).train()
+    (monitor,) = [m for m in cb.monitors.monitors if isinstance(m, LikelihoodMonitor)]
+    assert monitor.start is not None and monitor.start[0] == 1 and monitor.start[1] < 0
+    assert reused == [False]  # asked once, at the first batch: the fused head returns no logits
+    silent(cb)

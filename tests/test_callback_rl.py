@@ -351,6 +351,15 @@ def test_kl_probe_is_quiet_on_a_clean_run_and_no_dry_run_when_asked(tmp_path):
     assert cb.report.stats["kl_probe"] is True
 
 
+def test_no_kl_baseline_where_no_probe_step_follows(tmp_path):
+    """beta = 0 and fewer steps than probe_every: no step would measure the KL, so its baseline forward is not
+    run either (issue 29's 40-step GRPO row, probed every 50 steps)."""
+    cb = watch("kl-spike", probe_every=50, reward_dry_run=False)
+    setups.grpo(tmp_path, rows(), [setups.length_reward], callbacks=[cb], max_steps=2).train()
+    assert cb.trl.drift is None and cb.report.stats["kl_probe"] is False
+    silent(cb)
+
+
 def format_then_saturate(completions, trainer_state, **kwargs):
     """A format reward that every completion meets from step 3 on."""
     return [1.0 if trainer_state.global_step >= 2 or i % 2 else 0.0 for i, _ in enumerate(completions)]

@@ -580,3 +580,24 @@ def test_a_held_out_reward_that_holds_is_silent(tmp_path):
     assert report.stats["rewards"]["train"] == 0.85 and report.stats["rewards"]["held_out"] >= 0.75
     with pytest.raises(UserInputError, match="cannot read the training reward"):
         rl.training_reward(tmp_path / "missing.json")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc for the state of the processes")
+def test_a_reward_call_returns_without_waiting_for_its_process_to_end_and_its_child_is_reaped():
+    """The result is read as soon as the child sends it (its exit, the teardown of a copy of the trainer's process,
+    is not waited for); the exited child is reaped later, by the next call or reap_finished: none is left."""
+    from hf_sanity.measure import user_code
+
+    pids = []
+
+    def tells_its_pid(completions, **kwargs):
+        pids.append(os.getpid())  # in the child: the list is its own copy
+        return [float(os.getpid()) for _ in completions]
+
+    call = rl.call_reward(tells_its_pid, {"completions": ["a"]})
+    (child,) = {int(v) for v in call.values}
+    assert child != os.getpid() and pids == []
+    assert user_code.reap_finished(block=True) == 0
+    assert not running(child)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(child, os.WNOHANG)  # reaped: not even a zombie of ours

@@ -23,6 +23,7 @@ deadline cannot be stopped, and it would keep running beside the trainer).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -111,14 +112,41 @@ def _fork_and_wait(call: Callable[[], Any], timeout: float) -> tuple[str, Any]:
             data += chunk
     finally:
         os.close(read_end)
-    _, status = os.waitpid(pid, 0)
-    # Anything the call started and left behind (a group's id is not reused while it has members).
-    _kill_group(pid)
     try:
-        return pickle.loads(bytes(data))
+        result = pickle.loads(bytes(data))
     except Exception:
-        code = os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") else status
-        return "lost", f"the call ended its process (exit status {code}) before it returned"
+        result = None
+    if result is not None:  # the child has sent its result and is exiting: its teardown is not waited for
+        # Anything the call started and left behind (the group's id lives while it has members).
+        _kill_group(pid)
+        _UNREAPED.append(pid)
+        reap_finished()
+        return result
+    _, status = os.waitpid(pid, 0)
+    _kill_group(pid)
+    code = os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") else status
+    return "lost", f"the call ended its process (exit status {code}) before it returned"
+
+
+# Children that sent their result, whose exit is not waited for: tearing down a copy of a large process (a
+# model's trainer) takes tens of milliseconds, which the caller need not spend. Reaped at the next call, by
+# :func:`reap_finished` (SanityCallback's steps) and at exit.
+_UNREAPED: list[int] = []
+
+
+def reap_finished(block: bool = False) -> int:
+    """Reap the children of earlier calls that have exited (with ``block``, wait for them); how many are left."""
+    for pid in list(_UNREAPED):
+        try:
+            done, _ = os.waitpid(pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere (a SIGCHLD handler of the user's)
+            done = pid
+        if done:
+            _UNREAPED.remove(pid)
+    return len(_UNREAPED)
+
+
+atexit.register(reap_finished, True)
 
 
 def _child(call: Callable[[], Any], write_end: int) -> None:

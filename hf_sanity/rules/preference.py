@@ -357,7 +357,7 @@ class SeparatedEarlyMonitor(Monitor):
     def __init__(self, max_steps: int = 0) -> None:
         super().__init__()
         self.max_steps = max_steps
-        self.data: dict[str, Any] = {}
+        self.data: Mapping[str, Any] = {}
         self.run: list[int] = []
 
     @classmethod
@@ -366,7 +366,7 @@ class SeparatedEarlyMonitor(Monitor):
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         if values.get("preference_data"):
-            self.data = dict(values["preference_data"])
+            self.data = values["preference_data"]  # a lazy summary: read when the rule fires
         logs = values.get("logs")
         if not logs or self.max_steps < MIN_PLANNED_STEPS or step > EARLY_SHARE * self.max_steps:
             return []

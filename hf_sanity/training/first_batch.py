@@ -102,6 +102,7 @@ class FirstBatch:
         self._shapes: dict[str, tuple[int, ...]] | None = None  # waiting for the logits
         self._probe_batch = None
         self._probe_prev = None
+        self._chosen_from_output = False  # the step-0 likelihood is read from the first forward's logits
         self._probe_kind = (
             "predictions"  # what the probe measures: argmax predictions, or (preference) likelihood
         )
@@ -186,8 +187,18 @@ class FirstBatch:
                 chosen = max(1, batch["input_ids"].shape[0] // 2)
                 self._probe_batch = probing.probe_batch(batch, min(chosen, probing.PROBE_ROWS))
                 self._probe_kind = "likelihood"
-                chosen = probing.chosen_logp(module, self._probe_batch)
-        elif probe and sink.measures(*PROBED):
+                # One later probe shows a fall from the step-0 number (predictions-frozen needs 3 in a row): the
+                # first runs, the next ones within the probes' 0.1% of the run.
+                self.budget.free = 1
+                chosen = None
+                # Without dropout the training forward's own logits are the probe's: read from its output
+                # (logits_pending); else, or where the forward keeps only some logits, one forward of ours.
+                if probing.logits_reusable(module, kwargs):
+                    self._chosen_from_output = True
+                else:
+                    chosen = probing.chosen_logp(module, self._probe_batch)
+        elif probe and sink.measures(*PROBED) and ("labels" in batch or self.experts.look(module, sink)):
+            # (a batch without labels, an RL run's generation: the probe would measure nothing but routing)
             with sink.guard("callback-probe"):
                 self._probe_batch = probing.probe_batch(batch)
                 with self.experts.counted(module, self._probe_batch, sink):
@@ -234,17 +245,35 @@ class FirstBatch:
         sink.report.views.append(view)
         sink.say(view, always=True)
 
-    def logits_pending(self, output) -> dict[str, Any] | None:
-        """After the first forward: its shapes with the logits' (once)."""
+    @property
+    def awaits_output(self) -> bool:
+        """The first forward ran its pre-hook and its output is still to be read (:meth:`logits_pending`)."""
+        return self._shapes is not None
+
+    def logits_pending(self, output, model=None) -> dict[str, Any] | None:
+        """After the first forward: its shapes with the logits' (once), and the step-0 likelihood read from its
+        logits (a forward of ours on ``model``, still at its initial weights, where they were not returned)."""
         if self._shapes is None:
             return None
         shapes, self._shapes = self._shapes, None
         logits = getattr(output, "logits", None)
-        return {
+        values = {
             "shapes": shapes,
             "logits_shape": tuple(logits.shape) if logits is not None else None,
             **self.experts.after_first_forward(output),  # what a mixture of experts' forward returned
         }
+        if self._chosen_from_output:  # the chosen rows' likelihood at step 0, from the training forward
+            from hf_sanity.training.probe import chosen_logp_of
+
+            self._chosen_from_output = False
+            measured = chosen_logp_of(logits, self._probe_batch)
+            if measured is None and model is not None:
+                from hf_sanity.training.probe import chosen_logp
+
+                measured = chosen_logp(model, self._probe_batch)
+            if measured is not None:
+                values["chosen_logp"] = float(measured)
+        return values
 
     def probe_due(self, step: int, every: int | None, sink, *, sharded: bool = False) -> bool:
         """A probe (`predictions-frozen`; on a preference run, the chosen answers' likelihood) runs at the end of

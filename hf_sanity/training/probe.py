@@ -86,20 +86,46 @@ def probe(model, batch: Mapping[str, Any], *, stats: bool = False) -> dict[str, 
 def chosen_logp(model, batch: Mapping[str, Any]):
     """The mean log-probability per token the model gives the supervised tokens of ``batch`` (a preference
     batch's chosen rows: their completions), as a device scalar; None without labels that fit the logits."""
-    import torch.nn.functional as F
-
     from hf_sanity.training.shards import kept_sharded
 
-    labels = batch.get("labels")
-    if labels is None:
+    if batch.get("labels") is None:
         return None
     with untouched(model), kept_sharded(model):
-        logits = logits_of(call_model(model, batch, use_cache=False))
-        if logits is None or logits.dim() != 3 or labels.shape[:2] != logits.shape[:2]:
-            return None
+        return chosen_logp_of(logits_of(call_model(model, batch, use_cache=False)), batch)
+
+
+def chosen_logp_of(logits, batch: Mapping[str, Any]):
+    """:func:`chosen_logp` from logits already computed for ``batch``'s rows (the first ones of a larger batch:
+    the training forward's), without grad; None where they do not fit its labels."""
+    import torch
+    import torch.nn.functional as F
+
+    labels = batch.get("labels")
+    if logits is None or labels is None or logits.dim() != 3 or logits.shape[0] < labels.shape[0]:
+        return None
+    logits = logits[: labels.shape[0]]
+    if labels.shape[:2] != logits.shape[:2]:
+        return None
+    with torch.no_grad():
         shifted = labels[:, 1:].to(logits.device)
         mask = shifted != IGNORE_INDEX
         if not bool(mask.any()):
             return None
-        log_probs = F.log_softmax(logits[:, :-1][mask].float(), dim=-1)
+        log_probs = F.log_softmax(logits[:, :-1].detach()[mask].float(), dim=-1)
         return log_probs.gather(-1, shifted[mask].unsqueeze(-1)).mean()
+
+
+def logits_reusable(model, kwargs: Mapping[str, Any]) -> bool:
+    """The training forward about to run gives the logits an eval-mode probe of the same rows would: no dropout
+    can act in it (no ``nn.Dropout`` with p > 0, no dropout rate or router jitter in the config, or the model in
+    eval mode) and it returns the logits of every position (no ``logits_to_keep``, no fused head)."""
+    from hf_sanity.measure.reference import config_dropout, dropout_modules
+
+    # A forward that keeps some logits only, or computes its loss in a fused head without them (TRL's DPO).
+    if any(kwargs.get(key) for key in ("logits_to_keep", "num_logits_to_keep", "fused_lm_head")):
+        return False
+    if not getattr(model, "training", True):
+        return True
+    settings = getattr(getattr(model, "config", None), "__dict__", {})
+    jitter = any(isinstance(v, (int, float)) and v > 0 for k, v in settings.items() if "jitter" in k)
+    return not jitter and not config_dropout(model) and not dropout_modules(model)

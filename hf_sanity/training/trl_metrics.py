@@ -13,6 +13,7 @@ here runs on an SFT run.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hf_sanity import versions
@@ -40,6 +41,7 @@ class ObjectiveFeed:
         self.sampler = None  # the rescoring probe of an RL run's sampler (`hf_sanity.training.sampler`)
         # What an RL run's reward dry run found at train begin (or why it did not run).
         self.dry_run: dict[str, Any] | str | None = None
+        self.unreaped = 0  # child processes of the dry run not reaped yet
 
     def begin(self) -> dict[str, Any]:
         """At train begin: the pairs as prepared (preference, reward), the reference's facts, an RL run's setup."""
@@ -51,7 +53,12 @@ class ObjectiveFeed:
         if self.objective.kind in ("preference", "preference-unpaired", "rl"):
             values["reference"] = reference_facts(self.trainer)
         if self.objective.kind in ("preference", "reward"):
-            values["preference_data"] = pair_summary(self.trainer, reward=self.objective.kind == "reward")
+            # Read only where a rule names its cause with it: a clean run never pays for the summary. One that
+            # breaks is an internal-error finding (its guard), and reads as empty.
+            values["preference_data"] = LazySummary(
+                lambda: pair_summary(self.trainer, reward=self.objective.kind == "reward"),
+                guard=lambda: self.sink.guard("callback-trl-metrics"),
+            )
         if self.objective.kind == "rl":
             values.update(self.rl_begin())
         return values
@@ -69,13 +76,16 @@ class ObjectiveFeed:
         elif measures("reward_dry_run"):
             with self.sink.guard("reward-dry-run"):  # on the main process only: every rank gets its verdict
                 run = rl.on_main_process(lambda: rl.dry_run(self.trainer, [rl.synthetic(self.trainer)]))
+                self.unreaped = 1  # its processes' exits: reaped at the steps' ends (user_code.reap_finished)
                 self.dry_run = run.describe()
                 if isinstance(self.dry_run, dict):
                     values["reward_dry_run"] = self.dry_run
                 self.sink.report.notes.extend(run.notes())
         if not self.internals:  # the probes read TRL's rollout buffer
             return values
-        if not self.objective.beta and measures("policy_kl") and self.sink.world_size == 1:
+        # Its baseline (a forward at the first update) only where a measurement will follow it.
+        ahead = probe_ahead(self.trainer, self.every)
+        if not self.objective.beta and measures("policy_kl") and self.sink.world_size == 1 and ahead:
             self.drift = PolicyDrift(self.trainer)  # its baseline: at the first update (before_update)
         if measures("sampler_probe") and self.sink.world_size == 1 and _samples_elsewhere(self.trainer):
             with self.sink.guard("sampler-mismatch"):
@@ -126,6 +136,11 @@ class ObjectiveFeed:
         if self.sampler is not None:
             with sink.guard("sampler-mismatch"):
                 monitors.feed(step, self.sampler.take())
+        if self.unreaped:  # the dry run's child processes, exited by now: reaped without waiting
+            with sink.guard("reward-dry-run"):
+                from hf_sanity.measure.user_code import reap_finished
+
+                self.unreaped = reap_finished()
 
     def log(self, step: int, logs: dict[str, Any] | None, monitors, sink) -> None:
         """The callback's log: the logged numbers to the monitors (and an RL run's latest rollouts)."""
@@ -146,6 +161,17 @@ class ObjectiveFeed:
             k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
         return {"logs": numbers} if "loss" in numbers or len(numbers) > 2 else {}
+
+
+def probe_ahead(trainer, every: int | None) -> bool:
+    """A step of the run still to come is a multiple of ``every`` (a probe's step): False only where the trainer's
+    state says how far it runs and no such step is left (a 40-step run probed every 50: its baseline would be
+    measured for nothing)."""
+    state = getattr(trainer, "state", None)
+    planned, done = getattr(state, "max_steps", None), getattr(state, "global_step", 0) or 0
+    if not every or not isinstance(planned, int) or planned <= 0 or not isinstance(done, int):
+        return True  # not known: measured as before
+    return planned // every > done // every
 
 
 def _samples_elsewhere(trainer) -> bool:
@@ -255,6 +281,47 @@ def pair_summary(trainer, *, reward: bool) -> dict[str, Any]:
         "separability": separability(pairs),  # each content-blind rule's accuracy (judged by the rule)
         "chosen_tokens_mean": float(kept.mean()) if len(kept) else None,
     }
+
+
+class LazySummary(Mapping):
+    """:func:`pair_summary`'s numbers, computed at the first read: the rules that read them (the causes of
+    `preference-no-signal` and `preference-trivially-separable`) do so only when they fire, so a clean run never
+    summarises its pairs. The trainer's prepared dataset does not change during the run, so a late read sees the
+    pairs an early one would have; RNG states are kept as they were. ``guard``: the context the computation runs
+    in (the callback's: an exception becomes an internal-error finding, and the summary reads as empty)."""
+
+    def __init__(self, compute: Callable[[], dict[str, Any]], guard: Callable[[], Any] | None = None) -> None:
+        self._compute: Callable[[], dict[str, Any]] | None = compute
+        self._guard = guard
+        self._data: dict[str, Any] = {}
+
+    @property
+    def data(self) -> dict[str, Any]:
+        if self._compute is not None:
+            import contextlib
+
+            from hf_sanity.untouched import preserved_rng
+
+            compute, self._compute = self._compute, None
+            with self._guard() if self._guard else contextlib.nullcontext(), preserved_rng():
+                self._data = dict(compute() or {})
+        return self._data
+
+    def __bool__(self) -> bool:  # there is something to read (an empty summary reads as no data)
+        return True
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def __iter__(self):
+        return iter(self.data)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    @property
+    def computed(self) -> bool:
+        return self._compute is None
 
 
 class _Head:

@@ -131,7 +131,7 @@ class PreferenceSignalMonitor(Monitor):
     def __init__(self, target: float | None = None, beta: float | None = None) -> None:
         super().__init__()
         self.target, self.beta = target, beta
-        self.data: dict[str, Any] = {}
+        self.data: Mapping[str, Any] = {}
         self.stuck: list[tuple[int, dict[str, float]]] = []
 
     @classmethod
@@ -140,7 +140,7 @@ class PreferenceSignalMonitor(Monitor):
 
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         if values.get("preference_data"):
-            self.data = dict(values["preference_data"])
+            self.data = values["preference_data"]  # a lazy summary: read when the rule fires
         logs = values.get("logs")
         if not logs or "loss" not in logs or step < 2:
             if logs and "loss" in logs and self.target is None:
