@@ -10,10 +10,13 @@ from hf_sanity import SanityCallback, preflight
 from hf_sanity.testing import vlm
 from tests.conftest import REAL_TOKENIZERS
 
-pytestmark = pytest.mark.skipif(
-    not (REAL_TOKENIZERS / "qwen2.5-instruct").is_dir(),
-    reason="needs ../shared/real-tokenizers/qwen2.5-instruct",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (REAL_TOKENIZERS / "qwen2.5-instruct").is_dir(),
+        reason="needs ../shared/real-tokenizers/qwen2.5-instruct",
+    ),
+    pytest.mark.usefixtures("shared_llava_processor"),
+]
 
 TEXT_RULES_ON_VLM = ("duplicate-examples", "prompt-in-loss", "future-token-leak", "internal-error")
 
