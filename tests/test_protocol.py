@@ -442,6 +442,7 @@ def test_clean_full_fine_tune_overfits_with_the_default_options(model, tok):
     assert stats["trajectory"][-1][0] == stats["reached_at_step"]
 
 
+@pytest.mark.slow  # an LR search
 def test_lora_adapter_overfits_with_the_default_options(model, tok):
     """With 100 steps the old adapter default (lr=1e-3) does not get there (it needs ~200); the search does."""
     lora = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "lm_head"]}

@@ -141,6 +141,7 @@ def test_served_on_a_merged_vlm_saved_with_its_processor_is_silent(tmp_path):
 
 
 # -- each checkpoint -------------------------------------------------------------------------------------------
+@pytest.mark.slow  # a VLM Trainer run; test_vlm.py's checkpoint tests are the fast lane's
 @pytest.mark.planted("processor-not-saved")
 def test_the_first_checkpoint_without_the_image_processor_is_reported_when_it_is_saved(tmp_path):
     report, _ = checkpointed_run(tmp_path, lambda processor: processor.tokenizer, save_steps=1)
