@@ -29,7 +29,7 @@ demo: install
 test: install
 	$(BIN)/python -m pytest
 
-# The developer's lane: in-process tests only (no subprocess, torchrun, recipe or browser run).
+# The developer's lane: in-process tests only (no subprocess, torchrun, recipe, browser or long Trainer run).
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
 

@@ -51,6 +51,17 @@ def pytest_terminal_summary(terminalreporter):
         )
 
 
+def pytest_collection_finish(session):
+    """Every test module is imported: what the imports built (torch, transformers, TRL, the test modules) is moved
+    out of the cyclic collector's reach. accelerate ends every `Trainer.train()` with a full `gc.collect()`,
+    which otherwise walks those millions of objects each time (a quarter of the in-process suite's time). The
+    collector still runs and frees what the tests make; only the objects alive now are never collected."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 # -- clean markers are honest ---------------------------------------------------------------------------
 def unrun(selectors, ran: set[str]) -> list[str]:
     """The selectors of a ``@pytest.mark.clean(...)`` that nothing in ``ran`` (the rules whose detectors ran)
@@ -228,3 +239,44 @@ def tiny_chatml():
     from hf_sanity.testing import tiny_setup
 
     return tiny_setup("chatml", "distinct")
+
+
+# -- the tiny LLaVA's processor, loaded once ------------------------------------------------------------
+def processor_state(processor) -> dict:
+    """What a trainer could change in a processor: its image processor and chat template, and its tokenizer's
+    vocabulary, special tokens, sides, length and template. (Not the Rust tokenizer's padding and truncation:
+    transformers sets them again at every call.)"""
+    tok = processor.tokenizer
+    return {
+        "processor": processor.to_json_string(), "len": len(tok), "special": tok.special_tokens_map,
+        "padding_side": tok.padding_side, "truncation_side": tok.truncation_side,
+        "model_max_length": tok.model_max_length, "chat_template": tok.chat_template,
+        "added_tokens": str(tok.added_tokens_decoder),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def llava_processor():
+    from hf_sanity.testing import vlm
+
+    return vlm.load_tiny_llava()[1]
+
+
+@pytest.fixture
+def shared_llava_processor(llava_processor, monkeypatch):
+    """``vlm.load_tiny_llava()`` gives a fresh model (the tests train it) and the processor loaded once for the
+    session (loading the real Qwen2.5 tokenizer took a third of each VLM test). A test that changes the shared
+    processor fails, so none can leak into the next. (`pytest.mark.usefixtures("shared_llava_processor")`)"""
+    from transformers import LlavaForConditionalGeneration
+
+    from hf_sanity.testing import vlm
+
+    def load_tiny_llava(seed: int = 0):
+        return LlavaForConditionalGeneration.from_pretrained(vlm.tiny_llava_dir(seed)), llava_processor
+
+    before = processor_state(llava_processor)
+    monkeypatch.setattr(vlm, "load_tiny_llava", load_tiny_llava)
+    yield
+    after = processor_state(llava_processor)
+    changed = {k: (v, after[k]) for k, v in before.items() if after[k] != v}
+    assert not changed, f"the test changed the processor the session shares: {changed}"

@@ -106,6 +106,7 @@ def test_a_slow_steady_lora_start_is_not_loss_flat(tmp_path, seed):
     assert losses[-1] < losses[0] - 0.2  # slowly, but it learns
 
 
+@pytest.mark.slow  # a 60-step Trainer run
 @pytest.mark.clean("loss-flat")
 def test_a_full_fine_tune_at_lr_1e_5_is_a_slow_start_not_a_flat_loss(tmp_path):
     """A trained model fine-tuned at LR 1e-5 on a new answer style: updates ~5e-5 of the weights per step (below

@@ -115,7 +115,9 @@ def state(model) -> dict[str, torch.Tensor]:
 
 
 # -- from Python ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(  # drops-reasoning: the real DeepSeek-R1 tokenizer and its model, 15 s
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c == "drops-reasoning" else c for c in CASES]
+)
 def test_each_remedy_fixes_its_planted_bug_on_a_copy(case):
     """hf_sanity.fix on objects: the planted finding has a remedy, it is applied to copies (the unsafe ones
     only when asked), the checks run again on the copies and the finding is gone; the user's tokenizer, model,

@@ -15,6 +15,8 @@ from conftest import real_tokenizer
 from helpers import cli
 from hf_sanity.testing import demo_conversations, tiny_model_for
 
+pytestmark = pytest.mark.slow  # subprocesses: `make test-fast` leaves them out
+
 
 @pytest.fixture(scope="module")
 def qwen():

@@ -119,6 +119,7 @@ def test_clean_setup_overfits_and_passes_all_five_layers(model, tok):
     assert time.perf_counter() - started < 30
 
 
+@pytest.mark.slow  # the whole protocol on a Trainer (the fast lane runs it on a model, above)
 def test_clean_trainer_diagnose_leaves_trainer_model_and_rng_untouched(model, tok, tmp_path):
     for module in model.modules():  # regularisation the protocol switches off, on its copies only
         if hasattr(module, "attention_dropout"):
@@ -153,6 +154,7 @@ def test_clean_trainer_diagnose_leaves_trainer_model_and_rng_untouched(model, to
     assert hooks == sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
+@pytest.mark.slow  # the whole protocol on a Trainer (the fast lane runs it on a model, above)
 def test_sft_trainer_passes_and_is_left_untouched(model, tmp_path):
     from trl import SFTConfig, SFTTrainer
 
@@ -408,6 +410,7 @@ def assert_searched_and_reached(stats, steps):
     assert search["steps"] <= 3 * steps and search["step_limit"] == 4 * steps
 
 
+@pytest.mark.slow  # 300-step runs and an LR search
 @pytest.mark.clean("overfit-failed")
 def test_clean_full_fine_tune_overfits_with_the_default_options(model, tok):
     """The protocol's order on a correct setup: step 1 at the fixed full fine-tuning LR (1e-4) does not get the
@@ -439,6 +442,7 @@ def test_clean_full_fine_tune_overfits_with_the_default_options(model, tok):
     assert stats["trajectory"][-1][0] == stats["reached_at_step"]
 
 
+@pytest.mark.slow  # an LR search
 def test_lora_adapter_overfits_with_the_default_options(model, tok):
     """With 100 steps the old adapter default (lr=1e-3) does not get there (it needs ~200); the search does."""
     lora = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "lm_head"]}
@@ -468,6 +472,7 @@ class ShufflingTrainer(Trainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
+@pytest.mark.slow  # 300-step runs and an LR search
 def test_labels_that_cannot_be_memorised_fail_after_a_wide_lr_search(model, tok, tmp_path):
     report = overfit(trainer=make_trainer(model, tok, tmp_path, cls=ShufflingTrainer), steps=100)
     assert cause(report) == "not-converged"
@@ -522,6 +527,7 @@ def rows_with_empty_masks(tok):
     ]
 
 
+@pytest.mark.slow  # 300-step runs and an LR search
 @pytest.mark.planted("overfit-failed")
 def test_shapes_and_masks_run_before_any_lr_search(model, tok):
     """The protocol's order: step 1 at the fixed LR does not reach near zero (gradient path intact); step 3 then
@@ -549,7 +555,9 @@ def test_shapes_and_masks_run_before_any_lr_search(model, tok):
 
 
 @pytest.mark.clean("overfit-failed")
-@pytest.mark.parametrize("start", [0, 8, 16])
+@pytest.mark.parametrize(
+    "start", [0, pytest.param(8, marks=pytest.mark.slow), pytest.param(16, marks=pytest.mark.slow)]
+)
 def test_a_setup_that_overfits_at_the_step1_lr_passes_near_zero_as_written(model, tok, start):
     """Near zero is 0.05 nat/token, as the protocol writes it. At lr 1e-3 the tiny full fine-tune gets there
     within 300 steps on several draws of eight examples: step 1 passes, nothing else runs."""

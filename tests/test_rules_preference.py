@@ -180,6 +180,7 @@ def test_kto_on_paired_data_gets_batches_of_one_label(tmp_path):
     assert check(trainer).stats["objective"] == "preference-unpaired"
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.planted("preference-unmixed-batches")
 def test_kto_rows_sorted_by_label_from_the_cli(tmp_path):
     rows = sorted(demo_unpaired(48), key=lambda r: r["label"])

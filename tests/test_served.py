@@ -55,6 +55,7 @@ def rules_of(report):
     return {f.rule: f for f in report.findings if f.severity != "info"}
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.clean("adapter-not-loaded", "served-model-differs", "adapter-empty")
 def test_the_merged_model_reloaded_is_what_was_trained(setup):
     root, _, _ = setup
@@ -66,6 +67,7 @@ def test_the_merged_model_reloaded_is_what_was_trained(setup):
     assert report["stats"]["embedding_rows_compared"] == 1000
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.planted("adapter-not-loaded")
 def test_serving_the_base_checkpoint(setup):
     root, _, _ = setup
@@ -98,6 +100,7 @@ def test_added_token_rows_lost_at_merge(tmp_path):
     assert "<|tool_call|>" in finding.message and "modules_to_save" in finding.fix
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_cli_resizes_the_base_to_an_adapter_that_trained_added_tokens(tmp_path):
     model, tok = tiny_setup("chatml")
     model.save_pretrained(tmp_path / "base")
@@ -132,6 +135,7 @@ def test_a_bf16_merge_is_within_rounding(setup):
     assert rules_of(report) == {}, [f.message for f in report.findings]
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.planted("adapter-empty")
 def test_an_adapter_saved_from_zero3_partitions(setup, tmp_path):
     """Under ZeRO-3, saving without gathering writes each parameter as a tensor with no elements: the adapter
@@ -179,6 +183,7 @@ def test_an_adapter_config_whose_rank_is_not_the_tensors(setup, tmp_path):
     assert finding.evidence["cause"] == "rank-mismatch" and finding.evidence["wrong_rank"][0]["r"] == 8
 
 
+@pytest.mark.slow  # a subprocess
 def test_served_bad_input_is_one_line(setup, tmp_path):
     root, _, _ = setup
     result = cli("served", "--model", str(root / "merged"), "--base", str(root / "base"),

@@ -10,10 +10,13 @@ from hf_sanity import SanityCallback, preflight
 from hf_sanity.testing import vlm
 from tests.conftest import REAL_TOKENIZERS
 
-pytestmark = pytest.mark.skipif(
-    not (REAL_TOKENIZERS / "qwen2.5-instruct").is_dir(),
-    reason="needs ../shared/real-tokenizers/qwen2.5-instruct",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (REAL_TOKENIZERS / "qwen2.5-instruct").is_dir(),
+        reason="needs ../shared/real-tokenizers/qwen2.5-instruct",
+    ),
+    pytest.mark.usefixtures("shared_llava_processor"),
+]
 
 TEXT_RULES_ON_VLM = ("duplicate-examples", "prompt-in-loss", "future-token-leak", "internal-error")
 
@@ -47,6 +50,7 @@ def test_prompt_completion_vlm_data_with_completion_only_loss_is_silent(tmp_path
     assert callback.first.done  # the first-batch checks ran on the VLM batch
 
 
+@pytest.mark.slow  # another VLM case of a rule the fast lane runs here (5-12 s)
 @pytest.mark.clean("duplicate-examples", "prompt-in-loss", "vision-tokens-in-loss", "empty-loss-mask")
 def test_a_collator_that_masks_the_vision_tokens_and_the_prompt_is_silent(tmp_path):
     model, processor = vlm.load_tiny_llava()
@@ -70,6 +74,7 @@ def test_a_text_run_says_text(tmp_path):
     assert report.stats["modality"] == "text"
 
 
+@pytest.mark.slow  # another VLM case of a rule the fast lane runs here (5-12 s)
 @pytest.mark.planted("duplicate-examples")
 def test_the_same_question_about_the_same_picture_twice_is_a_duplicate(tmp_path):
     data = vlm.vlm_prompt_completion(13)  # rows 0 and 12: the same question and answer, other pictures
@@ -110,6 +115,7 @@ def test_trls_default_collator_on_conversations_trains_the_image_placeholders(tm
     assert "internal-error" not in rules(callback.report)
 
 
+@pytest.mark.slow  # another VLM case of a rule the fast lane runs here (5-12 s)
 @pytest.mark.planted("vision-tokens-in-loss")
 def test_a_tutorial_collator_that_copies_input_ids_to_labels_gets_the_masking_diff(tmp_path):
     model, processor = vlm.load_tiny_llava()
@@ -128,6 +134,7 @@ def test_a_tutorial_collator_that_copies_input_ids_to_labels_gets_the_masking_di
     assert prompt.evidence["supervised_tokens"] == report.stats["supervised_tokens"] - 8 * 16
 
 
+@pytest.mark.slow  # another VLM case of a rule the fast lane runs here (5-12 s)
 @pytest.mark.planted("vision-tokens-in-loss")
 def test_prompt_completion_rows_with_completion_only_loss_off(tmp_path):
     trainer = vlm.vlm_sft_trainer(tmp_path, vlm.vlm_prompt_completion(8), completion_only_loss=False)
@@ -136,6 +143,7 @@ def test_prompt_completion_rows_with_completion_only_loss_off(tmp_path):
     assert "completion_only_loss=True" in finding.fix
 
 
+@pytest.mark.slow  # another VLM case of a rule the fast lane runs here (5-12 s)
 @pytest.mark.clean("vision-tokens-in-loss", "prompt-in-loss")
 def test_assistant_only_loss_with_a_generation_marked_template_is_silent(tmp_path):
     trainer = assistant_only_trainer(tmp_path, vlm.vlm_messages(16))
@@ -201,7 +209,9 @@ def test_rows_whose_pictures_cannot_be_told_apart_are_not_cut(tmp_path):
 # -- image-span-truncated -------------------------------------------------------------------------------------
 @pytest.mark.planted("image-span-truncated")
 @pytest.mark.parametrize(
-    "make", [vlm.vlm_messages, vlm.vlm_prompt_completion], ids=["messages", "prompt-completion"]
+    "make",
+    [pytest.param(vlm.vlm_messages, marks=pytest.mark.slow), vlm.vlm_prompt_completion],
+    ids=["messages", "prompt-completion"],
 )
 def test_max_length_cuts_the_placeholders_of_the_one_row_with_three_images(tmp_path, make):
     # Rows 5 and 11 carry three pictures (48 placeholders): max_length=40 cuts them; the others fit.
@@ -260,6 +270,7 @@ def test_one_picture_a_row_in_a_roomy_max_length_is_within_budget(tmp_path):
 
 
 # -- show -----------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # another VLM case of a rule the fast lane runs here (5-12 s)
 def test_show_folds_each_pictures_placeholder_run(tmp_path):
     trainer = vlm.vlm_sft_trainer(tmp_path, vlm.vlm_prompt_completion(4, images_in={1: 2}), max_length=None)
     report = preflight(trainer=trainer, show=4)
@@ -270,6 +281,7 @@ def test_show_folds_each_pictures_placeholder_run(tmp_path):
 
 
 # -- a dynamic image-token count: Idefics3 (SmolVLM), pictures split into tiles ---------------------------------
+@pytest.mark.slow  # another VLM case of a rule the fast lane runs here (5-12 s)
 @pytest.mark.planted("image-span-truncated", "vision-tokens-in-loss")
 def test_idefics3_tiles_count_by_resolution_and_the_cut_row_is_found(tmp_path):
     try:

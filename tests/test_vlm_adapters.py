@@ -10,10 +10,13 @@ from hf_sanity import preflight
 from hf_sanity.testing import vlm
 from tests.conftest import REAL_TOKENIZERS
 
-pytestmark = pytest.mark.skipif(
-    not (REAL_TOKENIZERS / "qwen2.5-instruct").is_dir(),
-    reason="needs ../shared/real-tokenizers/qwen2.5-instruct",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (REAL_TOKENIZERS / "qwen2.5-instruct").is_dir(),
+        reason="needs ../shared/real-tokenizers/qwen2.5-instruct",
+    ),
+    pytest.mark.usefixtures("shared_llava_processor"),
+]
 
 RULE = "vision-tower-adapters"
 
@@ -38,7 +41,10 @@ def adapted_paths(trainer) -> list[str]:
 @pytest.mark.planted("vision-tower-adapters")
 @pytest.mark.parametrize(
     "target_modules, vision_layers",
-    [("all-linear", 6 + 2), (["q_proj", "v_proj"], 2)],  # CLIP's attention has q_proj/v_proj too
+    [
+        ("all-linear", 6 + 2),
+        pytest.param(["q_proj", "v_proj"], 2, marks=pytest.mark.slow),  # CLIP's attention has them too
+    ],
 )
 def test_lora_targets_that_the_vision_tower_shares_put_adapters_on_it(
     tmp_path, target_modules, vision_layers
@@ -66,6 +72,7 @@ def test_lora_targets_that_the_vision_tower_shares_put_adapters_on_it(
     assert evidence["language_only_target"] in finding.fix
 
 
+@pytest.mark.slow  # another VLM case; the fast lane runs the all-linear one
 @pytest.mark.clean("vision-tower-adapters")
 def test_the_fixs_regex_targets_the_language_model_alone(tmp_path):
     planted = found(preflight(trainer=lora_trainer(tmp_path / "planted", "all-linear")))[0]
@@ -77,6 +84,7 @@ def test_the_fixs_regex_targets_the_language_model_alone(tmp_path):
     assert found(preflight(trainer=trainer)) == []
 
 
+@pytest.mark.slow  # another VLM case; the fast lane runs the all-linear one
 @pytest.mark.clean("vision-tower-adapters")
 def test_a_projector_named_in_target_modules_is_meant(tmp_path):
     trainer = lora_trainer(tmp_path, r".*(multi_modal_projector\.linear_\d|language_model.*\.q_proj)")

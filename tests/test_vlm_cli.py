@@ -12,10 +12,13 @@ from hf_sanity.testing import vlm
 from tests.conftest import REAL_TOKENIZERS
 from tests.helpers import cli
 
-pytestmark = pytest.mark.skipif(
-    not (REAL_TOKENIZERS / "qwen2.5-instruct").is_dir(),
-    reason="needs ../shared/real-tokenizers/qwen2.5-instruct",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (REAL_TOKENIZERS / "qwen2.5-instruct").is_dir(),
+        reason="needs ../shared/real-tokenizers/qwen2.5-instruct",
+    ),
+    pytest.mark.slow,  # subprocesses (20-45 s each): `make test-fast` leaves them out; tests/test_vlm.py runs in-process
+]
 
 
 def write_rows(folder, *, rows: int = 8, images_in=None, prompt_completion: bool = False) -> str:

@@ -70,6 +70,7 @@ def outputs(tmp_path, model_folder, *options):
 
 
 # -- outputs ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # a subprocess
 @pytest.mark.planted("processor-not-saved")
 @pytest.mark.parametrize(
     "saves, missing",
@@ -85,6 +86,7 @@ def test_outputs_on_a_vlm_folder_without_its_processor_says_so(tmp_path, saves, 
     assert "save_pretrained" in finding["fix"]
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.clean("processor-not-saved")
 def test_outputs_on_a_vlm_folder_with_its_processor_is_silent(tmp_path):
     report = outputs(tmp_path, save_folder(tmp_path / "merged", saves="processor"))
@@ -120,6 +122,7 @@ def served(tmp_path, saves: str):
     return merged, json.loads(out.read_text())
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.planted("processor-not-saved")
 def test_served_on_a_merged_vlm_saved_with_the_tokenizer_alone(tmp_path):
     merged, report = served(tmp_path, "tokenizer")
@@ -129,6 +132,7 @@ def test_served_on_a_merged_vlm_saved_with_the_tokenizer_alone(tmp_path):
     assert "served-model-differs" not in rules(report)  # the merge itself is right
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.clean("processor-not-saved", "served-model-differs")
 def test_served_on_a_merged_vlm_saved_with_its_processor_is_silent(tmp_path):
     _, report = served(tmp_path, "processor")
@@ -137,6 +141,7 @@ def test_served_on_a_merged_vlm_saved_with_its_processor_is_silent(tmp_path):
 
 
 # -- each checkpoint -------------------------------------------------------------------------------------------
+@pytest.mark.slow  # a VLM Trainer run; test_vlm.py's checkpoint tests are the fast lane's
 @pytest.mark.planted("processor-not-saved")
 def test_the_first_checkpoint_without_the_image_processor_is_reported_when_it_is_saved(tmp_path):
     report, _ = checkpointed_run(tmp_path, lambda processor: processor.tokenizer, save_steps=1)
@@ -165,6 +170,7 @@ def drift(report) -> list[dict]:
     return [f for f in report["findings"] if f["rule"] == "image-settings-drift"]
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.planted("image-settings-drift")
 @pytest.mark.parametrize(
     "serving, cause, tokens",
@@ -189,6 +195,7 @@ def test_a_server_that_splits_or_resizes_pictures_otherwise_sees_other_tokens(
     assert trained in finding["fix"]
 
 
+@pytest.mark.slow  # a subprocess
 @pytest.mark.clean("image-settings-drift")
 def test_a_server_with_the_training_image_settings_is_silent(tmp_path):
     trained, serving_folder = idefics3_folders(tmp_path, image_mean=[0.5, 0.5, 0.5])  # no token count changes
