@@ -102,12 +102,21 @@ def test_a_sft_trainer_told_router_aux_loss_coef_0_adds_none(tmp_path):
 
 @pytest.mark.planted("moe-aux-loss-off")
 def test_a_sft_trainer_on_a_moe_whose_config_weighs_the_loss_by_0_adds_none(tmp_path):
-    """The model config asks for router logits and weighs them by 0: TRL 1.x's SFTTrainer turns the loss off,
-    TRL 0.24's adds it times 0; either way the routers train on the language-model loss alone, and the fix says
-    where this TRL reads the coefficient."""
+    """The model config asks for router logits and weighs them by 0: TRL 1.16's SFTTrainer (its coefficient unset:
+    the model config's) turns the loss off, TRL 0.24's adds it times 0; either way the routers train on the
+    language-model loss alone, and the fix says where this TRL reads the coefficient. TRL 1.9's SFTConfig
+    defaults its own coefficient (0.001) and writes it over the model config's: the loss is on, nothing to say."""
+    import dataclasses
+
+    from trl import SFTConfig
+
     model, tok = load(output_router_logits=True, router_aux_loss_coef=0.0)
     trainer = sft_trainer(tmp_path, model, tok)
     report = preflight(trainer=trainer, use_config=False, select=["moe-aux-loss-off"])
+    own = {f.name: f.default for f in dataclasses.fields(SFTConfig)}.get("router_aux_loss_coef")
+    if own:  # TRL 1.9
+        assert findings(report, "moe-aux-loss-off") == [] and trainer.aux_loss_enabled
+        return
     (finding,) = findings(report, "moe-aux-loss-off")
     assert finding.evidence["cause"] == "coefficient-zero" and finding.evidence["coefficient"] == 0.0
     assert finding.evidence["decided_by"] == "trainer" and finding.evidence["trainer_class"] == "SFTTrainer"
