@@ -163,7 +163,10 @@ def load_tiny_idefics3():
 
     try:
         return vlm.load_tiny_idefics3()
-    except ImportError as exc:
-        if "Torchvision" not in str(exc) or Version(transformers.__version__) >= Version("5.25"):
+    except (
+        ImportError,
+        ValueError,
+    ) as exc:  # ValueError: 5.16 reading a folder 5.25 saved (its PIL processor)
+        if "torchvision" not in str(exc).lower() or Version(transformers.__version__) >= Version("5.25"):
             raise
         pytest.skip(f"transformers {transformers.__version__}'s Idefics3 image processor needs torchvision")
