@@ -149,3 +149,25 @@ def torchrun(script, *args, timeout: int = 300) -> subprocess.CompletedProcess:
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def load_tiny_idefics3():
+    """The tiny Idefics3 and its processor (``hf_sanity.testing.vlm``), or the test skipped, naming the version,
+    where transformers' Idefics3 image processor needs torchvision and it is not installed (transformers 5.6 and
+    5.16, CI's lower lanes; 5.25's does not need it, and there a failure to build is a failure). Decided before
+    loading: the cached folder is shared by the lanes, and one saved by 5.25 (its PIL processor) fails otherwise
+    under 5.6 and 5.16."""
+    import importlib.util
+
+    import pytest
+    import transformers
+    from packaging.version import Version
+
+    from hf_sanity.testing import vlm
+
+    if (
+        Version(transformers.__version__) < Version("5.25")
+        and importlib.util.find_spec("torchvision") is None
+    ):
+        pytest.skip(f"transformers {transformers.__version__}'s Idefics3 image processor needs torchvision")
+    return vlm.load_tiny_idefics3()

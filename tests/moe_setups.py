@@ -31,6 +31,25 @@ def load(**kwargs):
     return AutoModelForCausalLM.from_pretrained(folder(), **kwargs), AutoTokenizer.from_pretrained(folder())
 
 
+def sft_turns_the_aux_loss_on() -> bool:
+    """Whether TRL's SFTTrainer turns a MoE's load-balancing loss on itself (its SFTConfig has
+    `router_aux_loss_coef`, TRL 1.x); an older one (TRL 0.24) leaves it to the model config's
+    `output_router_logits`, as a plain Trainer does."""
+    import dataclasses
+
+    from trl import SFTConfig
+
+    return "router_aux_loss_coef" in {f.name for f in dataclasses.fields(SFTConfig)}
+
+
+def load_for_sft(**kwargs):
+    """(model, tokenizer) as a user of the installed TRL loads the MoE for SFT with the load-balancing loss on:
+    as it is where SFTTrainer turns the loss on itself, else with `output_router_logits=True` (TRL 0.24's way)."""
+    if not sft_turns_the_aux_loss_on():
+        kwargs.setdefault("output_router_logits", True)
+    return load(**kwargs)
+
+
 def plain_trainer(tmp_path, model, tok, *, callbacks=(), n: int = 32, **overrides):
     """transformers' `Trainer` on the demo chats, labels on the answers (``tests/dist/tinytrain``)."""
     from dist import tinytrain as tt

@@ -10,9 +10,11 @@ import warnings
 import pytest
 from moe_setups import (
     load,
+    load_for_sft,
     one_thread,  # noqa: F401 - autouse
     plain_trainer,
     sft_trainer,
+    sft_turns_the_aux_loss_on,
 )
 
 from hf_sanity.drivers.preflight import preflight
@@ -40,8 +42,9 @@ def findings(report, slug):
 def test_a_moe_sft_trainer_runs_the_step0_checks_through_its_own_compute_loss(tmp_path, accumulation):
     """TRL 1.16's compute_loss reads `current_gradient_accumulation_steps`, set by transformers' training loop only:
     preflight calls it as the loop would (a batch standing for a whole step), leaves nothing on the trainer, and
-    the loss it measures is the model's cross-entropy plus the weighted load-balancing loss."""
-    model, tok = load()
+    the loss it measures is the model's cross-entropy plus the weighted load-balancing loss (TRL 0.24: the model
+    loaded with `output_router_logits=True`, its compute_loss that of `Trainer`)."""
+    model, tok = load_for_sft()
     trainer = sft_trainer(tmp_path, model, tok, gradient_accumulation_steps=accumulation)
     assert trainer.aux_loss_enabled  # TRL turned the load-balancing loss on from the config
     metrics = {mode: dict(values) for mode, values in trainer._metrics.items()}
@@ -82,6 +85,12 @@ def test_a_plain_trainer_on_a_moe_trains_without_the_load_balancing_loss(tmp_pat
 
 @pytest.mark.planted("moe-aux-loss-off")
 def test_a_sft_trainer_told_router_aux_loss_coef_0_adds_none(tmp_path):
+    from trl import SFTConfig
+    from trl_setups import skip_without_config_field
+
+    skip_without_config_field(
+        SFTConfig, "router_aux_loss_coef", "SFTTrainer's own MoE load-balancing coefficient"
+    )
     model, tok = load()
     trainer = sft_trainer(tmp_path, model, tok, router_aux_loss_coef=0.0)
     report = preflight(trainer=trainer, use_config=False, select=["moe-aux-loss-off"])
@@ -89,6 +98,32 @@ def test_a_sft_trainer_told_router_aux_loss_coef_0_adds_none(tmp_path):
     assert finding.evidence["cause"] == "coefficient-zero"
     assert finding.evidence["decided_by"] == "trainer" and finding.evidence["trainer_class"] == "SFTTrainer"
     assert finding.evidence["coefficient"] == 0.0
+
+
+@pytest.mark.planted("moe-aux-loss-off")
+def test_a_sft_trainer_on_a_moe_whose_config_weighs_the_loss_by_0_adds_none(tmp_path):
+    """The model config asks for router logits and weighs them by 0: TRL 1.16's SFTTrainer (its coefficient unset:
+    the model config's) turns the loss off, TRL 0.24's adds it times 0; either way the routers train on the
+    language-model loss alone, and the fix says where this TRL reads the coefficient. TRL 1.9's SFTConfig
+    defaults its own coefficient (0.001) and writes it over the model config's: the loss is on, nothing to say."""
+    import dataclasses
+
+    from trl import SFTConfig
+
+    model, tok = load(output_router_logits=True, router_aux_loss_coef=0.0)
+    trainer = sft_trainer(tmp_path, model, tok)
+    report = preflight(trainer=trainer, use_config=False, select=["moe-aux-loss-off"])
+    own = {f.name: f.default for f in dataclasses.fields(SFTConfig)}.get("router_aux_loss_coef")
+    if own:  # TRL 1.9
+        assert findings(report, "moe-aux-loss-off") == [] and trainer.aux_loss_enabled
+        return
+    (finding,) = findings(report, "moe-aux-loss-off")
+    assert finding.evidence["cause"] == "coefficient-zero" and finding.evidence["coefficient"] == 0.0
+    assert finding.evidence["decided_by"] == "trainer" and finding.evidence["trainer_class"] == "SFTTrainer"
+    if sft_turns_the_aux_loss_on():
+        assert "`router_aux_loss_coef` in the trainer's config" in finding.fix
+    else:
+        assert "from_pretrained(..., router_aux_loss_coef=0.001)" in finding.fix
 
 
 @pytest.mark.planted("moe-aux-loss-off")
@@ -110,7 +145,7 @@ def test_moe_trainers_with_the_load_balancing_loss_are_silent(tmp_path, setup):
     from hf_sanity.measure.forwards import trainer_step
 
     if setup == "sft-trainer":
-        model, tok = load()
+        model, tok = load_for_sft()
         trainer = sft_trainer(tmp_path, model, tok)
     else:
         model, tok = load(output_router_logits=True)
@@ -212,13 +247,24 @@ def test_a_lora_on_the_experts_is_silent(tmp_path):
 
 @pytest.mark.planted("moe-experts-untouched")
 def test_all_linear_reaches_the_experts_and_the_router_which_is_info(tmp_path):
+    """peft 0.21 puts `all-linear` LoRA on the fused experts and the routers: only the routers are left to say
+    (info). peft 0.18 (LLaMA-Factory's pin) reaches the attention alone: experts-untouched."""
     model, tok = load()
     trainer = sft_trainer(tmp_path, model, tok, peft_config=lora(target_modules="all-linear"))
     report = preflight(trainer=trainer, use_config=False, select=["moe-experts-untouched"])
     (finding,) = findings(report, "moe-experts-untouched")
-    assert finding.severity == "info" and finding.evidence["cause"] == "router-adapted"
-    assert finding.evidence["adapter_tensors_on_experts"] > 0  # peft 0.21 adds the experts for all-linear
-    assert finding.evidence["routers_adapted"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    # what peft did, read from its layers (not from hf-sanity): LoRA layers on the `mlp.experts`, the `mlp.gate`
+    adapted = [name for name, module in trainer.model.named_modules() if hasattr(module, "lora_A")]
+    experts_adapted = any(name.endswith("mlp.experts") for name in adapted)
+    routers = ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    if experts_adapted:
+        assert finding.severity == "info" and finding.evidence["cause"] == "router-adapted"
+        assert finding.evidence["adapter_tensors_on_experts"] > 0
+    else:
+        assert finding.severity == "error" and finding.evidence["cause"] == "experts-untouched"
+        assert finding.evidence["adapter_tensors_on_experts"] == 0
+    routers_adapted = any(name.endswith("mlp.gate") for name in adapted)
+    assert finding.evidence["routers_adapted"] == (routers if routers_adapted else [])
 
 
 def test_the_routing_facts_of_a_mixtral_built_from_config():

@@ -333,6 +333,8 @@ def test_templates_whose_markers_cover_the_answers_are_silent(name, conversation
     if name == "generation":
         tok = build_tokenizer("generation")
     else:
+        # skipped, naming TRL's version, where TRL ships no such twin (TRL 0.24 ships no templates)
+        setups.trl_template(name.removesuffix("-twin").replace(".", "_") + "_training")
         tok = real_tokenizer(name.removesuffix("-twin").replace("phi3", "phi3-instruct").replace(
             "qwen2.5", "qwen2.5-instruct"))  # fmt: skip
         tok.chat_template = training_twin(tok.chat_template)[1]

@@ -284,17 +284,9 @@ def test_show_folds_each_pictures_placeholder_run(tmp_path):
 @pytest.mark.slow  # another VLM case of a rule the fast lane runs here (5-12 s)
 @pytest.mark.planted("image-span-truncated", "vision-tokens-in-loss")
 def test_idefics3_tiles_count_by_resolution_and_the_cut_row_is_found(tmp_path):
-    try:
-        model, processor = vlm.load_tiny_idefics3()
-    except (
-        ImportError
-    ) as exc:  # transformers 5.16's Idefics3 image processor needs torchvision, 5.25's does not
-        import transformers
-        from packaging.version import Version
+    from helpers import load_tiny_idefics3
 
-        if "Torchvision" not in str(exc) or Version(transformers.__version__) >= Version("5.25"):
-            raise
-        pytest.skip(f"transformers {transformers.__version__}'s Idefics3 image processor needs torchvision")
+    model, processor = load_tiny_idefics3()  # skipped where transformers needs torchvision for it (5.6, 5.16)
     # Square pictures split into 2x2 tiles + the global image (20 placeholders), wide ones into 2x1 (12); row 3
     # carries three square pictures (60) and is the one max_length cuts.
     data = vlm.vlm_messages(8, images_in={3: 3}, wide=frozenset({1, 5}))

@@ -78,6 +78,22 @@ def from_trl(module: str, *names: str) -> tuple:
         )
 
 
+def skip_without_config_field(config_cls, field: str, feature: str) -> None:
+    """Skip a test of ``feature`` where the installed TRL's ``config_cls`` has no ``field`` (an older TRL, CI's
+    lower lane), naming TRL's version and the missing field; under the TRL these tests are written against, a
+    missing field is a failure, never a skip."""
+    import dataclasses
+
+    import trl
+    from packaging.version import Version
+
+    if field in {f.name for f in dataclasses.fields(config_cls)}:
+        return
+    if Version(trl.__version__) >= Version(NEWEST_TRL):
+        raise AssertionError(f"TRL {trl.__version__}'s {config_cls.__name__} has no {field}")
+    pytest.skip(f"TRL {trl.__version__}'s {config_cls.__name__} has no {field}: {feature}")
+
+
 def folder(template: str = "chatml") -> Path:
     return tiny_model_dir(template, "distinct")
 

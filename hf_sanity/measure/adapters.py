@@ -51,10 +51,13 @@ def lora_keys(state: dict, which: str) -> dict[str, object]:
 def attached_adapter(model, folder: str | Path):
     """``model`` with the saved adapter attached, for the duration of the block; on exit the adapter's layers
     are removed again, ``model`` is the same object it was and every parameter's ``requires_grad`` is what it
-    was (peft freezes the base model when it loads an adapter for inference)."""
+    was (peft freezes the base model when it loads an adapter for inference). peft 0.18's ``unload()`` (not
+    newer ones') leaves the ``peft_config`` it put on ``model``: it is removed, or the model would pass for a
+    PEFT model afterwards (to hf-sanity's adapter checks and to the user)."""
     from peft import PeftModel
 
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+    had_peft_config = "peft_config" in vars(model)
     with warnings.catch_warnings():  # peft reads transformers' deprecated name; the user cannot act on it
         warnings.filterwarnings(
             "ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning
@@ -68,6 +71,8 @@ def attached_adapter(model, folder: str | Path):
             raise RuntimeError(
                 "peft's unload() returned another model object than the one the adapter was on"
             )
+        if not had_peft_config and "peft_config" in vars(model):
+            del model.peft_config
         for name, p in model.named_parameters():
             p.requires_grad_(trainable.get(name, p.requires_grad))
 

@@ -362,10 +362,26 @@ def aux_term(trainer, model, returned: Any = "unknown") -> dict[str, Any] | None
         "returned_aux": returned if isinstance(returned, str) else as_number(returned),
     }
     if trainer is not None and hasattr(trainer, "aux_loss_enabled"):  # TRL: SFT, DPO, KTO, GRPO, RLOO, ...
-        facts.update(
-            decided_by="trainer",
-            enabled=bool(trainer.aux_loss_enabled),
-            coefficient=as_number(getattr(trainer, "router_aux_loss_coef", declared)),
+        # The coefficient as each TRL keeps it: `router_aux_loss_coef` on the trainer (TRL 1.16, from its config or
+        # the model's), in its config (TRL 1.9: a number, written into the model config), `aux_loss_coef` (TRL
+        # 0.x's preference trainers, read from the model config), else none: TRL 0.x's SFTTrainer leaves the loss
+        # to the model's forward, which weighs it by the coefficient it was built with.
+        args = getattr(trainer, "args", None)
+        if hasattr(trainer, "router_aux_loss_coef"):
+            coefficient = as_number(trainer.router_aux_loss_coef)
+        elif getattr(args, "router_aux_loss_coef", None) is not None:
+            coefficient = as_number(args.router_aux_loss_coef)
+        elif hasattr(trainer, "aux_loss_coef"):
+            coefficient = as_number(trainer.aux_loss_coef)
+        else:
+            coefficient = as_number(built if built is not None else declared)
+        # TRL 1.x turns `aux_loss_enabled` off for a coefficient of 0; TRL 0.x sets it from output_router_logits
+        # alone, and then adds the loss weighed by 0.
+        enabled = bool(trainer.aux_loss_enabled) and coefficient != 0.0
+        facts.update(decided_by="trainer", enabled=enabled, coefficient=coefficient)
+        # Where the user sets that coefficient: the trainer's config (TRL 1.x), else the model config.
+        facts["coefficient_set_in"] = (
+            "trainer-config" if hasattr(args, "router_aux_loss_coef") else "model-config"
         )
     else:
         facts.update(decided_by="model", coefficient=as_number(built if built is not None else declared))

@@ -100,7 +100,7 @@ AUX_FIX = {
         "model",
     ): "Set `model.config.output_router_logits = True` before training: the model "
     "then adds `router_aux_loss_coef` times its load-balancing loss to the loss `Trainer` trains on (TRL's "
-    "SFTTrainer turns it on itself).",
+    "SFTTrainer turns it on itself where its SFTConfig has `router_aux_loss_coef`).",
     (
         "router-logits-off",
         "trainer",
@@ -117,6 +117,13 @@ AUX_FIX = {
         "trainer",
     ): "Set `router_aux_loss_coef` in the trainer's config to a positive value, or "
     "leave it unset to use the model config's (0.001 for Qwen3-MoE, 0.02 for Mixtral).",
+    # A TRL whose config has no `router_aux_loss_coef` (TRL 0.x) weighs the loss by the model config's.
+    (
+        "coefficient-zero",
+        "trainer-model-config",
+    ): "This TRL's trainer config has no `router_aux_loss_coef`: the loss is weighed by the model config's. "
+    "Load the model with `from_pretrained(..., router_aux_loss_coef=0.001)` (the Qwen3-MoE default; Mixtral's is "
+    "0.02) before building the trainer.",
 }
 
 
@@ -147,9 +154,10 @@ def aux_loss_off(facts: dict[str, Any] | None, *, step: int | None = None) -> Fi
             f"{facts['model_class']}'s forward returned no load-balancing loss (aux_loss=None) in {trainer}'s "
             "compute_loss: output_router_logits is off, so the routers train on the language-model loss alone"
         )
-    return MOE_AUX_LOSS_OFF.finding(
-        message, evidence={**facts, "cause": cause}, fix=AUX_FIX[(cause, who)], step=step
-    )
+    key = (cause, who)
+    if key == ("coefficient-zero", "trainer") and facts.get("coefficient_set_in") == "model-config":
+        key = (cause, "trainer-model-config")
+    return MOE_AUX_LOSS_OFF.finding(message, evidence={**facts, "cause": cause}, fix=AUX_FIX[key], step=step)
 
 
 # -- moe-experts-untouched ---------------------------------------------------------------------------------

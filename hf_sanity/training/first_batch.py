@@ -168,8 +168,13 @@ class FirstBatch:
         batch = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
         if "input_ids" not in batch and args and isinstance(args[0], torch.Tensor):
             batch["input_ids"] = args[0]
-        if "labels" not in batch and self._labels is not None:
-            batch["labels"] = self._labels  # popped by compute_loss for a custom loss / label smoothing
+        kept = self._labels
+        if "labels" not in batch and kept is not None:
+            # Popped by compute_loss for a custom loss / label smoothing. Only labels that fit the forward's ids:
+            # TRL 1.9's KTOTrainer runs its KL rows (KL_input_ids, another length) first.
+            ids = batch.get("input_ids")
+            if ids is None or tuple(kept.shape) == tuple(ids.shape):
+                batch["labels"] = kept
         self._labels = None
         self._shapes = {k: tuple(v.shape) for k, v in batch.items() if k in ALIGNED}
         step0 = chosen = None
