@@ -305,6 +305,14 @@ class Context:
         """One list-valued measurement for every example (e.g. ``special_ids``), as Python lists."""
         return self.encoded.data.column(name).to_pylist()
 
+    def distinct(self, name: str) -> list:
+        """The distinct items of a list-valued measurement over every example, sorted (read in Arrow: turning
+        every row's list into Python cost ~0.1 s per 1,000 conversations)."""
+        import pyarrow.compute as pc
+
+        column = self.encoded.data.column(name)
+        return sorted(item for item in pc.unique(pc.list_flatten(column)).to_pylist() if item is not None)
+
     @cached_property
     def valid(self) -> np.ndarray:
         """Rows that encoded (no ``error``)."""

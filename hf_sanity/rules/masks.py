@@ -455,7 +455,7 @@ _EOS_FIX_BY_CAUSE = {
 
 def _in_use(ctx) -> set[int]:
     """Token ids a pad token must not be: those the data uses and the template's markers."""
-    used = {i for ids in ctx.values("special_ids") for i in ids}
+    used = set(ctx.distinct("special_ids"))
     return used | set(ctx.markers.turn_marker_ids) | set(ctx.markers.stop_ids)
 
 

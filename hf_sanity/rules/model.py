@@ -156,7 +156,7 @@ def untrained_rows(embeddings, ids: list[int]) -> dict[str, list[int]] | None:
 
 
 def used_special_ids(ctx) -> list[int]:
-    return sorted({i for ids in ctx.values("special_ids") for i in ids})
+    return ctx.distinct("special_ids")
 
 
 @UNTRAINED_SPECIAL_TOKENS.check
