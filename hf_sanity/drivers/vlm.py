@@ -133,9 +133,8 @@ def _with_adapter(model, adapter: str):
     from peft import PeftModel
 
     try:
-        with (
-            warnings.catch_warnings()
-        ):  # peft reads transformers' deprecated names; the user cannot act on it
+        # peft reads transformers' deprecated names: warnings the user cannot act on
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             return PeftModel.from_pretrained(model, adapter, is_trainable=True)
     except Exception as exc:

@@ -4,7 +4,8 @@
 to ``transformers.trainer.DEFAULT_CALLBACKS``, the list every ``Trainer.__init__`` (TRL's trainers' and any
 subclass's included) starts its callbacks from. Nothing wraps ``__init__`` or ``train``: an error in the user's
 code or the framework's raises through their own frames only. In Axolotl's command it also counts the rows
-Axolotl's data preparation drops for length, before any trainer exists (:mod:`hf_sanity.integrations.axolotl_drops`). One anchor per trainer, right after Trainer's
+Axolotl's data preparation drops for length, before any trainer exists
+(:mod:`hf_sanity.integrations.axolotl_drops`). One anchor per trainer, right after Trainer's
 ``DefaultFlowCallback``:
 
 * ``run``: at the end of ``__init__`` it attaches ``SanityCallback`` with the options the parent passed, unless
