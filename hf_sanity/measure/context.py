@@ -33,12 +33,18 @@ from hf_sanity.tokenview import TokenView
 
 CALIBRATION_ROWS = 64
 IN_MEMORY_ROWS = 256  # a dataset this small is encoded in memory, without a cache file
-ABLATION_EXAMPLES = 16  # examples whose inputs are blanked to see what the prompt and the input contribute
-# Sampled examples the step-0 loss is measured on: its 1,024 scored positions, 16 per example, need no more (the
-# transformer runs on every one of them).
-INIT_LOSS_EXAMPLES = 64
+ABLATION_EXAMPLES = 16  # examples whose prompts are blanked to see what the prompt contributes (a cause)
+# Examples whose whole input is blanked for `input-ignored`: it looks for losses equal to rounding, which a model
+# that reads its input never gives on any number of positions, so a few examples decide it.
+INPUT_ABLATION_EXAMPLES = 4
+INPUT_ABLATION_TOKENS = 64  # positions scored per variant there
+# Sampled examples the step-0 loss is measured on: its 512 scored positions (`losses.SCORED_TOKENS`), 16 per
+# example, need no more (the transformer runs on every one of them).
+INIT_LOSS_EXAMPLES = 32
 STEP_ROWS = 2  # rows of the first batch the trainer's own compute_loss is measured on (`trainer_step`)
-TEMPLATE_EXAMPLES = 32  # conversations whose answers are scored in the template and as plain text
+# Conversations whose last answers are scored in the template and as plain text: a paired comparison on the same
+# answer tokens (256 positions each way, 16 per conversation) that looks for a gap of 0.5 nat and 50%.
+TEMPLATE_EXAMPLES = 16
 
 
 class _Mapped:
@@ -622,16 +628,23 @@ class Context:
 
     @cached_property
     def ablation(self):
-        """A few sampled examples with parts of their input blanked (``forwards.InputAblation``: each variant
-        measured once, when a rule first reads it); None without a model or a sample."""
+        """Sampled examples with their prompts blanked (``forwards.InputAblation``: each variant measured once,
+        when a rule first reads it); None without a model or a sample."""
+        return self._ablation(ABLATION_EXAMPLES)
+
+    @cached_property
+    def input_check_ablation(self):
+        """The first few sampled examples with their whole input blanked (``INPUT_ABLATION_EXAMPLES``)."""
+        return self._ablation(INPUT_ABLATION_EXAMPLES, max_tokens=INPUT_ABLATION_TOKENS)
+
+    def _ablation(self, examples: int, **options):
         from hf_sanity.measure.forwards import InputAblation
 
         if not self.has_model or not self.sample_indices:
             return None
-        seqs = self.sample_seqs(ABLATION_EXAMPLES)
-        return InputAblation(
-            self.model_as_trained, self.tokenizer, seqs, partial(self.batches, by_length=True)
-        )
+        seqs = self.sample_seqs(examples)
+        batches = partial(self.batches, by_length=True)
+        return InputAblation(self.model_as_trained, self.tokenizer, seqs, batches, **options)
 
     @cached_property
     def template_against_text(self) -> dict[str, Any] | None:
@@ -657,7 +670,8 @@ class Context:
     @property
     def input_ablation(self) -> dict[str, Any] | None:
         """The examples as they are and with their whole input blanked; None without supervised tokens."""
-        return self.ablation.measured("as_is", "input_blanked") if self.ablation is not None else None
+        ablation = self.input_check_ablation
+        return ablation.measured("as_is", "input_blanked") if ablation is not None else None
 
     @property
     def prompt_ablation(self) -> dict[str, Any] | None:

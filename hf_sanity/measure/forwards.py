@@ -50,8 +50,8 @@ class InputAblation:
     everything else (the prompt and the template's scaffolding) replaced by one filler token
     (``prompt_blanked``), and with every input token replaced (``input_blanked``): what the prompt contributes
     to predicting the answer, and whether the input reaches the model at all. Each variant is measured once,
-    when first asked for. ``model`` gives the model to score, as a context manager (the context's
-    ``model_as_trained``); ``batches`` pads pairs into tensor batches."""
+    when first asked for, on at most ``max_tokens`` positions. ``model`` gives the model to score, as a
+    context manager (the context's ``model_as_trained``); ``batches`` pads pairs into tensor batches."""
 
     def __init__(
         self,
@@ -59,8 +59,10 @@ class InputAblation:
         tokenizer,
         seqs: Sequence[tuple[list[int], list[int]]],
         batches: Callable[[list], list[dict[str, Any]]],
+        *,
+        max_tokens: int = ABLATION_TOKENS,
     ) -> None:
-        self.model, self.seqs, self.batches = model, list(seqs), batches
+        self.model, self.seqs, self.batches, self.max_tokens = model, list(seqs), batches, max_tokens
         self.filler = next(
             t
             for t in (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.eos_token_id, 0)
@@ -86,7 +88,7 @@ class InputAblation:
         if variant not in self._losses:
             # The variants share their labels, so a cap scores the same positions in each: a paired comparison.
             with self.model() as model:
-                result = token_loss(model, self.batches(self._blanked(variant)), max_tokens=ABLATION_TOKENS)
+                result = token_loss(model, self.batches(self._blanked(variant)), max_tokens=self.max_tokens)
             self._losses[variant] = result["loss"] if result["tokens"] else None
         return self._losses[variant]
 
