@@ -129,7 +129,7 @@ def main() -> None:
         from benchmarks import vlm_speed
 
         print("preflight(trainer=SFTTrainer) on vision-language rows vs the trainer's own collation of them")
-        print(table([vlm_speed.run(quick=args.quick)]), "\n")
+        print(table(vlm_speed.run(quick=args.quick)), "\n")
     if args.only in (None, "overfit"):
         from benchmarks import protocol_speed
 

@@ -309,6 +309,76 @@ def test_idefics3_tiles_count_by_resolution_and_the_cut_row_is_found(tmp_path):
     assert "duplicate-examples" not in rules(report)
 
 
+# -- blank stand-ins: the span count reads no picture twice ----------------------------------------------------
+def spans_both_ways(trainer, monkeypatch):
+    """The image spans of ``trainer`` as preflight measures them (blank stand-ins after the first batch) and with
+    every row's real pictures collated; and the stand-ins chosen (None: none matched)."""
+    from hf_sanity.measure import vision
+
+    modality = vision.measure_modality(trainer.processing_class, trainer.model)
+    chosen = []
+    calibrated = vision.StandIns.calibrated.__func__
+
+    def spy(cls, *args, **kwargs):
+        chosen.append(calibrated(cls, *args, **kwargs))
+        return chosen[-1]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(vision.StandIns, "calibrated", classmethod(spy))
+        fast = vision.image_spans(trainer, modality, [])
+    with monkeypatch.context() as patch:
+        patch.setattr(vision.StandIns, "calibrated", classmethod(lambda cls, *a, **k: None))
+        real = vision.image_spans(trainer, modality, [])
+    return fast, real, chosen[0]
+
+
+def test_blank_stand_ins_count_what_the_real_pictures_count(tmp_path, monkeypatch):
+    # 72 rows: the first 32 collated with their pictures, the rest with blanks; rows 40 and 65 (three pictures,
+    # 48 placeholders) are cut by max_length=40, rows 50-53 are wide.
+    data = vlm.vlm_prompt_completion(72, images_in={40: 3, 65: 3}, wide=frozenset(range(50, 54)))
+    trainer = vlm.vlm_sft_trainer(tmp_path, data, max_length=40)
+    fast, real, stand_ins = spans_both_ways(trainer, monkeypatch)
+    assert stand_ins is not None and stand_ins.fixed  # LLaVA: 16 placeholders whatever the size
+    assert [c["row"] for c in fast.cut] == [40, 65]
+    assert fast == real
+
+
+def test_picture_files_stand_in_by_their_header_size(tmp_path, monkeypatch):
+    """A dataset of picture files (the `images` column of paths cast to Image features, as `load_dataset`
+    gives them): the spans are those of the real pictures."""
+    import datasets
+
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    paths = []
+    for row in range(40):
+        picture = vlm.image(row, wide=row % 7 == 0).resize((320 + row, 240))
+        picture.save(folder / f"{row}.jpg")
+        paths.append([str(folder / f"{row}.jpg")] * (3 if row == 35 else 1))
+    source = vlm.vlm_prompt_completion(40, images_in={35: 3})
+    data = datasets.Dataset.from_dict(
+        {"prompt": source["prompt"], "completion": source["completion"], "images": paths}
+    ).cast_column("images", datasets.Sequence(datasets.Image()))
+    trainer = vlm.vlm_sft_trainer(tmp_path / "run", data, max_length=40)
+    fast, real, stand_ins = spans_both_ways(trainer, monkeypatch)
+    assert stand_ins is not None
+    assert [c["row"] for c in fast.cut] == [35]
+    assert fast == real
+
+
+@pytest.mark.slow  # another VLM case of a rule the fast lane runs here (5-12 s)
+def test_a_processor_that_counts_by_size_gets_blanks_of_each_pictures_size(tmp_path, monkeypatch):
+    from helpers import load_tiny_idefics3
+
+    model, processor = load_tiny_idefics3()  # skipped where transformers needs torchvision for it (5.6, 5.16)
+    data = vlm.vlm_messages(40, images_in={36: 3}, wide=frozenset({1, 5, 33, 38}))
+    trainer = vlm.vlm_sft_trainer(tmp_path, data, model=model, processor=processor, max_length=120)
+    fast, real, stand_ins = spans_both_ways(trainer, monkeypatch)
+    assert stand_ins is not None and not stand_ins.fixed  # square and wide pictures take 20 and 12
+    assert sorted(set(fast.per_image.values())) == [12, 20]
+    assert fast == real
+
+
 # -- processor-not-saved --------------------------------------------------------------------------------------
 def checkpointed_run(tmp_path, processing_class_of, save_steps: int = 2):
     """The tutorials' setup: transformers' Trainer with the masking collator, two steps, a checkpoint saved

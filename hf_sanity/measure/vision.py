@@ -300,7 +300,11 @@ def image_spans(trainer, modality: Modality, refused: list[str], limit: int = SP
     """Each row of ``trainer.train_dataset`` (up to ``limit``) through a copy of the trainer's own collator
     without its ``max_length``: the placeholders it expands the row's pictures into (the processor's count:
     patches and merge size, image splitting) against those in the first ``max_length`` tokens. None when the
-    collator has no ``max_length`` (a collator of the user's: its cut is not known) or no dataset."""
+    collator has no ``max_length`` (a collator of the user's: its cut is not known) or no dataset.
+
+    The placeholders a picture takes depend on its size, not on what it shows: after the first batch, collated
+    with its real pictures, the rows go through the collator with blank stand-ins (:class:`StandIns`) where
+    that first batch gives the same ids with them, so that no picture is decoded or resized twice for a count."""
     import copy
 
     collator = getattr(trainer, "data_collator", None)
@@ -310,14 +314,26 @@ def image_spans(trainer, modality: Modality, refused: list[str], limit: int = SP
         return None
     whole = copy.copy(collator)
     whole.max_length = None
+    processor = getattr(trainer, "processing_class", None)
     cut, vision, per_image = [], [], {}
     checked = min(len(data), limit)
+    stand_ins: StandIns | None = None
     for start in range(0, checked, SPAN_BATCH):
         rows = range(start, min(start + SPAN_BATCH, checked))
-        examples = [dict(data[row]) for row in rows]
-        for example in examples:
-            _tokens_by_size(getattr(trainer, "processing_class", None), example, modality, per_image)
-        for row, ids in zip(rows, _uncut_rows(whole, examples), strict=True):
+        examples = None
+        if stand_ins is not None:
+            try:
+                examples = stand_ins.examples(rows, processor, modality, per_image)
+            except (OSError, ValueError, TypeError, KeyError):  # a header PIL cannot read: the real pictures
+                examples = None
+        if examples is None:
+            examples = [dict(data[row]) for row in rows]
+            for example in examples:
+                _tokens_by_size(processor, example, modality, per_image)
+        uncut = _uncut_rows(whole, examples)
+        if start == 0:  # whether blank pictures give these rows the same ids: then they stand in after
+            stand_ins = StandIns.calibrated(data, whole, processor, modality, rows, uncut)
+        for row, ids in zip(rows, uncut, strict=True):
             expected = sum(1 for t in ids if t in modality.placeholder_ids or t < 0)
             surviving = sum(1 for t in ids[:max_length] if t in modality.placeholder_ids or t < 0)
             vision.append(expected)
@@ -327,6 +343,113 @@ def image_spans(trainer, modality: Modality, refused: list[str], limit: int = SP
 
 
 SPAN_BATCH = 32  # rows collated together (padding adds no placeholder: each row's count is its own)
+STAND_IN_SIZE = (64, 64)  # the blank picture that stands in where the placeholders do not depend on the size
+# Sizes and shapes a processor that counts by size (tiles, patches at native resolution, any-res grids) counts
+# apart: where all of them take the same placeholders, every size does.
+PROBE_SIZES = (STAND_IN_SIZE, (256, 64), (64, 256), (1024, 768), (333, 517))
+
+
+class StandIns:
+    """The dataset's rows with their pictures left undecoded (the ``Image`` features' ``decode=False``), and for
+    each picture a blank one that the processor expands into the same placeholders: of the picture's own size
+    (read from its file's header), or one small picture for all where every size takes the same number."""
+
+    def __init__(self, light, columns: list[str], fixed: bool) -> None:
+        self.light, self.columns, self.fixed = light, columns, fixed
+
+    @classmethod
+    def calibrated(cls, data, collator, processor, modality: Modality, rows, uncut) -> StandIns | None:
+        """Stand-ins for ``data`` where the rows ``rows`` collated with them give ``uncut``, the ids their real
+        pictures gave; None where they do not (or the pictures are not ``Image`` features)."""
+        light, columns = _undecoded(data)
+        if light is None or not hasattr(processor, "image_token"):
+            return None
+        try:
+            fixed = (
+                len({placeholders_per_picture(processor, _blank(size), modality) for size in PROBE_SIZES})
+                == 1
+            )
+            for candidate in ([cls(light, columns, True)] if fixed else []) + [cls(light, columns, False)]:
+                if _uncut_rows(collator, candidate.examples(rows, processor, modality, {})) == uncut:
+                    return candidate
+        except Exception:  # a processor that refuses blank pictures: the real ones are collated
+            return None
+        return None
+
+    def examples(self, rows, processor, modality: Modality, per_image: dict[str, int]) -> list[dict]:
+        """The rows ``rows`` with blank stand-ins for their pictures; each new picture size counted in
+        ``per_image`` (its blank processed alone)."""
+        batch = self.light[rows.start : rows.stop]
+        out = [{name: values[i] for name, values in batch.items()} for i in range(len(rows))]
+        for example in out:
+            for name in self.columns:
+                value = example[name]
+                if value is None:  # a row without pictures
+                    continue
+                many = isinstance(value, list)
+                sizes = [_size(v) for v in (value if many else [value])]
+                for size in sizes:
+                    key = f"{size[0]}x{size[1]}"
+                    if key not in per_image and len(per_image) < RESOLUTIONS:
+                        per_image[key] = placeholders_per_picture(processor, _blank(size), modality)
+                blanks = [_blank(STAND_IN_SIZE if self.fixed else size) for size in sizes]
+                example[name] = blanks if many else blanks[0]
+        return out
+
+
+def _undecoded(data):
+    """``data`` with its picture columns read without decoding (a dict of bytes and path per picture), and
+    those columns; (None, []) where a picture column is not an ``Image`` feature (or a list of them)."""
+    features = getattr(data, "features", None) or {}
+    columns = [name for name in PICTURE_COLUMNS if name in features]
+    if not columns or not hasattr(data, "cast_column"):
+        return None, []
+    for name in columns:
+        feature = _without_decoding(features[name])
+        if feature is None:
+            return None, []
+        data = data.cast_column(name, feature)
+    return data, columns
+
+
+def _without_decoding(feature):
+    import copy
+
+    from datasets import Image
+
+    if isinstance(feature, Image):
+        return Image(decode=False)
+    inner = getattr(feature, "feature", None)
+    changed = _without_decoding(inner) if inner is not None else None
+    if changed is None:
+        return None
+    feature = copy.copy(feature)
+    feature.feature = changed
+    return feature
+
+
+def _size(picture) -> tuple[int, int]:
+    """An undecoded picture's (width, height), from its file's header (PIL reads no pixels for it)."""
+    import io
+
+    from PIL import Image
+
+    source = io.BytesIO(picture["bytes"]) if picture.get("bytes") else picture["path"]
+    with Image.open(source) as opened:
+        return opened.size
+
+
+_BLANKS: dict[tuple[int, int], Any] = {}
+
+
+def _blank(size: tuple[int, int]):
+    from PIL import Image
+
+    if size not in _BLANKS:
+        if len(_BLANKS) > 64:
+            _BLANKS.clear()
+        _BLANKS[size] = Image.new("RGB", size)
+    return _BLANKS[size]
 
 
 def _uncut_rows(collator, examples: list[dict]) -> list[list[int]]:
