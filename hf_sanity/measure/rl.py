@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import inspect
 import math
 import numbers
@@ -636,8 +637,13 @@ def stripped_tokens(func, tokenizer) -> tuple[str, ...]:
 
 def dry_run(trainer, batches: Sequence[Completions], *, timeout: float | None = None) -> DryRun:
     """Call each reward function of ``trainer`` on each of ``batches`` (and, when it gives one value on
-    conversational completions, on the same completions as plain strings) and judge what it returned."""
-    from hf_sanity.measure.user_code import can_isolate
+    conversational completions, on the same completions as plain strings) and judge what it returned.
+
+    Every call of every function runs in ONE forked child (:func:`hf_sanity.measure.user_code.run_in_one_child`:
+    one fork of the trainer's process, not one a call), each under its own time limit; the judging runs there too,
+    as it decides the follow-up calls from the values alone. A function whose call stopped the child (stuck past
+    its limit in C code, or ending its process) is judged from that, and the functions after it are not called."""
+    from hf_sanity.measure.user_code import can_isolate, run_in_one_child
 
     started = time.perf_counter()
     if not can_isolate():
@@ -647,18 +653,39 @@ def dry_run(trainer, batches: Sequence[Completions], *, timeout: float | None = 
     batches = [b for b in batches if b is not None and len(b)]
     tokenizer = trainer_tokenizer(trainer)
     state = copy.deepcopy(getattr(trainer, "state", None))
-    checks, skipped = [], []
+    skipped = []
     dataset_columns = set(getattr(getattr(trainer, "train_dataset", None), "column_names", ()) or ())
+    called = []
     for name, func in reward_funcs(trainer):
         if _is_module(func):
             skipped.append(f"{name}: a reward model (not dry-run: it is a model, not code)")
             continue
+        called.append((name, func))
+
+    def step(name, func):  # in the child: the calls, then the verdict (plain data)
         calls = {b.source: call_reward(func, b.kwargs(state), timeout) for b in batches}
-        check = judge(name, func, calls, batches, state, tokenizer, dataset_columns, timeout)
+        return judge(name, func, calls, batches, state, tokenizer, dataset_columns, timeout)
+
+    limit = REWARD_TIMEOUT if timeout is None else timeout
+    outcomes = run_in_one_child([functools.partial(step, name, func) for name, func in called], limit)
+    checks = []
+    for (name, _), outcome in zip(called, outcomes):
+        check = outcome.value if isinstance(outcome.value, RewardCheck) else _unjudged(name, outcome)
         if check.skipped:
             skipped.append(f"{name}: {check.skipped}")
         checks.append(check)
     return DryRun(checks, {b.source: len(b) for b in batches}, skipped, time.perf_counter() - started)
+
+
+def _unjudged(name: str, outcome) -> RewardCheck:
+    """A function whose step in the dry run's child gave no verdict: its call stopped the child (past its limit,
+    or it ended the process), or an earlier one did and it was not called."""
+    if outcome.timed_out:
+        return RewardCheck(name=name, calls={}, cause="timeout", why=f"a call {outcome.error}, stuck where its "
+                           "timer could not stop it: not judged (a function that calls a service: "
+                           "reward_dry_run=False)")  # fmt: skip
+    why = outcome.skipped or f"hf-sanity's judging failed (an internal error): {outcome.error}"
+    return RewardCheck(name=name, calls={}, skipped=why, why=why)
 
 
 def on_main_process(compute: Callable[[], Any]) -> Any:

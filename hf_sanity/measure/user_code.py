@@ -17,6 +17,16 @@ bit for bit as it would have without those calls. So each call runs in a forked 
   parallelism off, the pools a fork leaves behind); a CUDA context is not usable in the child (as in a forked
   DataLoader worker): a call that needs CUDA is reported as not judged, with that reason, never as broken.
 
+Many calls, one child (:func:`run_in_one_child`, the reward dry run): a fork copies the page tables of a process
+that holds a model (tens of milliseconds for a trainer's), so the dry run makes every call of every reward function
+in sequence in ONE forked child, as TRL makes them in one process. Each call there has its own time limit: a timer
+(``SIGALRM``, in the child's main thread) raises at the deadline and the next call goes on; the parent also keeps
+a deadline for whatever the child is doing (a call: its limit and :data:`GRACE`; hf-sanity's own work between
+calls: the same), and kills the group there: a call stuck in C code, where no signal handler runs, is reported
+as timed out and the steps after it as not run. What a call that timed out started is killed with the group when
+the child's work is over (before the caller goes on). The child's steps return plain data, step by step, so what
+was judged before a kill stays judged.
+
 Where ``os.fork`` does not exist (Windows) nothing is called: the outcome says why (a thread that outlives its
 deadline cannot be stopped, and it would keep running beside the trainer).
 """
@@ -29,16 +39,25 @@ import os
 import pickle
 import select
 import signal
+import struct
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 # torch's message when a forked child touches CUDA the parent initialised.
 CUDA_IN_FORK = "Cannot re-initialize CUDA in forked subprocess"
 NO_FORK = "this platform has no os.fork: a call that outlives its time limit could not be stopped"
+CUDA_SKIPPED = "it uses CUDA, which the dry run's forked process cannot: not judged"
+# Seconds past a deadline before the parent kills a child whose own timer did not stop the call (stuck in C code).
+GRACE = 1.0
+NOT_RUN = "not run: an earlier call of the dry run stopped its process"
+
+# In a child of :func:`run_in_one_child`: the pipe its messages go to (None in every other process). There
+# :func:`run_isolated` calls the user's code in place, under a timer: the child is the isolation.
+_CHANNEL: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,18 +80,22 @@ def run_isolated(call: Callable[[], Any], timeout: float) -> Outcome:
     """``call()`` in a forked child, at most ``timeout`` seconds; the parent's RNG states restored after."""
     from hf_sanity.untouched import preserved_rng
 
+    if _CHANNEL is not None:  # in a child of run_in_one_child already: called here, under its timer
+        return _limited(call, timeout)
     if not can_isolate():
         return Outcome(skipped=NO_FORK)
     started = time.perf_counter()
     with preserved_rng():
         status, payload = _fork_and_wait(call, timeout)
-    seconds = time.perf_counter() - started
+    return _outcome(status, payload, timeout, time.perf_counter() - started)
+
+
+def _outcome(status: str, payload: Any, timeout: float, seconds: float) -> Outcome:
     if status == "ok":
         return Outcome(value=payload, seconds=seconds)
     if status == "raised":
         if CUDA_IN_FORK in payload:
-            return Outcome(skipped="it uses CUDA, which the dry run's forked process cannot: not judged",
-                           seconds=seconds)  # fmt: skip
+            return Outcome(skipped=CUDA_SKIPPED, seconds=seconds)
         return Outcome(error=payload, seconds=seconds)
     if status == "timeout":
         return Outcome(error=f"did not return within {timeout:g} s", timed_out=True, seconds=seconds)
@@ -149,12 +172,17 @@ def reap_finished(block: bool = False) -> int:
 atexit.register(reap_finished, True)
 
 
-def _child(call: Callable[[], Any], write_end: int) -> None:
+def _child_setup() -> None:
+    """In a forked child: a process group of its own (killed whole), one torch thread (the parent's pool is gone)."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     if "torch" in sys.modules:
         with contextlib.suppress(Exception):
             sys.modules["torch"].set_num_threads(1)  # the parent's intra-op pool is not the child's
+
+
+def _child(call: Callable[[], Any], write_end: int) -> None:
+    _child_setup()
     try:
         result: tuple[str, Any] = ("ok", call())
     except BaseException as exc:  # the user's code: SystemExit and KeyboardInterrupt included
@@ -170,6 +198,173 @@ def _child(call: Callable[[], Any], write_end: int) -> None:
     while view:
         view = view[os.write(write_end, view) :]
     os.close(write_end)
+
+
+# -- many calls in one child ----------------------------------------------------------------------------------
+def run_in_one_child(steps: Sequence[Callable[[], Any]], timeout: float) -> list[Outcome]:
+    """Each of ``steps`` in order, in ONE forked child; an :class:`Outcome` for each (its value: what the step
+    returned, plain data). A step is hf-sanity's own code that calls the user's through :func:`run_isolated`, which
+    in that child calls it in place under a timer of its own limit. The parent kills the child's group when a
+    call outlives its limit by :data:`GRACE` (or hf-sanity's work between calls outlives ``timeout`` by as much):
+    that step is timed out, the steps after it not run (:data:`NOT_RUN`). The parent's RNG states are restored
+    after, as around :func:`run_isolated`."""
+    from hf_sanity.untouched import preserved_rng
+
+    if not steps:
+        return []
+    if not can_isolate():
+        return [Outcome(skipped=NO_FORK) for _ in steps]
+    with preserved_rng():
+        return _fork_and_collect(steps, timeout)
+
+
+def _fork_and_collect(steps: Sequence[Callable[[], Any]], timeout: float) -> list[Outcome]:
+    read_end, write_end = os.pipe()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with _fork_environment():
+        pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            _child_steps(steps, write_end)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with contextlib.suppress(OSError):
+        os.setpgid(pid, pid)
+    outcomes: list[Outcome] = []
+    step_started = time.perf_counter()
+    limit = timeout  # what the child is doing now may take this long (and GRACE)
+    deadline = time.monotonic() + limit + GRACE
+    # expired: a call was stopped by the child's timer (it may have left processes); reaped: the child is.
+    expired = reaped = False
+    data = bytearray()
+    try:
+        while len(outcomes) < len(steps):
+            left = deadline - time.monotonic()
+            if left <= 0:  # the backstop: the child's timer did not stop the call (or hf-sanity's work hung)
+                _kill(pid)
+                reaped = True
+                outcomes.append(Outcome(error=f"did not return within {limit:g} s", timed_out=True,
+                                        seconds=time.perf_counter() - step_started))  # fmt: skip
+                break
+            ready, _, _ = select.select([read_end], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(read_end, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+            for message in _messages(data):
+                kind = message[0]
+                if kind == "call":  # a call of the user's code begins: its own limit
+                    limit = message[1]
+                elif kind == "expired":  # the child's timer stopped a call; the child goes on
+                    expired, limit = True, timeout
+                elif kind == "returned":
+                    limit = timeout
+                else:  # "step": one step's result
+                    now = time.perf_counter()
+                    outcomes.append(_outcome(message[1], message[2], timeout, now - step_started))
+                    step_started, limit = now, timeout
+                deadline = time.monotonic() + limit + GRACE
+    finally:
+        os.close(read_end)
+    if not reaped and len(outcomes) < len(steps):  # the child ended before it sent every step
+        _, status = os.waitpid(pid, 0)
+        reaped = True
+        code = os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") else status
+        outcomes.append(Outcome(skipped=f"the call ended its process (exit status {code}) before it returned",
+                                seconds=time.perf_counter() - step_started))  # fmt: skip
+    outcomes += [Outcome(skipped=NOT_RUN) for _ in range(len(steps) - len(outcomes))]
+    _kill_group(pid)  # what the calls started and left behind (the group's id lives while it has members)
+    if expired and not reaped:  # a call stopped by its timer may have started processes: gone before we go on
+        _kill(pid)
+    elif not reaped:  # its exit, the teardown of a copy of the trainer's process, is not waited for
+        _UNREAPED.append(pid)
+        reap_finished()
+    return outcomes
+
+
+_LENGTH = struct.Struct("!I")
+
+
+def _messages(data: bytearray) -> list[tuple]:
+    """The complete messages at the start of ``data`` (removed from it): each a length, then a pickle."""
+    out = []
+    while len(data) >= _LENGTH.size:
+        (size,) = _LENGTH.unpack_from(data)
+        if len(data) < _LENGTH.size + size:
+            break
+        blob = bytes(data[_LENGTH.size : _LENGTH.size + size])
+        del data[: _LENGTH.size + size]
+        out.append(pickle.loads(blob))
+    return out
+
+
+def _send(message: tuple) -> None:
+    """In the child: one message to the parent (a step's result that cannot be pickled is sent as lost)."""
+    try:
+        blob = pickle.dumps(message)
+    except Exception as exc:
+        blob = pickle.dumps(
+            ("step", "lost", f"its result could not be sent back ({type(exc).__name__}: {exc})")
+        )
+    view = memoryview(_LENGTH.pack(len(blob)) + blob)
+    while view:
+        view = view[os.write(_CHANNEL, view) :]
+
+
+def _child_steps(steps: Sequence[Callable[[], Any]], write_end: int) -> None:
+    global _CHANNEL
+    _CHANNEL = write_end
+    _child_setup()
+    for step in steps:
+        try:
+            result: tuple[str, Any] = ("ok", step())
+        except BaseException as exc:  # hf-sanity's step: the user's code inside it is caught by _limited
+            result = ("raised", f"{type(exc).__name__}: {exc}")
+        _send(("step", *result))
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os.close(write_end)
+
+
+class _OutOfTime(BaseException):
+    """Raised by the child's timer into the user's call at its deadline (not an Exception: a ``try`` in the user's
+    code that catches Exception does not swallow it)."""
+
+
+def _limited(call: Callable[[], Any], timeout: float) -> Outcome:
+    """In a child of :func:`run_in_one_child`: ``call()`` in place, stopped by a timer at ``timeout``."""
+    armed = [True]
+
+    def expire(signum, frame):
+        if armed[0]:
+            raise _OutOfTime
+
+    _send(("call", timeout))
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    started = time.perf_counter()
+    try:
+        try:
+            status, payload = "ok", call()
+        finally:
+            armed[0] = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    except _OutOfTime:
+        status, payload = "timeout", None
+    except BaseException as exc:  # the user's code: SystemExit and KeyboardInterrupt included
+        status, payload = "raised", f"{type(exc).__name__}: {exc}"
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    seconds = time.perf_counter() - started
+    _send(("expired",) if status == "timeout" else ("returned",))
+    return _outcome(status, payload, timeout, seconds)
 
 
 @contextlib.contextmanager
