@@ -239,3 +239,58 @@ def rows(n=32):
     from hf_sanity.testing import demo_rl_prompts
 
     return demo_rl_prompts(n, seed=3)
+
+
+# -- the callback: the dry run's child works beside the first step -------------------------------------------------
+def watch(**kwargs):
+    return hf_sanity.SanityCallback(use_config=False, print_findings=False, check_every=1, **kwargs)
+
+
+MAIN = {"pid": None}
+
+
+def raises_in_the_run(completions, **kwargs):
+    """Broken for every call, the dry run's and TRL's: the run dies in its first step."""
+    raise ValueError("the grader is down")
+
+
+def test_a_run_that_dies_in_its_first_step_still_reports_the_dry_runs_verdict(tmp_path):
+    """The dry run started at train begin is read at the first step's end; a run that never gets there (TRL's own
+    call raises in step 1) still has the verdict that explains it in its report."""
+    cb = watch(abort_on="error")
+    trainer = setups.grpo(tmp_path, rows(), [raises_in_the_run], callbacks=[cb], max_steps=2)
+    with pytest.raises(ValueError, match="the grader is down"):
+        trainer.train()
+    (broken,) = [f for f in cb.report.findings if f.rule == "reward-function-broken"]
+    assert broken.step == 0 and broken.evidence["cause"] == "raises"
+    assert cb.report.stats["reward_dry_run"]["functions"]["raises_in_the_run"]["cause"] == "raises"
+
+
+def hangs_in_the_dry_run_interrupts_the_run(completions, **kwargs):
+    if os.getpid() != MAIN["pid"]:  # the dry run's child: hangs
+        with open(PIDS["file"], "w") as out:
+            out.write(str(os.getpid()))
+        time.sleep(60)
+    for _ in range(500):  # TRL's call in the run, once the dry run's is under way: the user presses Ctrl-C
+        if PIDS["file"].exists():
+            break
+        time.sleep(0.01)
+    raise KeyboardInterrupt
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc for the state of the processes")
+def test_an_interrupted_run_does_not_wait_for_the_dry_run_and_leaves_no_process(tmp_path):
+    """Ctrl-C in the first step while the dry run's call still runs: the run stops at once (not at the call's
+    limit), the child is killed and reaped, the report says the dry run gave no verdict."""
+    MAIN["pid"], PIDS["file"] = os.getpid(), tmp_path / "pid"
+    cb = watch()
+    trainer = setups.grpo(
+        tmp_path, rows(), [hangs_in_the_dry_run_interrupts_the_run], callbacks=[cb], max_steps=2
+    )
+    started = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert time.perf_counter() - started < rl.REWARD_TIMEOUT / 2
+    assert cb.report.stats["reward_dry_run"].startswith("skipped: the run was interrupted")
+    child = int(PIDS["file"].read_text())
+    assert reaped(child) and not running(child)

@@ -17,9 +17,10 @@ What TRL 1.16 does (``grpo_trainer.py``; ``rloo_trainer.py`` alike), and what is
 * groups: ``num_generations`` consecutive completions share a prompt; under ``scale_rewards="group"`` each
   advantage is (r - mean of its group) / (std of its group + 1e-4); a group whose std is 0 carries no gradient.
 
-The dry run changes nothing: each call of a reward function runs in a forked child process on copies of its
-inputs, killed at its time limit (:mod:`hf_sanity.measure.user_code`: what it draws from the random generators,
-writes or starts stays in the child; where no fork exists nothing is called and the report says why); under
+The dry run changes nothing: every call of every reward function runs in one forked child process on copies of
+its inputs, each stopped at its time limit (:mod:`hf_sanity.measure.user_code`: what it draws from the random
+generators, writes or starts stays in the child; where no fork exists nothing is called and the report says why);
+the callback starts it at train begin and reads its verdicts at the first step's end (:func:`start_dry_run`); under
 torch.distributed only the main process calls them (a paid judge is billed once) and every rank gets its verdict;
 the model generates under :func:`hf_sanity.untouched.untouched` (modes, grads and RNG restored).
 
@@ -637,44 +638,85 @@ def stripped_tokens(func, tokenizer) -> tuple[str, ...]:
 
 def dry_run(trainer, batches: Sequence[Completions], *, timeout: float | None = None) -> DryRun:
     """Call each reward function of ``trainer`` on each of ``batches`` (and, when it gives one value on
-    conversational completions, on the same completions as plain strings) and judge what it returned.
+    conversational completions, on the same completions as plain strings) and judge what it returned
+    (:func:`start_dry_run`, waited for)."""
+    return start_dry_run(trainer, lambda: batches, timeout=timeout).result()
 
-    Every call of every function runs in ONE forked child (:func:`hf_sanity.measure.user_code.run_in_one_child`:
-    one fork of the trainer's process, not one a call), each under its own time limit; the judging runs there too,
-    as it decides the follow-up calls from the values alone. A function whose call stopped the child (stuck past
-    its limit in C code, or ending its process) is judged from that, and the functions after it are not called."""
-    from hf_sanity.measure.user_code import can_isolate, run_in_one_child
 
-    started = time.perf_counter()
+def start_dry_run(
+    trainer, batches: Callable[[], Sequence[Completions | None]], *, timeout: float | None = None
+) -> PendingDryRun:
+    """The dry run, started: ``batches()`` built, each reward function called on them and judged, all in ONE forked
+    child (:class:`hf_sanity.measure.user_code.OneChild`: one fork of the trainer's process, not one a call),
+    which works while the caller goes on; :meth:`PendingDryRun.result` waits for its verdicts. Each call there has
+    its own time limit (``timeout``, default :data:`REWARD_TIMEOUT`); the judging runs there too, as it decides the
+    follow-up calls from the values alone. A function whose call stopped the child (stuck past its limit in C code,
+    or ending its process) is judged from that, and the functions after it are not called."""
+    from hf_sanity.measure.user_code import OneChild, can_isolate
+
     if not can_isolate():
         from hf_sanity.measure.user_code import NO_FORK
 
-        return DryRun(reason=NO_FORK)
-    batches = [b for b in batches if b is not None and len(b)]
-    tokenizer = trainer_tokenizer(trainer)
-    state = copy.deepcopy(getattr(trainer, "state", None))
-    skipped = []
-    dataset_columns = set(getattr(getattr(trainer, "train_dataset", None), "column_names", ()) or ())
-    called = []
+        return PendingDryRun(None, [], [], reason=NO_FORK)
+    skipped, called = [], []
     for name, func in reward_funcs(trainer):
         if _is_module(func):
             skipped.append(f"{name}: a reward model (not dry-run: it is a model, not code)")
-            continue
-        called.append((name, func))
+        else:
+            called.append((name, func))
+    made: dict[str, Any] = {}  # in the child: what the first step built, for the steps after it
+
+    def build():  # in the child, first: the completions, and what every call gets beside them
+        made["batches"] = [b for b in batches() if b is not None and len(b)]
+        made["state"] = copy.deepcopy(getattr(trainer, "state", None))
+        made["tokenizer"] = trainer_tokenizer(trainer)
+        made["columns"] = set(getattr(getattr(trainer, "train_dataset", None), "column_names", ()) or ())
+        return {b.source: len(b) for b in made["batches"]}
 
     def step(name, func):  # in the child: the calls, then the verdict (plain data)
+        batches, state = made["batches"], made["state"]
         calls = {b.source: call_reward(func, b.kwargs(state), timeout) for b in batches}
-        return judge(name, func, calls, batches, state, tokenizer, dataset_columns, timeout)
+        return judge(name, func, calls, batches, state, made["tokenizer"], made["columns"], timeout)
 
     limit = REWARD_TIMEOUT if timeout is None else timeout
-    outcomes = run_in_one_child([functools.partial(step, name, func) for name, func in called], limit)
-    checks = []
-    for (name, _), outcome in zip(called, outcomes):
-        check = outcome.value if isinstance(outcome.value, RewardCheck) else _unjudged(name, outcome)
-        if check.skipped:
-            skipped.append(f"{name}: {check.skipped}")
-        checks.append(check)
-    return DryRun(checks, {b.source: len(b) for b in batches}, skipped, time.perf_counter() - started)
+    steps = [build, *(functools.partial(step, name, func) for name, func in called)]
+    return PendingDryRun(OneChild(steps, limit), [name for name, _ in called], skipped)
+
+
+class PendingDryRun:
+    """A dry run at work in its child (:func:`start_dry_run`)."""
+
+    def __init__(self, child, names: list[str], skipped: list[str], reason: str | None = None) -> None:
+        self.child, self.names, self.skipped, self.reason = child, names, skipped, reason
+
+    @property
+    def ready(self) -> bool:
+        """Its verdicts are in (read without waiting)."""
+        return self.child is None or self.child.finished
+
+    def abandon(self) -> None:
+        """No verdict is wanted any more (the run was interrupted): its child killed and reaped."""
+        if self.child is not None:
+            self.child.abandon("not run: the run was interrupted")
+
+    def result(self) -> DryRun:
+        """Its verdicts, waiting for its child as long as the calls' limits allow. The completions could not be
+        built there (hf-sanity's own code failed): raised, an internal error."""
+        if self.child is None:
+            return DryRun(reason=self.reason)
+        built, *judged = self.child.outcomes()
+        if not isinstance(built.value, dict):
+            raise RuntimeError(f"the dry run's completions were not built: {built.error or built.skipped}")
+        checks, skipped = [], list(self.skipped)
+        for name, outcome in zip(self.names, judged):
+            check = outcome.value if isinstance(outcome.value, RewardCheck) else _unjudged(name, outcome)
+            if check.skipped:
+                skipped.append(f"{name}: {check.skipped}")
+            checks.append(check)
+        seconds = sum(
+            o.seconds for o in (built, *judged)
+        )  # the child's work, from the fork to its last verdict
+        return DryRun(checks, built.value, skipped, seconds)
 
 
 def _unjudged(name: str, outcome) -> RewardCheck:

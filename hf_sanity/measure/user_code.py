@@ -17,15 +17,17 @@ bit for bit as it would have without those calls. So each call runs in a forked 
   parallelism off, the pools a fork leaves behind); a CUDA context is not usable in the child (as in a forked
   DataLoader worker): a call that needs CUDA is reported as not judged, with that reason, never as broken.
 
-Many calls, one child (:func:`run_in_one_child`, the reward dry run): a fork copies the page tables of a process
-that holds a model (tens of milliseconds for a trainer's), so the dry run makes every call of every reward function
-in sequence in ONE forked child, as TRL makes them in one process. Each call there has its own time limit: a timer
-(``SIGALRM``, in the child's main thread) raises at the deadline and the next call goes on; the parent also keeps
-a deadline for whatever the child is doing (a call: its limit and :data:`GRACE`; hf-sanity's own work between
-calls: the same), and kills the group there: a call stuck in C code, where no signal handler runs, is reported
-as timed out and the steps after it as not run. What a call that timed out started is killed with the group when
-the child's work is over (before the caller goes on). The child's steps return plain data, step by step, so what
-was judged before a kill stays judged.
+Many calls, one child (:class:`OneChild`, the reward dry run): a fork copies the page tables of a process that
+holds a model (~10 ms for the tiny benchmark trainer's ~350 MB of its own memory, more for a larger one), so the
+dry run makes every call of every reward function in sequence in ONE forked child, as TRL makes them in one
+process. Each call there has its own time limit: a timer (``SIGALRM``, in the child's main thread) raises at the
+deadline and the next call goes on; the parent also keeps a deadline for whatever the child is doing (a call: its
+limit and :data:`GRACE`; hf-sanity's own work between calls: the same), on the child's clock, and kills the group
+there: a call stuck in C code, where no signal handler runs, is reported as timed out and the steps after it as
+not run. What a call that timed out started is killed with the group when the child's work is over (before the
+caller reads the outcomes). The child's steps return plain data, step by step, so what was judged before a kill
+stays judged. The parent need not wait: it may go on and read the outcomes later (SanityCallback reads them at the
+first step's end), or abandon the child (killed and reaped).
 
 Where ``os.fork`` does not exist (Windows) nothing is called: the outcome says why (a thread that outlives its
 deadline cannot be stopped, and it would keep running beside the trainer).
@@ -207,85 +209,122 @@ def run_in_one_child(steps: Sequence[Callable[[], Any]], timeout: float) -> list
     in that child calls it in place under a timer of its own limit. The parent kills the child's group when a
     call outlives its limit by :data:`GRACE` (or hf-sanity's work between calls outlives ``timeout`` by as much):
     that step is timed out, the steps after it not run (:data:`NOT_RUN`). The parent's RNG states are restored
-    after, as around :func:`run_isolated`."""
-    from hf_sanity.untouched import preserved_rng
-
-    if not steps:
-        return []
-    if not can_isolate():
-        return [Outcome(skipped=NO_FORK) for _ in steps]
-    with preserved_rng():
-        return _fork_and_collect(steps, timeout)
+    around the fork, as around :func:`run_isolated`."""
+    return OneChild(steps, timeout).outcomes()
 
 
-def _fork_and_collect(steps: Sequence[Callable[[], Any]], timeout: float) -> list[Outcome]:
-    read_end, write_end = os.pipe()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    with _fork_environment():
-        pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(read_end)
-            _child_steps(steps, write_end)
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with contextlib.suppress(OSError):
-        os.setpgid(pid, pid)
-    outcomes: list[Outcome] = []
-    step_started = time.perf_counter()
-    limit = timeout  # what the child is doing now may take this long (and GRACE)
-    deadline = time.monotonic() + limit + GRACE
-    # expired: a call was stopped by the child's timer (it may have left processes); reaped: the child is.
-    expired = reaped = False
-    data = bytearray()
-    try:
-        while len(outcomes) < len(steps):
-            left = deadline - time.monotonic()
+class OneChild:
+    """The parent's side of :func:`run_in_one_child`, started here and waited for later (:meth:`outcomes`): the
+    child works while the parent goes on. Its deadlines are on the child's clock (each message carries the
+    system's monotonic time), so a parent that reads late still judges each call by its own limit."""
+
+    def __init__(self, steps: Sequence[Callable[[], Any]], timeout: float) -> None:
+        from hf_sanity.untouched import preserved_rng
+
+        self.count, self.timeout = len(steps), timeout
+        self.results: list[Outcome] = []
+        self.pid: int | None = None
+        self.expired = False  # a call stopped by the child's timer (it may have left processes)
+        self._data = bytearray()
+        if not steps:
+            return
+        if not can_isolate():
+            self.results = [Outcome(skipped=NO_FORK) for _ in steps]
+            return
+        read_end, write_end = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # buffered output would be written twice, by both processes
+            with contextlib.suppress(Exception):
+                stream.flush()
+        with preserved_rng(), _fork_environment():
+            pid = os.fork()
+        if pid == 0:  # the child: never returns into the caller's stack
+            try:
+                os.close(read_end)
+                _child_steps(steps, write_end)
+            finally:
+                os._exit(0)
+        os.close(write_end)
+        with contextlib.suppress(OSError):
+            os.setpgid(pid, pid)  # also done by the child: whichever runs first, the group exists
+        self.pid, self._read_end = pid, read_end
+        self._step_started = time.monotonic()
+        self._limit = timeout  # what the child is doing now may take this long (and GRACE)
+        self._deadline = self._step_started + timeout + GRACE
+
+    @property
+    def finished(self) -> bool:
+        """Every step's outcome is in (reading what the child has sent so far, without waiting)."""
+        if self.pid is not None:
+            self._pump(block=False)
+        return self.pid is None
+
+    def outcomes(self) -> list[Outcome]:
+        """Each step's outcome, waiting for the child as long as its deadlines allow."""
+        if self.pid is not None:
+            self._pump(block=True)
+        return self.results
+
+    def abandon(self, why: str) -> None:
+        """The caller goes no further (the run failed): the child and its group killed and reaped; the steps
+        without an outcome say ``why``."""
+        if self.pid is None:
+            return
+        _kill(self.pid)
+        self._close(reaped=True, rest=why)
+
+    def _pump(self, *, block: bool) -> None:
+        while len(self.results) < self.count:
+            left = self._deadline - time.monotonic()
             if left <= 0:  # the backstop: the child's timer did not stop the call (or hf-sanity's work hung)
-                _kill(pid)
-                reaped = True
-                outcomes.append(Outcome(error=f"did not return within {limit:g} s", timed_out=True,
-                                        seconds=time.perf_counter() - step_started))  # fmt: skip
-                break
-            ready, _, _ = select.select([read_end], [], [], left)
+                _kill(self.pid)
+                self.results.append(Outcome(error=f"did not return within {self._limit:g} s", timed_out=True,
+                                            seconds=time.monotonic() - self._step_started))  # fmt: skip
+                return self._close(reaped=True)
+            ready, _, _ = select.select([self._read_end], [], [], left if block else 0)
             if not ready:
-                continue
-            chunk = os.read(read_end, 1 << 16)
-            if not chunk:
-                break
-            data += chunk
-            for message in _messages(data):
-                kind = message[0]
-                if kind == "call":  # a call of the user's code begins: its own limit
-                    limit = message[1]
-                elif kind == "expired":  # the child's timer stopped a call; the child goes on
-                    expired, limit = True, timeout
-                elif kind == "returned":
-                    limit = timeout
-                else:  # "step": one step's result
-                    now = time.perf_counter()
-                    outcomes.append(_outcome(message[1], message[2], timeout, now - step_started))
-                    step_started, limit = now, timeout
-                deadline = time.monotonic() + limit + GRACE
-    finally:
-        os.close(read_end)
-    if not reaped and len(outcomes) < len(steps):  # the child ended before it sent every step
-        _, status = os.waitpid(pid, 0)
-        reaped = True
-        code = os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") else status
-        outcomes.append(Outcome(skipped=f"the call ended its process (exit status {code}) before it returned",
-                                seconds=time.perf_counter() - step_started))  # fmt: skip
-    outcomes += [Outcome(skipped=NOT_RUN) for _ in range(len(steps) - len(outcomes))]
-    _kill_group(pid)  # what the calls started and left behind (the group's id lives while it has members)
-    if expired and not reaped:  # a call stopped by its timer may have started processes: gone before we go on
-        _kill(pid)
-    elif not reaped:  # its exit, the teardown of a copy of the trainer's process, is not waited for
-        _UNREAPED.append(pid)
-        reap_finished()
-    return outcomes
+                if block:
+                    continue
+                return None
+            chunk = os.read(self._read_end, 1 << 16)
+            if not chunk:  # the child ended before it sent every step
+                _, status = os.waitpid(self.pid, 0)
+                code = os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") else status
+                self.results.append(Outcome(skipped=f"the call ended its process (exit status {code}) before "
+                                            "it returned", seconds=time.monotonic() - self._step_started))  # fmt: skip
+                return self._close(reaped=True)
+            self._data += chunk
+            for message in _messages(self._data):
+                self._take(message)
+        return self._close(reaped=False)
+
+    def _take(self, message: tuple) -> None:
+        kind, sent = message[0], message[1]
+        if kind == "call":  # a call of the user's code begins: its own limit
+            self._limit = message[2]
+        elif kind == "expired":  # the child's timer stopped a call; the child goes on
+            self.expired, self._limit = True, self.timeout
+        elif kind == "returned":
+            self._limit = self.timeout
+        else:  # "step": one step's result
+            seconds = sent - self._step_started
+            self.results.append(_outcome(message[2], message[3], self.timeout, seconds))
+            self._step_started, self._limit = sent, self.timeout
+        self._deadline = sent + self._limit + GRACE
+
+    def _close(self, *, reaped: bool, rest: str = NOT_RUN) -> None:
+        pid, self.pid = self.pid, None
+        os.close(self._read_end)
+        self.results += [Outcome(skipped=rest) for _ in range(self.count - len(self.results))]
+        _kill_group(pid)  # what the calls started and left behind (the group's id lives while it has members)
+        if reaped:
+            return
+        if (
+            self.expired
+        ):  # a call stopped by its timer may have started processes: gone before the caller goes on
+            _kill(pid)
+        else:  # its exit, the teardown of a copy of the trainer's process, is not waited for
+            _UNREAPED.append(pid)
+            reap_finished()
 
 
 _LENGTH = struct.Struct("!I")
@@ -309,9 +348,8 @@ def _send(message: tuple) -> None:
     try:
         blob = pickle.dumps(message)
     except Exception as exc:
-        blob = pickle.dumps(
-            ("step", "lost", f"its result could not be sent back ({type(exc).__name__}: {exc})")
-        )
+        why = f"its result could not be sent back ({type(exc).__name__}: {exc})"
+        blob = pickle.dumps(("step", time.monotonic(), "lost", why))
     view = memoryview(_LENGTH.pack(len(blob)) + blob)
     while view:
         view = view[os.write(_CHANNEL, view) :]
@@ -326,7 +364,7 @@ def _child_steps(steps: Sequence[Callable[[], Any]], write_end: int) -> None:
             result: tuple[str, Any] = ("ok", step())
         except BaseException as exc:  # hf-sanity's step: the user's code inside it is caught by _limited
             result = ("raised", f"{type(exc).__name__}: {exc}")
-        _send(("step", *result))
+        _send(("step", time.monotonic(), *result))
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -346,7 +384,7 @@ def _limited(call: Callable[[], Any], timeout: float) -> Outcome:
         if armed[0]:
             raise _OutOfTime
 
-    _send(("call", timeout))
+    _send(("call", time.monotonic(), timeout))
     previous = signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, timeout)
     started = time.perf_counter()
@@ -363,7 +401,7 @@ def _limited(call: Callable[[], Any], timeout: float) -> Outcome:
     finally:
         signal.signal(signal.SIGALRM, previous)
     seconds = time.perf_counter() - started
-    _send(("expired",) if status == "timeout" else ("returned",))
+    _send(("expired" if status == "timeout" else "returned", time.monotonic()))
     return _outcome(status, payload, timeout, seconds)
 
 

@@ -96,6 +96,8 @@ def stats(callback, *, steps: int) -> dict[str, Any]:
     probes their time budgets ran and skipped, and the sharding layout."""
     sink, sampler, budget = callback.sink, callback.sampler, callback.memory_budget
     clock = callback.clock
+    # A dry run no step's end read (a run of no step, or one that failed): its verdicts now.
+    callback.trl.settle(callback.monitors)
     out = sink.stats(
         clock.so_far(),
         clock.share(),
@@ -126,6 +128,8 @@ def failed(callback, exc: BaseException) -> None:
     from hf_sanity.training import memory
 
     sink = callback.sink
+    if isinstance(exc, KeyboardInterrupt):  # the user stopped the run: no verdict is waited for
+        callback.trl.abandon()
     if memory.is_oom(exc) and sink.measures("oom"):
         with sink.guard("oom"):
             callback._read(now=callback._step)

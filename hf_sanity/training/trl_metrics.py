@@ -6,7 +6,8 @@ per micro-batch they wait in ``trainer._metrics["train"]`` until the logging ste
 at the end of the first optimizer step the first micro-batch's values are the exact step-0 numbers, computed
 before any update. This module reads both, and at train begin measures what the rules compare them with (the
 pairs as the trainer prepared them, the reference model's facts; an RL run's reward functions called on a few
-completions and, with beta = 0, the start of its own KL probe). During an RL run it also reads the trainer's
+completions, in a child process whose verdicts are read at the first step's end, and, with beta = 0, the start
+of its own KL probe). During an RL run it also reads the trainer's
 latest rollouts in group order (``trainer._logs``: each completion's reward per function and its text). Nothing
 here runs on an SFT run.
 """
@@ -41,6 +42,7 @@ class ObjectiveFeed:
         self.sampler = None  # the rescoring probe of an RL run's sampler (`hf_sanity.training.sampler`)
         # What an RL run's reward dry run found at train begin (or why it did not run).
         self.dry_run: dict[str, Any] | str | None = None
+        self.pending = None  # the dry run at work in its child (`measure.rl.PendingDryRun`), until settled
         self.unreaped = 0  # child processes of the dry run not reaped yet
 
     def begin(self) -> dict[str, Any]:
@@ -73,14 +75,15 @@ class ObjectiveFeed:
         measures = self.sink.measures
         if not self.reward_dry_run:
             self.dry_run = "skipped: reward_dry_run=False (no reward function was called)"
+        elif measures("reward_dry_run") and self.sink.world_size == 1:
+            # Started here, its verdict read at the first step's end (settle): its child works beside that step,
+            # and a verdict that stops the run (abort_on="error") stops it at that step, as one read here would.
+            with self.sink.guard("reward-dry-run"):
+                self.pending = rl.start_dry_run(self.trainer, lambda: [rl.synthetic(self.trainer)])
         elif measures("reward_dry_run"):
             with self.sink.guard("reward-dry-run"):  # on the main process only: every rank gets its verdict
                 run = rl.on_main_process(lambda: rl.dry_run(self.trainer, [rl.synthetic(self.trainer)]))
-                self.unreaped = 1  # its processes' exits: reaped at the steps' ends (user_code.reap_finished)
-                self.dry_run = run.describe()
-                if isinstance(self.dry_run, dict):
-                    values["reward_dry_run"] = self.dry_run
-                self.sink.report.notes.extend(run.notes())
+                values.update(self._verdict(run))
         if not self.internals:  # the probes read TRL's rollout buffer
             return values
         # Its baseline (a forward at the first update) only where a measurement will follow it.
@@ -93,6 +96,29 @@ class ObjectiveFeed:
 
                 self.sampler = SamplerProbe(self.trainer, self.every)
         return values
+
+    def _verdict(self, run) -> dict[str, Any]:
+        """The dry run's verdicts: in the report, its notes, and as the value the monitors read."""
+        self.unreaped = 1  # its processes' exits: reaped at the steps' ends (user_code.reap_finished)
+        self.dry_run = run.describe()
+        self.sink.report.notes.extend(run.notes())
+        return {"reward_dry_run": self.dry_run} if isinstance(self.dry_run, dict) else {}
+
+    def settle(self, monitors) -> None:
+        """The dry run started at train begin: its verdicts to the monitors, as of step 0 (waiting for its child
+        as long as the calls' limits allow). At the first step's end, or at the run's end if none came."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            with self.sink.guard("reward-dry-run"):
+                monitors.feed(0, self._verdict(pending.result()))
+
+    def abandon(self) -> None:
+        """The run was interrupted: a dry run still at work is killed, its verdict not waited for."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            with self.sink.guard("reward-dry-run"):
+                pending.abandon()
+                self.dry_run = "skipped: the run was interrupted before the dry run's verdict"
 
     def stats(self) -> dict[str, Any]:
         """For the report: an RL run's reward dry run at train begin, and whether the KL probe ran (beta = 0)."""
@@ -127,6 +153,8 @@ class ObjectiveFeed:
     def step_end(self, step: int, monitors, sink) -> None:
         """The callback's end of step: the first step's metrics to the monitors; every ``every`` steps, an RL run's
         KL to its initial policy (beta = 0)."""
+        if self.pending is not None:  # the dry run's verdict first: an error stops the run at this step
+            self.settle(monitors)
         if self.active and step == 1:
             with sink.guard("callback-trl-metrics"):
                 monitors.feed(1, self.first_step())
