@@ -4,8 +4,10 @@ and the reward dry run).
 The same ``GRPOTrainer`` run (the tiny model fine-tuned on the demo chats, 64 demo prompts, batch 8, G=4,
 ``max_completion_length`` 32, a graded reward, 40 steps: issue 29's row) with and without ``SanityCallback()``
 (all rules: the reward dry run and the KL probe of beta = 0 included), after one warm-up run, 8 pairs in ABBA
-order; the wall clock covers the whole ``trainer.train()`` call. Generation dominates a GRPO step, so the callback's per-step work weighs little;
-its one-off work at train begin (the reward dry run) is in its own clock. One CPU thread on both sides.
+order; the wall clock covers the whole ``trainer.train()`` call. Generation dominates a GRPO step, so the callback's
+per-step work weighs little; its one-off work at train begin (the reward dry run) is in its own clock. One CPU
+thread on both sides. Twice: logging every step (issue 29's row; the callback reads TRL's metrics and rollouts at
+each log) and every 10 (TRL's default ``logging_steps``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def length_reward(completions, **kwargs):
     return [-abs(len(t) - 30) / 30 for t in texts]
 
 
-def trainer(out: str, steps: int, callbacks=(), rollout_func=None):
+def trainer(out: str, steps: int, callbacks=(), rollout_func=None, logging_steps: int = 1):
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -39,7 +41,7 @@ def trainer(out: str, steps: int, callbacks=(), rollout_func=None):
             max_completion_length=32,
             temperature=1.2,
             learning_rate=1e-4,
-            logging_steps=1,
+            logging_steps=logging_steps,
             report_to=[],
             save_strategy="no",
             bf16=False,
@@ -54,12 +56,12 @@ def trainer(out: str, steps: int, callbacks=(), rollout_func=None):
     )
 
 
-def one_run(steps: int, with_callback: bool) -> dict:
+def one_run(steps: int, with_callback: bool, logging_steps: int = 1) -> dict:
     from hf_sanity import SanityCallback
 
     callbacks = [SanityCallback(use_config=False, print_findings=False)] if with_callback else []
     with tempfile.TemporaryDirectory() as out:
-        run = trainer(out, steps, callbacks)
+        run = trainer(out, steps, callbacks, logging_steps=logging_steps)
         started = time.perf_counter()
         run.train()
         wall = time.perf_counter() - started
@@ -74,7 +76,7 @@ def one_run(steps: int, with_callback: bool) -> dict:
     }
 
 
-def compare(steps: int = 40, repeats: int = 8) -> dict:
+def compare(steps: int = 40, repeats: int = 8, logging_steps: int = 1) -> dict:
     """``repeats`` pairs of runs with and without the callback, in ABBA order (pair i runs bare first when i is
     even): the median of the per-pair wall ratios with their range, and the callback's own share of each watched
     run (report ``stats.callback_share``: median and range)."""
@@ -82,7 +84,7 @@ def compare(steps: int = 40, repeats: int = 8) -> dict:
     pairs, runs = [], []
     for i in range(repeats):
         order = (False, True) if i % 2 == 0 else (True, False)
-        got = {flag: one_run(steps, flag) for flag in order}
+        got = {flag: one_run(steps, flag, logging_steps) for flag in order}
         pairs.append(got[True]["wall"] / got[False]["wall"])
         runs.append(got)
     without = statistics.median(r[False]["wall"] for r in runs)
@@ -92,6 +94,7 @@ def compare(steps: int = 40, repeats: int = 8) -> dict:
     return {
         "model": "GRPO: tiny 0.2M, batch 8, G=4, 32 tokens",
         "steps": steps,
+        "logging_steps": logging_steps,
         "pairs": repeats,
         "wall_s_without": without,
         "wall_s_with": with_cb,
@@ -188,7 +191,7 @@ def sampler_probe_cost(steps: int = 200) -> dict:
     }
 
 
-def run(*, quick: bool = False) -> tuple[dict, dict]:
+def run(*, quick: bool = False) -> tuple[list[dict], dict]:
     import torch
 
     threads = torch.get_num_threads()
@@ -196,6 +199,8 @@ def run(*, quick: bool = False) -> tuple[dict, dict]:
         1
     )  # the tiny model is overhead-bound: a second thread only contends (both sides alike)
     try:
-        return compare(steps=6 if quick else 40, repeats=2 if quick else 8), preflight_cost()
+        steps, repeats = (6, 2) if quick else (40, 8)
+        rows = [compare(steps, repeats, logging_steps=n) for n in (1, 10)]  # issue 29's row; TRL's default
+        return rows, preflight_cost()
     finally:
         torch.set_num_threads(threads)

@@ -91,7 +91,7 @@ def main() -> None:
 
         compared, preflight = rl_overhead.run(quick=args.quick)
         print("SanityCallback on a GRPO run: whole train() wall time with and without it")
-        print(table([compared]), "\n")
+        print(table(compared), "\n")
         print("preflight(trainer=GRPOTrainer): the model's own completions and the reward dry run")
         print(table([preflight]), "\n")
     if args.only in (None, "moe"):
