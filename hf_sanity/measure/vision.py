@@ -331,8 +331,9 @@ def image_spans(trainer, modality: Modality, refused: list[str], limit: int = SP
             for example in examples:
                 _tokens_by_size(processor, example, modality, per_image)
         uncut = _uncut_rows(whole, examples)
-        if start == 0:  # whether blank pictures give these rows the same ids: then they stand in after
-            stand_ins = StandIns.calibrated(data, whole, processor, modality, rows, uncut)
+        if start == 0 and checked > len(rows):  # whether blank pictures give these rows the same ids
+            within = data.select(range(checked)) if hasattr(data, "select") else data  # the rows checked, cast
+            stand_ins = StandIns.calibrated(within, whole, processor, modality, rows, uncut)
         for row, ids in zip(rows, uncut, strict=True):
             expected = sum(1 for t in ids if t in modality.placeholder_ids or t < 0)
             surviving = sum(1 for t in ids[:max_length] if t in modality.placeholder_ids or t < 0)
