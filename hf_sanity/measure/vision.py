@@ -332,7 +332,8 @@ def image_spans(trainer, modality: Modality, refused: list[str], limit: int = SP
                 _tokens_by_size(processor, example, modality, per_image)
         uncut = _uncut_rows(whole, examples)
         if start == 0 and checked > len(rows):  # whether blank pictures give these rows the same ids
-            within = data.select(range(checked)) if hasattr(data, "select") else data  # the rows checked, cast
+            # Only the rows checked are cast to undecoded pictures.
+            within = data.select(range(checked)) if hasattr(data, "select") else data
             stand_ins = StandIns.calibrated(within, whole, processor, modality, rows, uncut)
         for row, ids in zip(rows, uncut, strict=True):
             expected = sum(1 for t in ids if t in modality.placeholder_ids or t < 0)
