@@ -30,7 +30,7 @@ test: install
 	$(BIN)/python -m pytest
 
 # The developer's lane: in-process tests only (no subprocess, torchrun, recipe, browser or long Trainer run), on
-# WORKERS processes (pytest-xdist; one per core of this 2-core machine: 2.5 minutes idle, 4.3 on one).
+# WORKERS processes (pytest-xdist; one per core of this 2-core machine: 2.5-5.3 minutes, as the machine goes).
 # `make test` (CI) stays serial: its torchrun and subprocess runs share ports and cores.
 WORKERS ?= 2
 test-fast: install
