@@ -343,6 +343,31 @@ def test_blank_stand_ins_count_what_the_real_pictures_count(tmp_path, monkeypatc
     assert fast == real
 
 
+def test_a_batch_whose_stand_ins_cannot_be_made_is_collated_with_its_real_pictures(tmp_path, monkeypatch):
+    """A picture whose size cannot be read (here: every size read after the first batch's) sends its batch back to
+    the real pictures: the spans are still the real ones, cut rows included."""
+    from hf_sanity.measure import vision
+
+    data = vlm.vlm_prompt_completion(72, images_in={40: 3, 65: 3})
+    trainer = vlm.vlm_sft_trainer(tmp_path, data, max_length=40)
+    modality = vision.measure_modality(trainer.processing_class, trainer.model)
+    real = vision.image_spans(trainer, modality, [])
+    read = vision._size
+
+    def unreadable_after_calibration(picture):
+        if len(calls) >= 32:  # the first batch's calibration read 32 sizes
+            raise OSError("cannot identify image file")
+        calls.append(1)
+        return read(picture)
+
+    calls: list[int] = []
+    monkeypatch.setattr(vision, "_size", unreadable_after_calibration)
+    fallen_back = vision.image_spans(trainer, modality, [])
+    assert len(calls) == 32  # the stand-ins were chosen, then could not be made
+    assert [c["row"] for c in fallen_back.cut] == [40, 65]
+    assert fallen_back == real
+
+
 def test_picture_files_stand_in_by_their_header_size(tmp_path, monkeypatch):
     """A dataset of picture files (the `images` column of paths cast to Image features, as `load_dataset`
     gives them): the spans are those of the real pictures."""
