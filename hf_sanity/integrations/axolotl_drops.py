@@ -88,7 +88,9 @@ def row_lengths(dataset) -> list[int] | None:
 
 def memory_dir() -> Path:
     """Where the counts of preparations Axolotl saved are kept (hf-sanity's cache, never Axolotl's folder)."""
-    return Path(os.environ.get("HF_SANITY_CACHE") or Path.home() / ".cache" / "hf-sanity") / "axolotl-drops"
+    from hf_sanity.cache import cache_root
+
+    return cache_root() / "axolotl-drops"
 
 
 def remember(dataset_hash: str, drop, saved_rows: int) -> None:

@@ -18,6 +18,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
+from hf_sanity.cache import cache_root
 from hf_sanity.testing.data import demo_conversations
 
 Template = Literal["chatml", "llama3", "generation", "base"]
@@ -92,10 +93,6 @@ class TinyConfig:
     intermediate_size: int = 128
     max_position_embeddings: int = 512
     seed: int = 0
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("HF_SANITY_CACHE") or Path.home() / ".cache" / "hf-sanity")
 
 
 def corpus() -> str:
