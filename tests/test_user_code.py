@@ -16,27 +16,12 @@ import numpy as np
 import pytest
 import torch
 import trl_setups as setups
+from test_rules_rl import one_thread, running  # noqa: F401 - one_thread is autouse
 
 import hf_sanity
 from hf_sanity.measure import rl, user_code
 
 pytestmark = pytest.mark.skipif(not user_code.can_isolate(), reason="calls the user's code in a forked child")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def reaped(pid: int) -> bool:

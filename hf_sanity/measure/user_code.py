@@ -104,23 +104,30 @@ def _outcome(status: str, payload: Any, timeout: float, seconds: float) -> Outco
     return Outcome(skipped=payload, seconds=seconds)  # "lost": the child died or its result was unreadable
 
 
-def _fork_and_wait(call: Callable[[], Any], timeout: float) -> tuple[str, Any]:
-    """(status, payload): ("ok", value), ("raised", "Type: message"), ("timeout", None) or ("lost", why)."""
+def _fork_child(work: Callable[[int], None]) -> tuple[int, int]:
+    """A forked child that runs ``work(write_end)`` in a process group of its own and never returns into the
+    caller's stack; the parent's (child's pid, the pipe's read end)."""
     read_end, write_end = os.pipe()
     for stream in (sys.stdout, sys.stderr):  # buffered output would be written twice, by both processes
         with contextlib.suppress(Exception):
             stream.flush()
     with _fork_environment():
         pid = os.fork()
-    if pid == 0:  # the child: never returns into the caller's stack
+    if pid == 0:
         try:
             os.close(read_end)
-            _child(call, write_end)
+            work(write_end)
         finally:
             os._exit(0)
     os.close(write_end)
     with contextlib.suppress(OSError):
         os.setpgid(pid, pid)  # also done by the child: whichever runs first, the group exists
+    return pid, read_end
+
+
+def _fork_and_wait(call: Callable[[], Any], timeout: float) -> tuple[str, Any]:
+    """(status, payload): ("ok", value), ("raised", "Type: message"), ("timeout", None) or ("lost", why)."""
+    pid, read_end = _fork_child(lambda write_end: _child(call, write_end))
     data, deadline = bytearray(), time.monotonic() + timeout
     try:
         while True:
@@ -231,22 +238,8 @@ class OneChild:
         if not can_isolate():
             self.results = [Outcome(skipped=NO_FORK) for _ in steps]
             return
-        read_end, write_end = os.pipe()
-        for stream in (sys.stdout, sys.stderr):  # buffered output would be written twice, by both processes
-            with contextlib.suppress(Exception):
-                stream.flush()
-        with preserved_rng(), _fork_environment():
-            pid = os.fork()
-        if pid == 0:  # the child: never returns into the caller's stack
-            try:
-                os.close(read_end)
-                _child_steps(steps, write_end)
-            finally:
-                os._exit(0)
-        os.close(write_end)
-        with contextlib.suppress(OSError):
-            os.setpgid(pid, pid)  # also done by the child: whichever runs first, the group exists
-        self.pid, self._read_end = pid, read_end
+        with preserved_rng():
+            self.pid, self._read_end = _fork_child(lambda write_end: _child_steps(steps, write_end))
         self._step_started = time.monotonic()
         self._limit = timeout  # what the child is doing now may take this long (and GRACE)
         self._deadline = self._step_started + timeout + GRACE

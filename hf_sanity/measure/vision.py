@@ -391,9 +391,7 @@ class StandIns:
                 many = isinstance(value, list)
                 sizes = [_size(v) for v in (value if many else [value])]
                 for size in sizes:
-                    key = f"{size[0]}x{size[1]}"
-                    if key not in per_image and len(per_image) < RESOLUTIONS:
-                        per_image[key] = placeholders_per_picture(processor, _blank(size), modality)
+                    _count_size(processor, size, _blank(size), modality, per_image)
                 blanks = [_blank(STAND_IN_SIZE if self.fixed else size) for size in sizes]
                 example[name] = blanks if many else blanks[0]
         return out
@@ -480,9 +478,15 @@ def _tokens_by_size(processor, example: Mapping[str, Any], modality: Modality, o
         size = getattr(picture, "size", None)
         if not isinstance(token, str) or not isinstance(size, tuple) or len(out) >= RESOLUTIONS:
             return
-        key = f"{size[0]}x{size[1]}"
-        if key not in out:
-            out[key] = placeholders_per_picture(processor, picture, modality)
+        _count_size(processor, size, picture, modality, out)
+
+
+def _count_size(processor, size: tuple[int, int], picture, modality: Modality, out: dict[str, int]) -> None:
+    """Into ``out`` ("WxH"): the placeholders one ``picture`` of ``size`` takes, where that size is new and
+    ``out`` holds fewer than :data:`RESOLUTIONS` sizes."""
+    key = f"{size[0]}x{size[1]}"
+    if key not in out and len(out) < RESOLUTIONS:
+        out[key] = placeholders_per_picture(processor, picture, modality)
 
 
 def placeholders_per_picture(processor, picture, modality: Modality) -> int:
