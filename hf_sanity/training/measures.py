@@ -345,9 +345,12 @@ class StepSampler:
         recorder.push(step, "stale_norm", self._summed(local, 1)[0].sqrt())
 
     def forward(self, recorder, step: int, module) -> None:
-        """A training forward: its mode, recorded whenever it is eval mode (the finding) and at the measured
-        steps when it is train mode (what shows the check ran)."""
-        if not module.training or self.measured(step):
+        """A forward's mode, where it is a training forward (one that builds a graph; generation's forwards, one a
+        token, and a reference's run without one): recorded whenever it is eval mode (the finding) and at the
+        measured steps in train mode (what shows the check ran)."""
+        import torch
+
+        if torch.is_grad_enabled() and (not module.training or self.measured(step)):
             recorder.push(step, "training", bool(module.training))
 
     def batch(self, batch) -> None:
