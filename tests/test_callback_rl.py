@@ -555,6 +555,90 @@ def test_a_grpo_run_whose_reward_draws_random_numbers_is_bit_for_bit_the_run_wit
         )
 
 
+# -- preflight's dry run carried over to the callback ---------------------------------------------------------------
+def counting_forks(monkeypatch) -> list[int]:
+    """Every os.fork of this process from now on (the dry run's child is one)."""
+    forks, fork = [], os.fork
+
+    def counted():
+        pid = fork()
+        if pid:  # the parent's side: the child's would be counted in a list the test never reads
+            forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", counted)
+    return forks
+
+
+def without_seconds(dry_run):
+    return {
+        name: {k: v for k, v in verdict.items() if k != "seconds"}
+        for name, verdict in dry_run["functions"].items()
+    }
+
+
+@pytest.mark.planted("reward-function-broken")
+def test_preflights_dry_run_is_the_callbacks_verdict_without_a_fork_of_its_own(tmp_path, monkeypatch):
+    """preflight(trainer=...) then train(): the callback reads preflight's verdict on the synthetic completions
+    (the same calls), forks nothing at train begin, and says the same as its own dry run would: the broken
+    function named with its cause at step 0, the run stopped at step 1."""
+    verdicts = {}
+    for name in ("own", "carried"):
+        cb = watch(abort_on="error")
+        trainer = setups.grpo(
+            tmp_path / name, rows(), [setups.length_reward, contains_answer], callbacks=[cb]
+        )
+        if name == "carried":
+            hf_sanity.preflight(trainer=trainer, use_config=False)
+        forks = counting_forks(monkeypatch)
+        trainer.train()
+        monkeypatch.undo()
+        (broken,) = found(cb, "reward-function-broken")
+        assert broken.step == 0 and broken.evidence["cause"] == "completion-type", name
+        assert trainer.state.hf_sanity_aborted_at_step == 1, name
+        dry_run = cb.report.stats["reward_dry_run"]
+        assert dry_run["completions"] == {"synthetic": 16}, name
+        assert (len(forks), dry_run.get("from")) == ((1, None) if name == "own" else (0, "preflight"))
+        verdicts[name] = without_seconds(dry_run)
+    assert verdicts["carried"] == verdicts["own"]
+    assert verdicts["own"]["length_reward"]["cause"] is None
+
+
+def reads_the_step(completions, trainer_state, **kwargs):
+    """A curriculum: its reward depends on the run's progress, which preflight's state does not have."""
+    return [len(setups.text_of(c)) / 30 * (1 + trainer_state.global_step / max(trainer_state.max_steps, 1))
+            for c in completions]  # fmt: skip
+
+
+@pytest.mark.clean("reward-function-broken")
+def test_the_callback_judges_again_what_changed_since_preflight_or_reads_the_runs_state(
+    tmp_path, monkeypatch
+):
+    """Not carried over: a reward function that reads ``trainer_state`` (preflight's has max_steps 0), and a
+    trainer whose reward functions were replaced after preflight (the new one is judged, not the old verdict)."""
+    cb = watch(abort_on="error")
+    trainer = setups.grpo(tmp_path / "state", rows(), [reads_the_step], callbacks=[cb], max_steps=2)
+    hf_sanity.preflight(trainer=trainer, use_config=False)
+    forks = counting_forks(monkeypatch)
+    trainer.train()
+    monkeypatch.undo()
+    silent(cb)
+    assert len(forks) == 1 and "from" not in cb.report.stats["reward_dry_run"]
+    assert cb.report.stats["reward_dry_run"]["functions"]["reads_the_step"]["cause"] is None
+
+    cb = watch(abort_on="error")
+    trainer = setups.grpo(tmp_path / "swapped", rows(), [contains_answer], callbacks=[cb], max_steps=2)
+    report = hf_sanity.preflight(trainer=trainer, use_config=False)
+    assert report.stats["reward_dry_run"]["functions"]["contains_answer"]["cause"] == "completion-type"
+    trainer.reward_funcs = [setups.length_reward]  # mended after preflight's report, before training
+    trainer.reward_func_names = ["length_reward"]  # (TRL logs by these names)
+    trainer.train()
+    silent(cb)
+    dry_run = cb.report.stats["reward_dry_run"]
+    assert set(dry_run["functions"]) == {"length_reward"} and "from" not in dry_run
+    assert trainer.state.global_step == 2
+
+
 def test_a_dpo_run_with_the_callback_is_bit_for_bit_the_run_without(tmp_path):
     from hf_sanity.testing import demo_preference_pairs
 

@@ -33,6 +33,7 @@ sparse (zero on these samples): its pass rate is the group rules' to judge, not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import inspect
@@ -41,8 +42,9 @@ import numbers
 import re
 import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
@@ -578,6 +580,8 @@ class DryRun:
     skipped: list[str] = field(default_factory=list)  # reward functions not called or not judged, and why
     seconds: float = 0.0
     reason: str | None = None  # why nothing was called (no checks then)
+    # "preflight": made there and carried over to the callback (:func:`carried_dry_run`).
+    origin: str | None = None
 
     def describe(self) -> dict[str, Any] | str:
         """As plain data; a line saying why when nothing was called."""
@@ -588,6 +592,7 @@ class DryRun:
             "completions": dict(self.batches),
             "skipped": list(self.skipped),
             "seconds": round(self.seconds, 3),
+            **({"from": self.origin} if self.origin else {}),
         }
 
     def notes(self) -> list[str]:
@@ -644,14 +649,20 @@ def dry_run(trainer, batches: Sequence[Completions], *, timeout: float | None = 
 
 
 def start_dry_run(
-    trainer, batches: Callable[[], Sequence[Completions | None]], *, timeout: float | None = None
+    trainer,
+    batches: Callable[[], Sequence[Completions | None]],
+    *,
+    timeout: float | None = None,
+    alone: str | None = None,
 ) -> PendingDryRun:
     """The dry run, started: ``batches()`` built, each reward function called on them and judged, all in ONE forked
     child (:class:`hf_sanity.measure.user_code.OneChild`: one fork of the trainer's process, not one a call),
     which works while the caller goes on; :meth:`PendingDryRun.result` waits for its verdicts. Each call there has
     its own time limit (``timeout``, default :data:`REWARD_TIMEOUT`); the judging runs there too, as it decides the
     follow-up calls from the values alone. A function whose call stopped the child (stuck past its limit in C code,
-    or ending its process) is judged from that, and the functions after it are not called."""
+    or ending its process) is judged from that, and the functions after it are not called. ``alone``: the source
+    of a batch also judged by itself, from the same calls (:meth:`PendingDryRun.alone`; preflight's verdict on the
+    synthetic completions, as SanityCallback's own dry run gives it: :func:`keep_for_training`)."""
     from hf_sanity.measure.user_code import OneChild, can_isolate
 
     if not can_isolate():
@@ -664,7 +675,7 @@ def start_dry_run(
             skipped.append(f"{name}: a reward model (not dry-run: it is a model, not code)")
         else:
             called.append((name, func))
-    made: dict[str, Any] = {}  # in the child: what the first step built, for the steps after it
+    made: dict[str, Any] = {"calls": {}}  # in the child: what the first step built, for the steps after it
 
     def build():  # in the child, first: the completions, and what every call gets beside them
         made["batches"] = [b for b in batches() if b is not None and len(b)]
@@ -675,19 +686,36 @@ def start_dry_run(
 
     def step(name, func):  # in the child: the calls, then the verdict (plain data)
         batches, state = made["batches"], made["state"]
-        calls = {b.source: call_reward(func, b.kwargs(state), timeout) for b in batches}
+        calls = made["calls"][name] = {b.source: call_reward(func, b.kwargs(state), timeout) for b in batches}
         return judge(name, func, calls, batches, state, made["tokenizer"], made["columns"], timeout)
+
+    def step_alone(
+        name, func
+    ):  # in the child: the ``alone`` batch's calls of that step, judged by themselves
+        kept = [b for b in made["batches"] if b.source == alone]
+        calls = {alone: made["calls"][name][alone]} if kept else {}
+        return judge(name, func, calls, kept, made["state"], made["tokenizer"], made["columns"], timeout)
 
     limit = REWARD_TIMEOUT if timeout is None else timeout
     steps = [build, *(functools.partial(step, name, func) for name, func in called)]
-    return PendingDryRun(OneChild(steps, limit), [name for name, _ in called], skipped)
+    if alone is not None:
+        steps += [functools.partial(step_alone, name, func) for name, func in called]
+    return PendingDryRun(OneChild(steps, limit), [name for name, _ in called], skipped, alone=alone)
 
 
 class PendingDryRun:
     """A dry run at work in its child (:func:`start_dry_run`)."""
 
-    def __init__(self, child, names: list[str], skipped: list[str], reason: str | None = None) -> None:
-        self.child, self.names, self.skipped, self.reason = child, names, skipped, reason
+    def __init__(
+        self, child, names: list[str], skipped: list[str], reason: str | None = None, alone: str | None = None
+    ) -> None:
+        self.child, self.names, self.skipped, self.reason, self.alone_source = (
+            child,
+            names,
+            skipped,
+            reason,
+            alone,
+        )
 
     @property
     def ready(self) -> bool:
@@ -704,9 +732,24 @@ class PendingDryRun:
         built there (hf-sanity's own code failed): raised, an internal error."""
         if self.child is None:
             return DryRun(reason=self.reason)
+        built, judged = self._outcomes()
+        return self._run(built, judged[: len(self.names)], built.value)
+
+    def alone(self) -> DryRun | None:
+        """The verdicts on the ``alone`` batch by itself (None: none was asked for, or there was no such batch)."""
+        if self.child is None or self.alone_source is None:
+            return None
+        built, judged = self._outcomes()
+        size = built.value.get(self.alone_source)
+        return self._run(built, judged[len(self.names) :], {self.alone_source: size}) if size else None
+
+    def _outcomes(self):
         built, *judged = self.child.outcomes()
         if not isinstance(built.value, dict):
             raise RuntimeError(f"the dry run's completions were not built: {built.error or built.skipped}")
+        return built, judged
+
+    def _run(self, built, judged, completions: dict[str, int]) -> DryRun:
         checks, skipped = [], list(self.skipped)
         for name, outcome in zip(self.names, judged):
             check = outcome.value if isinstance(outcome.value, RewardCheck) else _unjudged(name, outcome)
@@ -716,7 +759,69 @@ class PendingDryRun:
         seconds = sum(
             o.seconds for o in (built, *judged)
         )  # the child's work, from the fork to its last verdict
-        return DryRun(checks, built.value, skipped, seconds)
+        return DryRun(checks, completions, skipped, seconds)
+
+
+# -- preflight's verdict, carried over to the callback -----------------------------------------------------------
+# SanityCallback's dry run at train begin calls every reward function on the synthetic completions, in a fork of
+# the trainer's process (~10-15 ms of a tiny run: issue 29). preflight(trainer=...) has just called them on those
+# same completions: it also judges them as the callback would (those completions alone, from the same calls) and
+# keeps that verdict here, for as long as the trainer lives. The callback reads it instead of forking only where
+# nothing it was judged on can differ: the same reward function objects, dataset and tokenizer, and no function
+# that reads ``trainer_state`` (preflight's state is not the run's: ``max_steps`` is 0 before train() sets it).
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class _Kept:
+    inputs: tuple  # what the verdict was judged on (:func:`_judged_on`)
+    run: DryRun
+
+
+def _judged_on(trainer) -> tuple:
+    """The objects a dry run's verdict depends on: each reward function (name, object), the dataset and the
+    tokenizer (compared by identity)."""
+    return (*(x for pair in reward_funcs(trainer) for x in pair), getattr(trainer, "train_dataset", None),
+            trainer_tokenizer(trainer))  # fmt: skip
+
+
+def reads_trainer_state(func) -> bool:
+    """``func`` may read ``trainer_state`` (by name in its signature or its source; True where its source is not
+    there to read)."""
+    source = source_of(func)
+    try:
+        names = set(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        names = set()
+    return not source or "trainer_state" in source or "trainer_state" in names
+
+
+def keep_for_training(trainer, run: DryRun | None) -> None:
+    """Keep preflight's verdict on the synthetic completions alone (:meth:`PendingDryRun.alone`) for a
+    SanityCallback of ``trainer`` (:func:`carried_dry_run`); None, or a function that reads ``trainer_state``:
+    nothing kept (and an earlier verdict forgotten)."""
+    with contextlib.suppress(TypeError):  # a trainer that cannot be weakly referenced keeps nothing
+        _KEPT.pop(trainer, None)
+        if (
+            run is not None
+            and run.reason is None
+            and not any(reads_trainer_state(f) for _, f in reward_funcs(trainer))
+        ):
+            _KEPT[trainer] = _Kept(_judged_on(trainer), replace(run, origin="preflight"))
+
+
+def carried_dry_run(trainer) -> DryRun | None:
+    """The verdict preflight kept for ``trainer`` (:func:`keep_for_training`), if nothing it was judged on has
+    changed since; else None (the callback makes its own)."""
+    try:
+        kept = _KEPT.get(trainer)
+    except TypeError:
+        return None
+    if kept is None:
+        return None
+    now = _judged_on(trainer)
+    same = len(now) == len(kept.inputs) and all(a is b for a, b in zip(now, kept.inputs))
+    return kept.run if same else None
 
 
 def _unjudged(name: str, outcome) -> RewardCheck:
@@ -1025,7 +1130,15 @@ class Rollouts:
             sampled = self.sampled.completions if self.sampled is not None else None
         except Exception:  # this rank's generation failed: its rule says so; the collective must still happen
             sampled = None
-        return on_main_process(lambda: dry_run(self.trainer, [self.synthetic, sampled]))
+        return on_main_process(lambda: self._dry_run([self.synthetic, sampled]))
+
+    def _dry_run(self, batches: list[Completions | None]) -> DryRun:
+        """The dry run, waited for; its verdict on the synthetic completions alone kept for a SanityCallback of the
+        same trainer (:func:`keep_for_training`: its own dry run would judge exactly that)."""
+        pending = start_dry_run(self.trainer, lambda: batches, alone="synthetic")
+        run = pending.result()
+        keep_for_training(self.trainer, pending.alone())
+        return run
 
     @cached_property
     def continued(self) -> Continued | None:

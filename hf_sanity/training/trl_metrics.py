@@ -68,7 +68,8 @@ class ObjectiveFeed:
     def rl_begin(self) -> dict[str, Any]:
         """An RL run at train begin: the stop ids against the template's end of turn; the reward functions called on
         the dry run's completions (unless ``reward_dry_run=False``), each call in a child process, on the main
-        process only (the same verdict on every rank); with beta = 0, the KL probe."""
+        process only (the same verdict on every rank), or the verdict a ``preflight(trainer=...)`` of the same
+        functions made on the same calls (`hf_sanity.measure.rl.carried_dry_run`); with beta = 0, the KL probe."""
         from hf_sanity.measure import rl
 
         values: dict[str, Any] = {"rl_setup": {"stop_mismatch": rl.stop_mismatch(self.trainer)}}
@@ -76,10 +77,17 @@ class ObjectiveFeed:
         if not self.reward_dry_run:
             self.dry_run = "skipped: reward_dry_run=False (no reward function was called)"
         elif measures("reward_dry_run") and self.sink.world_size == 1:
-            # Started here, its verdict read at the first step's end (settle): its child works beside that step,
-            # and a verdict that stops the run (abort_on="error") stops it at that step, as one read here would.
-            with self.sink.guard("reward-dry-run"):
-                self.pending = rl.start_dry_run(self.trainer, lambda: [rl.synthetic(self.trainer)])
+            carried = None
+            with self.sink.guard("reward-dry-run"):  # preflight(trainer=...) judged the same calls: no fork
+                carried = rl.carried_dry_run(self.trainer)
+            if carried is not None:
+                values.update(self._verdict(carried, child=False))
+            else:
+                # Started here, its verdict read at the first step's end (settle): its child works beside that
+                # step, and a verdict that stops the run (abort_on="error") stops it at that step, as one read
+                # here would.
+                with self.sink.guard("reward-dry-run"):
+                    self.pending = rl.start_dry_run(self.trainer, lambda: [rl.synthetic(self.trainer)])
         elif measures("reward_dry_run"):
             with self.sink.guard("reward-dry-run"):  # on the main process only: every rank gets its verdict
                 run = rl.on_main_process(lambda: rl.dry_run(self.trainer, [rl.synthetic(self.trainer)]))
@@ -97,9 +105,11 @@ class ObjectiveFeed:
                 self.sampler = SamplerProbe(self.trainer, self.every)
         return values
 
-    def _verdict(self, run) -> dict[str, Any]:
-        """The dry run's verdicts: in the report, its notes, and as the value the monitors read."""
-        self.unreaped = 1  # its processes' exits: reaped at the steps' ends (user_code.reap_finished)
+    def _verdict(self, run, *, child: bool = True) -> dict[str, Any]:
+        """The dry run's verdicts: in the report, its notes, and as the value the monitors read (``child``: made by
+        a process of this run, whose exit is to be reaped)."""
+        if child:
+            self.unreaped = 1  # its processes' exits: reaped at the steps' ends (user_code.reap_finished)
         self.dry_run = run.describe()
         self.sink.report.notes.extend(run.notes())
         return {"reward_dry_run": self.dry_run} if isinstance(self.dry_run, dict) else {}
