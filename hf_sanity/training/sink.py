@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 from hf_sanity import catalog
@@ -23,22 +23,21 @@ from hf_sanity.selection import Selection
 
 class _TimedGuard(catalog.Guard):
     """``catalog.Guard`` for the callback: the check's seconds counted, and an internal-error reported once per
-    check (the run goes on)."""
+    check (the run goes on). Entered some thirty times a step: its attributes set here, not through
+    ``Guard.__init__``, and a block that raised nothing leaves without ``Guard.__exit__``."""
 
     __slots__ = ("sink", "started")
 
     def __init__(self, sink: FindingSink, check: str, step: int | None) -> None:
-        super().__init__(check, None, step=step, user_errors=True)
-        self.sink = sink
+        self.sink, self.check, self.step, self.found, self.user_errors = sink, check, step, None, True
 
     def __enter__(self) -> None:
-        self.started = time.perf_counter()
+        self.started = perf_counter()
 
     def __exit__(self, kind, exc, tb) -> bool:
-        sink, check = self.sink, self.check
-        elapsed = time.perf_counter() - self.started
-        sink.timings[check] = sink.timings.get(check, 0.0) + elapsed
-        return super().__exit__(kind, exc, tb)
+        timings, check = self.sink.timings, self.check
+        timings[check] = timings.get(check, 0.0) + (perf_counter() - self.started)
+        return kind is not None and super().__exit__(kind, exc, tb)
 
     def broken(self, exc: Exception) -> None:
         if self.check not in self.sink._failed:
