@@ -7,7 +7,8 @@ The same ``GRPOTrainer`` run (the tiny model fine-tuned on the demo chats, 64 de
 order; the wall clock covers the whole ``trainer.train()`` call. Generation dominates a GRPO step, so the callback's
 per-step work weighs little; its one-off work at train begin (the reward dry run) is in its own clock. One CPU
 thread on both sides. Twice: logging every step (issue 29's row; the callback reads TRL's metrics and rollouts at
-each log) and every 10 (TRL's default ``logging_steps``).
+each log) and every 10 (TRL's default ``logging_steps``); each with the callback alone, and after a
+``preflight(trainer=...)`` (on both sides), whose dry-run verdict the callback reads instead of forking its own.
 """
 
 from __future__ import annotations
@@ -56,12 +57,18 @@ def trainer(out: str, steps: int, callbacks=(), rollout_func=None, logging_steps
     )
 
 
-def one_run(steps: int, with_callback: bool, logging_steps: int = 1) -> dict:
+def one_run(steps: int, with_callback: bool, logging_steps: int = 1, preflight: bool = False) -> dict:
+    """One run's wall time (``trainer.train()`` only) and the callback's stats; ``preflight``: a
+    ``preflight(trainer=...)`` first, on both sides of a pair (its generation warms the same paths for both), whose
+    dry run the callback then reads instead of making its own."""
+    import hf_sanity
     from hf_sanity import SanityCallback
 
     callbacks = [SanityCallback(use_config=False, print_findings=False)] if with_callback else []
     with tempfile.TemporaryDirectory() as out:
         run = trainer(out, steps, callbacks, logging_steps=logging_steps)
+        if preflight:
+            hf_sanity.preflight(trainer=run, use_config=False)
         started = time.perf_counter()
         run.train()
         wall = time.perf_counter() - started
@@ -76,15 +83,15 @@ def one_run(steps: int, with_callback: bool, logging_steps: int = 1) -> dict:
     }
 
 
-def compare(steps: int = 40, repeats: int = 8, logging_steps: int = 1) -> dict:
+def compare(steps: int = 40, repeats: int = 8, logging_steps: int = 1, preflight: bool = False) -> dict:
     """``repeats`` pairs of runs with and without the callback, in ABBA order (pair i runs bare first when i is
     even): the median of the per-pair wall ratios with their range, and the callback's own share of each watched
     run (report ``stats.callback_share``: median and range)."""
-    one_run(min(steps, 4), True)  # warm-up: caches, the first generate's set-up
+    one_run(min(steps, 4), True, preflight=preflight)  # warm-up: caches, the first generate's set-up
     pairs, runs = [], []
     for i in range(repeats):
         order = (False, True) if i % 2 == 0 else (True, False)
-        got = {flag: one_run(steps, flag, logging_steps) for flag in order}
+        got = {flag: one_run(steps, flag, logging_steps, preflight) for flag in order}
         pairs.append(got[True]["wall"] / got[False]["wall"])
         runs.append(got)
     without = statistics.median(r[False]["wall"] for r in runs)
@@ -95,6 +102,7 @@ def compare(steps: int = 40, repeats: int = 8, logging_steps: int = 1) -> dict:
         "model": "GRPO: tiny 0.2M, batch 8, G=4, 32 tokens",
         "steps": steps,
         "logging_steps": logging_steps,
+        "preflight_first": "yes" if preflight else "no",
         "pairs": repeats,
         "wall_s_without": without,
         "wall_s_with": with_cb,
@@ -200,7 +208,9 @@ def run(*, quick: bool = False) -> tuple[list[dict], dict]:
     )  # the tiny model is overhead-bound: a second thread only contends (both sides alike)
     try:
         steps, repeats = (6, 2) if quick else (40, 8)
-        rows = [compare(steps, repeats, logging_steps=n) for n in (1, 10)]  # issue 29's row; TRL's default
+        # Issue 29's row (logging every step) and TRL's default logging_steps, each with the callback alone and
+        # after a preflight(trainer=...) whose reward dry run the callback reads instead of forking its own.
+        rows = [compare(steps, repeats, logging_steps=n, preflight=p) for p in (False, True) for n in (1, 10)]
         return rows, preflight_cost()
     finally:
         torch.set_num_threads(threads)

@@ -17,6 +17,7 @@ guess it would be misread silently.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -211,9 +212,10 @@ def read(path: str | Path, what: str = "report") -> ReportRecord:
 
 
 # -- one definition, three uses: writing, reading, the JSON Schema ------------------------------------------
-def _fields(cls: type) -> list[tuple[dataclasses.Field, Any]]:
+@functools.cache  # resolving the hints compiles each annotation: once a class, not at every report written
+def _fields(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
     hints = typing.get_type_hints(cls)
-    return [(f, hints[f.name]) for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls) if not f.metadata.get("internal"))
 
 
 def _optional(f: dataclasses.Field) -> bool:
