@@ -238,8 +238,9 @@ class SanityCallback(TrainerCallback, ExportableState):
                 self.monitors.feed(1, values)
 
     def post_forward(self, module, output) -> None:
-        if self.first.awaits_output:  # the first forward's output only: no guard on every later one
+        if self.first.done:  # the first forward's output, the only one read: the hook goes with it
             with self.sink.guard("first-batch"), self.instruments.quiet():  # (a probe forward, if needed)
+                self.instruments.release_output_hook()
                 self.monitors.feed(1, self.first.logits_pending(output, module) or {})
 
     def failed(self, exc: BaseException) -> None:
@@ -287,8 +288,7 @@ class SanityCallback(TrainerCallback, ExportableState):
         return self.sampler is None or self.sampler.sharding.probe_skip is None
 
     def _memory_check(self, step: int) -> None:
-        walked = ("graph_tensors", "holders", "allocated")  # what memory-growth and oom read of a walk
-        if self.sink.measures(*walked) and self.memory_budget.due():  # the walk: 0.1% of the run
+        if self.sink.measures(*memory.WALKED) and self.memory_budget.due():  # the walk: 0.1% of the run
             with self.sink.guard("memory-growth"), self.memory_budget.spend():
                 self.monitors.feed(step, memory.held_now(self.trainer, self.model, skip=self))
 

@@ -250,11 +250,6 @@ class FirstBatch:
         sink.report.views.append(view)
         sink.say(view, always=True)
 
-    @property
-    def awaits_output(self) -> bool:
-        """The first forward ran its pre-hook and its output is still to be read (:meth:`logits_pending`)."""
-        return self._shapes is not None
-
     def logits_pending(self, output, model=None) -> dict[str, Any] | None:
         """After the first forward: its shapes with the logits' (once), and the step-0 likelihood read from its
         logits (a forward of ours on ``model``, still at its initial weights, where they were not returned)."""

@@ -118,6 +118,7 @@ class Instruments:
     def __init__(self) -> None:
         self._installed: list[tuple[Any, str, Any, bool]] = []  # (object, attribute, previous, had it)
         self._hooks: list[Any] = []
+        self._output_hook = None  # the forward hook's handle, while outputs are read
         self.in_train = False  # inside trainer.training_step
         self.busy = False  # hf-sanity runs its own forward: hooks stay quiet
 
@@ -133,7 +134,16 @@ class Instruments:
                 self._wrap(trainer, "_get_grad_norm", lambda original: _observed_norm(original, observer))
         if model is not None:
             self._hooks.append(model.register_forward_pre_hook(self._pre(observer), with_kwargs=True))
-            self._hooks.append(model.register_forward_hook(self._post(observer), with_kwargs=True))
+            self._output_hook = model.register_forward_hook(self._post(observer), with_kwargs=True)
+            self._hooks.append(self._output_hook)
+
+    def release_output_hook(self) -> None:
+        """The forwards' outputs are read no more (the first one's was): every later forward, each token of a
+        generation included, runs without the hook. Safe inside the hook itself: torch calls a forward's hooks
+        from a copy of their list."""
+        if self._output_hook is not None:
+            self._output_hook.remove()
+            self._output_hook = None
 
     def uninstall(self) -> None:
         for obj, name, previous, had in reversed(self._installed):
@@ -143,7 +153,7 @@ class Instruments:
                 vars(obj).pop(name, None)
         for handle in self._hooks:
             handle.remove()
-        self._installed, self._hooks = [], []
+        self._installed, self._hooks, self._output_hook = [], [], None
 
     @contextlib.contextmanager
     def quiet(self):

@@ -14,6 +14,8 @@ import types
 from collections.abc import Iterable
 from typing import Any
 
+# What memory-growth and oom read of a walk (:func:`held_now`).
+WALKED = ("graph_tensors", "holders", "allocated")
 _SKIP_MODULES = ("torch", "transformers", "accelerate", "peft", "trl", "datasets", "hf_sanity", "numpy")
 
 
