@@ -143,15 +143,16 @@ def test_init_loss_far_below_chance_when_the_model_has_seen_the_data(setup, conv
     model, tok = setup
     rows = conversations[:4]
     ids = [tok.apply_chat_template(r["messages"])["input_ids"] for r in rows]
+    width = max(map(len, ids))
+    batch = torch.tensor([seq + [tok.pad_token_id] * (width - len(seq)) for seq in ids])
+    mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in ids])
+    labels = batch.masked_fill(mask == 0, -100)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(0)
-    for _ in range(150):  # memorise the four examples
-        for seq in ids:
-            batch = torch.tensor([seq])
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    for _ in range(150):  # memorise the four examples, all four in each step
+        model(input_ids=batch, attention_mask=mask, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
     # the loss on the answers (the cause is told by blanking the prompt: it must not carry loss itself)
     (finding,) = run(tok, rows, model=model, select="init-loss-off-chance", loss_on="completion").findings
     assert finding.evidence["direction"] == "below"
@@ -186,14 +187,14 @@ def test_init_loss_above_base_for_a_model_pretrained_without_the_template(setup,
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     torch.manual_seed(0)
     for _ in range(30):
-        for lo in range(0, len(texts), 8):
-            batch = tok(texts[lo : lo + 8], return_tensors="pt", padding=True)
+        for lo in range(0, len(texts), 16):
+            batch = tok(texts[lo : lo + 16], return_tensors="pt", padding=True)
             labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
             model(**batch, labels=labels).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
     (finding,) = run(tok, conversations, model=model, select="init-loss-above-base").findings
-    assert finding.evidence["templated_loss"] > 1.5 * finding.evidence["plain_loss"]
+    assert finding.evidence["templated_loss"] > 1.5 * finding.evidence["plain_loss"], finding.evidence
 
 
 @pytest.mark.clean("init-loss-above-base")
