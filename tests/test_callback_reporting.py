@@ -162,3 +162,26 @@ def test_a_finding_with_a_side_by_side_view_crosses_to_another_rank_and_back():
     assert "side_by_side" in finding.to_dict()
     rebuilt = Finding(**portable(finding))
     assert (rebuilt.rule, rebuilt.step, rebuilt.example) == ("never-stops", 3, None)
+
+
+@pytest.mark.internal_error_expected
+def test_a_check_guarded_again_inside_its_own_guard_is_timed_once(monkeypatch):
+    """stats.callback_seconds_by_check: on_log's "callback-trl-metrics" guard holds ObjectiveFeed.log's own guard
+    of that name; its seconds are the outer block's (once), and another check inside it keeps its own."""
+    from hf_sanity.selection import Selection
+    from hf_sanity.training import sink as sinks
+
+    now = [0.0]
+    monkeypatch.setattr(sinks, "perf_counter", lambda: now[0])
+    sink = sinks.FindingSink(Selection())
+    for _ in range(2):
+        with sink.guard("callback-trl-metrics"):
+            now[0] += 1.0
+            with sink.guard("callback-trl-metrics"):
+                now[0] += 2.0
+            with sink.guard("callback-read"):
+                now[0] += 4.0
+    assert sink.timings == {"callback-trl-metrics": 14.0, "callback-read": 8.0}
+    with sink.guard("callback-trl-metrics"), sink.guard("callback-trl-metrics"):
+        raise ValueError("broken inside")  # the inner guard reports it; both close
+    assert sink.timing == set() and [f.rule for f in sink.report.findings] == ["internal-error"]
