@@ -639,6 +639,42 @@ def test_the_callback_judges_again_what_changed_since_preflight_or_reads_the_run
     assert trainer.state.global_step == 2
 
 
+def test_a_kept_verdict_is_read_only_while_what_it_was_judged_on_is_the_same():
+    """The keys of the carry-over, on a stand-in trainer: the same reward function objects, dataset, tokenizer and
+    remove_unused_columns; a new object or setting, a function that reads trainer_state, or a trainer that
+    preflight never saw: nothing carried (the callback makes its own dry run)."""
+    from types import SimpleNamespace
+
+    from hf_sanity.measure import rl
+
+    class Trainer:  # what the keys read of a GRPOTrainer
+        def __init__(self):
+            self.reward_funcs, self.reward_func_names = [setups.length_reward], ["length_reward"]
+            self.train_dataset, self.processing_class = object(), object()
+            self.args = SimpleNamespace(remove_unused_columns=False)
+
+    verdict = rl.DryRun(batches={"synthetic": 16})
+    changes = {
+        "function": lambda t: setattr(t, "reward_funcs", [constant]),
+        "dataset": lambda t: setattr(t, "train_dataset", object()),
+        "tokenizer": lambda t: setattr(t, "processing_class", object()),
+        "columns": lambda t: setattr(t.args, "remove_unused_columns", True),
+    }
+    for what, change in changes.items():
+        trainer = Trainer()
+        rl.keep_for_training(trainer, verdict)
+        carried = rl.carried_dry_run(trainer)
+        assert carried is not None and carried.describe()["from"] == "preflight"
+        assert carried.describe()["completions"] == {"synthetic": 16}
+        change(trainer)
+        assert rl.carried_dry_run(trainer) is None, what
+    assert rl.carried_dry_run(Trainer()) is None  # never preflighted
+    trainer = Trainer()
+    trainer.reward_funcs = [reads_the_step]
+    rl.keep_for_training(trainer, verdict)
+    assert rl.carried_dry_run(trainer) is None
+
+
 def test_a_dpo_run_with_the_callback_is_bit_for_bit_the_run_without(tmp_path):
     from hf_sanity.testing import demo_preference_pairs
 

@@ -767,8 +767,9 @@ class PendingDryRun:
 # the trainer's process (~10-15 ms of a tiny run: issue 29). preflight(trainer=...) has just called them on those
 # same completions: it also judges them as the callback would (those completions alone, from the same calls) and
 # keeps that verdict here, for as long as the trainer lives. The callback reads it instead of forking only where
-# nothing it was judged on can differ: the same reward function objects, dataset and tokenizer, and no function
-# that reads ``trainer_state`` (preflight's state is not the run's: ``max_steps`` is 0 before train() sets it).
+# nothing it was judged on can differ: the same reward function objects, dataset and tokenizer, the same
+# ``remove_unused_columns``, and no function that reads ``trainer_state`` (preflight's state is not the run's:
+# ``max_steps`` is 0 before train() sets it).
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -779,10 +780,11 @@ class _Kept:
 
 
 def _judged_on(trainer) -> tuple:
-    """The objects a dry run's verdict depends on: each reward function (name, object), the dataset and the
-    tokenizer (compared by identity)."""
+    """What a dry run's verdict depends on, compared by identity: each reward function (name, object), the dataset,
+    the tokenizer, and ``remove_unused_columns`` (True, False or None: which columns the calls get)."""
+    columns = getattr(getattr(trainer, "args", None), "remove_unused_columns", None)
     return (*(x for pair in reward_funcs(trainer) for x in pair), getattr(trainer, "train_dataset", None),
-            trainer_tokenizer(trainer))  # fmt: skip
+            trainer_tokenizer(trainer), columns)  # fmt: skip
 
 
 def reads_trainer_state(func) -> bool:
