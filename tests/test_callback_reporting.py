@@ -184,4 +184,4 @@ def test_a_check_guarded_again_inside_its_own_guard_is_timed_once(monkeypatch):
     assert sink.timings == {"callback-trl-metrics": 14.0, "callback-read": 8.0}
     with sink.guard("callback-trl-metrics"), sink.guard("callback-trl-metrics"):
         raise ValueError("broken inside")  # the inner guard reports it; both close
-    assert sink.timing == set() and [f.rule for f in sink.report.findings] == ["internal-error"]
+    assert sink.open_checks == set() and [f.rule for f in sink.report.findings] == ["internal-error"]

@@ -689,9 +689,8 @@ def start_dry_run(
         calls = made["calls"][name] = {b.source: call_reward(func, b.kwargs(state), timeout) for b in batches}
         return judge(name, func, calls, batches, state, made["tokenizer"], made["columns"], timeout)
 
-    def step_alone(
-        name, func
-    ):  # in the child: the ``alone`` batch's calls of that step, judged by themselves
+    # In the child: the ``alone`` batch's calls of that function's step, judged by themselves.
+    def step_alone(name, func):
         kept = [b for b in made["batches"] if b.source == alone]
         calls = {alone: made["calls"][name][alone]} if kept else {}
         return judge(name, func, calls, kept, made["state"], made["tokenizer"], made["columns"], timeout)
@@ -709,13 +708,8 @@ class PendingDryRun:
     def __init__(
         self, child, names: list[str], skipped: list[str], reason: str | None = None, alone: str | None = None
     ) -> None:
-        self.child, self.names, self.skipped, self.reason, self.alone_source = (
-            child,
-            names,
-            skipped,
-            reason,
-            alone,
-        )
+        self.child, self.names, self.skipped, self.reason = child, names, skipped, reason
+        self.alone_source = alone  # the source of the batch also judged by itself (:meth:`alone`)
 
     @property
     def ready(self) -> bool:

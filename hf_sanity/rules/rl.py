@@ -52,8 +52,8 @@ REWARD_FUNCTION_BROKEN = define(
     "`reward_dry_run=False` skips the calls (a function that calls a paid service); the report "
     "says so. After a `preflight(trainer=...)` of the same trainer the callback calls nothing: it reads "
     "preflight's verdict on the same 16 completions (`reward_dry_run.from`: `preflight`), unless a reward "
-    "function, the dataset or the tokenizer changed since, or a function reads `trainer_state` (preflight's is "
-    "not the run's).",
+    "function, the dataset, the tokenizer or `remove_unused_columns` changed since, or a function reads "
+    "`trainer_state` (preflight's is not the run's).",
     fix='Follow evidence.cause: read a conversational completion\'s text as `completion[0]["content"]` '
     "(completion-type); look for what the decode leaves (the text, not the special token) or end on EOS "
     "(special-tokens-stripped); keep the column (`remove_unused_columns=False`, TRL's default) or read the one "

@@ -33,16 +33,16 @@ class _TimedGuard(catalog.Guard):
 
     def __enter__(self) -> None:
         # Inside a guard of the same check (an event's guard around a part that guards itself): counted once.
-        timing = self.sink.timing
-        self.started = None if self.check in timing else perf_counter()
+        open_checks = self.sink.open_checks
+        self.started = None if self.check in open_checks else perf_counter()
         if self.started is not None:
-            timing.add(self.check)
+            open_checks.add(self.check)
 
     def __exit__(self, kind, exc, tb) -> bool:
         if self.started is not None:
             timings, check = self.sink.timings, self.check
             timings[check] = timings.get(check, 0.0) + (perf_counter() - self.started)
-            self.sink.timing.discard(check)
+            self.sink.open_checks.discard(check)
         return kind is not None and super().__exit__(kind, exc, tb)
 
     def broken(self, exc: Exception) -> None:
@@ -70,7 +70,7 @@ class FindingSink:
         self.annotate: Callable[[Finding], None] | None = None  # adds run facts to a kept finding
         self.timings: dict[str, float] = {}
         # The checks whose guard is open: a guard of one of them nested inside is not timed again.
-        self.timing: set[str] = set()
+        self.open_checks: set[str] = set()
         self._failed: set[str] = set()
         self._reads: frozenset[str] | None = None  # the value keys the enabled step detectors read
 
