@@ -147,13 +147,12 @@ class SanityCallback(TrainerCallback, ExportableState):
     def on_step_end(self, args, state, control, **kwargs):
         with self.sink.guard("callback-trl-metrics"):
             self.trl.step_end(state.global_step, self.monitors, self.sink)
-        with self.sink.guard("predictions-frozen"), self.instruments.quiet():  # the probe, when due
-            sharded, step = self.sampler is not None and self.sampler.sharded, state.global_step
-            if (
-                self.first.probe_due(step, self.probe_every, self.sink, sharded=sharded)
-                and self._probes_run()
-            ):
-                self.first.probe(self.model, self.recorder, step)
+        with self.sink.guard("predictions-frozen"):  # the probe, when due (its forward unseen by the hooks)
+            sharded = self.sampler is not None and self.sampler.sharded
+            due = self.first.probe_due(state.global_step, self.probe_every, self.sink, sharded=sharded)
+            if due and self._probes_run():
+                with self.instruments.quiet():
+                    self.first.probe(self.model, self.recorder, state.global_step)
         with self.sink.guard("callback-read"):
             if state.global_step % self.check_every == 0 or control.should_log or control.should_save:
                 self._read(now=state.global_step, control=control)  # before a checkpoint too
@@ -232,6 +231,7 @@ class SanityCallback(TrainerCallback, ExportableState):
                 self._autocast = replay.autocast_state(module) or False
         if not self.first.done:
             with self.sink.guard("first-batch"), self.instruments.quiet():
+                self.instruments.graph_only = True  # what is read of a later forward needs a graph
                 values = self.first.check(
                     module, args, kwargs, self.trainer, self.sink, probe=self._probes_run()
                 )

@@ -125,8 +125,8 @@ class Report:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False)
 
-    def write_json(self, path: str | os.PathLike) -> Path:
-        return write_atomic(path, self.to_json() + "\n")
+    def write_json(self, path: str | os.PathLike, *, durable: bool = True) -> Path:
+        return write_atomic(path, self.to_json() + "\n", durable=durable)
 
     def offending_rows(self) -> dict[str, list[int]]:
         """Every offending row index per rule (a finding's evidence lists the first ten), for
@@ -232,10 +232,12 @@ def render_finding(finding: Finding, command: Callable[[bool], str] | None = Non
     return Group(*parts)
 
 
-def write_atomic(path: str | os.PathLike, text: str | bytes) -> Path:
+def write_atomic(path: str | os.PathLike, text: str | bytes, *, durable: bool = True) -> Path:
     """Write a file so that readers see the old content or the new one, never half of it; with the mode the
     file had, or a new file's mode under the user's umask (mkstemp's own 0600 would hide a report from the
-    rest of a team)."""
+    rest of a team). ``durable``: on disk before it replaces the old file (``fsync``), so that it survives the
+    machine going down right after; without it, the rename is as atomic for every reader, and the data
+    reaches the disk when the system flushes it (the way Trainer writes its own ``trainer_state.json``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = text.encode("utf-8") if isinstance(text, str) else text
@@ -245,7 +247,8 @@ def write_atomic(path: str | os.PathLike, text: str | bytes) -> Path:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

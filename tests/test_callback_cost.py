@@ -94,3 +94,37 @@ def test_the_clock_counts_nested_entries_once_and_not_the_paused_part():
                 time.sleep(0.02)
     assert 0.06 <= clock.seconds < 0.1
     assert clock.share() == pytest.approx(clock.seconds / (time.perf_counter() - clock.started), rel=0.05)
+
+
+def test_forwards_without_a_graph_after_the_first_reach_no_check(tmp_path, monkeypatch):
+    """A trainer whose step also runs the model without a graph (a reference's forward, generation's forwards:
+    one per token): after the run's first forward, whatever it was, the callback's checks see the training
+    forwards only. The first one (here a no-grad one) is still the first batch's; a training forward in eval
+    mode is still train-mode-off."""
+    import torch
+    from transformers import Trainer
+
+    class WithReference(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            with torch.no_grad():
+                for _ in range(3):  # a reference's, and generation's one-a-token forwards
+                    model(**inputs)
+            if self.state.global_step == 4:
+                model.eval()  # planted: the fifth training forward runs in eval mode
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    seen: list[bool] = []
+    original = SanityCallback.pre_forward
+
+    def counted(self, module, args, kwargs):
+        seen.append(torch.is_grad_enabled())
+        return original(self, module, args, kwargs)
+
+    monkeypatch.setattr(SanityCallback, "pre_forward", counted)
+    cb = SanityCallback(use_config=False, print_findings=False)
+    tt.trainer(tmp_path, callbacks=[cb], cls=WithReference, max_steps=6).train()
+    # 6 steps of 4 forwards each: the first (no grad: the first batch's) and the 6 training forwards.
+    assert seen == [False] + [True] * 6
+    assert cb.first.done
+    found = {f.rule: f for f in cb.report.findings}
+    assert "train-mode-off" in found and found["train-mode-off"].step == 5

@@ -34,6 +34,38 @@ def test_whitespace_ids_lazy_matches_vocabulary_scan_real(name):
     assert {i for i in range(len(tok) + 3) if i in lazy} == whitespace_token_ids(tok)
 
 
+@pytest.mark.parametrize("name", ["qwen2.5-instruct", "llama3-instruct"])
+def test_markers_are_derived_once_per_tokenizer_and_again_when_it_changes(name):
+    """derive_markers keeps a tokenizer's markers while what they come from is unchanged, and derives them again
+    when its template or special tokens change (each time equal to a derivation from scratch); the kept
+    markers do not keep the tokenizer alive."""
+    import gc
+    import weakref
+    from dataclasses import replace
+
+    from hf_sanity.measure.markers import _DERIVED, _derive, derive_markers
+
+    def fresh(markers, tokenizer) -> bool:
+        """Equal to markers derived from scratch (the lazy whitespace set aside)."""
+        return replace(markers, whitespace_ids=None) == replace(_derive(tokenizer), whitespace_ids=None)
+
+    tok = real_tokenizer(name)
+    first = derive_markers(tok)
+    assert derive_markers(tok) is first and fresh(first, tok)
+    assert first.end_of_turn
+    tok.chat_template = tok.chat_template.replace("assistant", "helper")  # the generation prompt changes
+    changed = derive_markers(tok)
+    assert changed is not first and fresh(changed, tok)
+    assert replace(changed, whitespace_ids=None) != replace(first, whitespace_ids=None)
+    tok.add_special_tokens({"additional_special_tokens": ["<|turn_closed|>"]})
+    assert derive_markers(tok) is not changed
+    assert {k for k in _DERIVED if k is tok} == {tok}
+    gone = weakref.ref(tok)
+    del tok, first, changed
+    gc.collect()
+    assert gone() is None
+
+
 TRICKY = [
     "ΟΔΟΣ ΣΟΦΟΣ: Σ",  # Greek final sigma depends on what follows a capital sigma
     "  leading and trailing  \n\t",

@@ -87,6 +87,26 @@ def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
 
 
+def test_the_callbacks_report_is_written_whole_without_waiting_for_the_disk(tmp_path, monkeypatch):
+    """The report the callback writes inside the run: atomic for every reader, with the user's umask, and no
+    fsync (it would cost the run milliseconds); what the CLI writes still waits for the disk."""
+    from hf_sanity.selection import Selection
+    from hf_sanity.training.sink import FindingSink
+
+    synced: list[int] = []
+    monkeypatch.setattr(os, "fsync", synced.append)
+    sink = FindingSink(Selection())
+    sink.report = sample_report()
+    sink.output_dir = tmp_path / "hf-sanity"
+    (sink.output_dir).mkdir()
+    (sink.output_dir / "report.json").write_text("old")
+    sink.write()
+    assert json.loads((sink.output_dir / "report.json").read_text()) == json.loads(sink.report.to_json())
+    assert synced == [] and [p.name for p in sink.output_dir.iterdir()] == ["report.json"]
+    sample_report().write_json(tmp_path / "cli.json")
+    assert len(synced) == 1
+
+
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
 def test_report_files_get_the_users_umask(tmp_path, umask, mode):
     previous = os.umask(umask)

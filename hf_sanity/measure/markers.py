@@ -17,8 +17,10 @@ carry the template's markers, and the collated batches of a real Trainer.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 PROBE_USER = "Probe question zq"
 PROBE_ASSISTANT = "Probe answer zq"
@@ -126,7 +128,11 @@ class WhitespaceIds:
     Supports ``in`` only."""
 
     def __init__(self, tokenizer) -> None:
-        self._tokenizer = tokenizer
+        # Held weakly where it can be: markers kept for a tokenizer (derive_markers) must not keep it alive.
+        try:
+            self._tokenizer = weakref.ref(tokenizer)
+        except TypeError:
+            self._tokenizer = lambda: tokenizer
         self._known: dict[int, bool] = {}
 
     def __contains__(self, idx) -> bool:
@@ -136,9 +142,12 @@ class WhitespaceIds:
             pass
         except TypeError:  # unhashable: no token id
             return False
+        tokenizer = self._tokenizer()
+        if tokenizer is None:  # gone: nothing more can be asked of its vocabulary
+            return False
         try:
-            token = self._tokenizer.convert_ids_to_tokens(int(idx))
-            blank = isinstance(token, str) and _blank(self._tokenizer, token, int(idx))
+            token = tokenizer.convert_ids_to_tokens(int(idx))
+            blank = isinstance(token, str) and _blank(tokenizer, token, int(idx))
         except (TypeError, ValueError, IndexError, OverflowError):  # not an id of this vocabulary
             blank = False
         self._known[idx] = blank
@@ -156,7 +165,36 @@ def boundary_ids(tokenizer) -> frozenset[int]:
 
 
 def derive_markers(tokenizer) -> TemplateMarkers:
-    """Derive the markers by rendering a probe conversation with the tokenizer's template."""
+    """Derive the markers by rendering a probe conversation with the tokenizer's template: once per tokenizer
+    while what they are derived from is unchanged (its template, EOS, special tokens and vocabulary size).
+    preflight, its rules and the callback ask for them again and again; three renders and two encodings cost
+    0.3-0.8 ms a time, more on the cold caches of a training step."""
+    try:
+        made_from = _derived_from(tokenizer)
+        kept = _DERIVED.get(tokenizer)
+    except Exception:  # not hashable, not weakly referenceable, or a tokenizer that cannot say: derived anew
+        return _derive(tokenizer)
+    if kept is not None and kept[0] == made_from:
+        return kept[1]
+    markers = _derive(tokenizer)
+    _DERIVED[tokenizer] = (made_from, markers)  # (the lookup above showed it can be a key)
+    return markers
+
+
+_DERIVED: weakref.WeakKeyDictionary[Any, tuple[tuple, TemplateMarkers]] = weakref.WeakKeyDictionary()
+
+
+def _derived_from(tokenizer) -> tuple:
+    """What :func:`_derive` reads of a tokenizer beside its (fixed) encoding: a changed one is derived again."""
+    return (
+        getattr(tokenizer, "chat_template", None),
+        tokenizer.eos_token_id,
+        len(tokenizer),
+        tuple(tokenizer.all_special_ids),
+    )
+
+
+def _derive(tokenizer) -> TemplateMarkers:
     stop_ids = {tokenizer.eos_token_id} - {None}
     whitespace = WhitespaceIds(tokenizer)
     if not getattr(tokenizer, "chat_template", None):

@@ -8,7 +8,8 @@
 The observer (the callback) gets ``before_micro(inputs)`` (which may return a context the step runs in),
 ``after_micro(loss)``, ``failed(exc)``,
 ``grad_norm(norm)``, ``pre_forward(module, args, kwargs)`` and ``post_forward(module, output)``; hooks fire
-only inside a training step and never during hf-sanity's own extra forwards (:attr:`Instruments.busy`).
+only inside a training step, never during hf-sanity's own extra forwards (:attr:`Instruments.busy`) and, after
+the first forward, only for forwards that build a graph (:attr:`Instruments.graph_only`).
 
 :class:`OwnClock` is the callback's own clock: every piece of code it adds to a run (each Trainer event, each
 call of the instruments above, their wrappers' own work around Trainer's) is timed once, at its outermost
@@ -121,10 +122,14 @@ class Instruments:
         self._output_hook = None  # the forward hook's handle, while outputs are read
         self.in_train = False  # inside trainer.training_step
         self.busy = False  # hf-sanity runs its own forward: hooks stay quiet
+        # Only forwards that build a graph are observed from now on (the observer set it: the first forward,
+        # whatever it was, is behind it): generation's forwards, one a token, and a reference's cost one check.
+        self.graph_only = False
 
     def install(self, trainer, model, observer) -> None:
         from hf_sanity.launch import tracebacks
 
+        self.graph_only = False
         tracebacks.install()  # a crash that passes through these wrappers is printed without their frames
         if trainer is not None:
             self._wrap(trainer, "training_step", lambda original: self._training_step(original, observer))
@@ -192,11 +197,13 @@ class Instruments:
         return training_step
 
     def _pre(self, observer):
-        clock = observer.clock
+        import torch
+
+        clock, grad_enabled = observer.clock, torch.is_grad_enabled
 
         def hook(module, args, kwargs):
             with clock:
-                if self.in_train and not self.busy:
+                if self.in_train and not self.busy and (not self.graph_only or grad_enabled()):
                     observer.pre_forward(module, args, kwargs)
 
         return hook

@@ -33,13 +33,10 @@ def graph_tensors(
     Walks instance attributes, lists, tuples, dicts, sets and deques (not into tensors, modules' parameters
     or library internals), each object once, up to ``limit`` objects.
     """
-    import collections
-
-    import torch
-
     found: dict[str, int] = {}
     seen: set[int] = set()
     counted: set[int] = set()
+    kinds = _KINDS
     # A path is spelled out only for a tensor found: each stack entry carries (parent, how, key) instead.
     stack: list[tuple[Any, Any, int]] = [((None, _ROOT, name), obj, 0) for name, obj in roots]
     visited = 0
@@ -49,28 +46,59 @@ def graph_tensors(
             continue
         seen.add(id(obj))
         visited += 1
-        if isinstance(obj, torch.Tensor):
+        cls = type(obj)
+        kind = kinds.get(cls)
+        if kind is None:
+            kind = _kind(cls)
+        if kind == _TENSOR:
             if obj.grad_fn is not None and id(obj) not in counted:
                 counted.add(id(obj))
                 holder = _spelled(node).rsplit("[", 1)[0]
                 found[holder] = found.get(holder, 0) + 1
             continue
-        if level >= depth or isinstance(obj, _ATOMS):
+        if level >= depth or kind in (_ATOM, _SKIPPED):
             continue
-        if isinstance(obj, dict):
+        if kind == _MAPPING:
             items = list(obj.items())[:10_000]
             stack.extend(((node, _KEY, k), v, level + 1) for k, v in items)
-        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+        elif kind == _SEQUENCE:
             stack.extend(((node, _INDEX, i), v, level + 1) for i, v in enumerate(list(obj)[:10_000]))
-        elif isinstance(obj, torch.nn.Module):
+        elif kind == _MODULE:
             attrs = {k: v for k, v in vars(obj).items() if not k.startswith("_")}
             stack.extend(((node, _ATTR, k), v, level + 1) for k, v in attrs.items())
             stack.extend(((node, _ATTR, k), v, level) for k, v in obj.named_children())
-        elif isinstance(obj, torch.optim.Optimizer):
-            continue
-        elif hasattr(obj, "__dict__") and (level == 0 or not _library_object(obj)):
+        elif hasattr(obj, "__dict__") and (level == 0 or kind == _PLAIN):
             stack.extend(((node, _ATTR, k), v, level + 1) for k, v in vars(obj).items())
     return found
+
+
+# What the walk does with an object, by its class: decided once per class (a walk meets a few dozen classes and
+# a few hundred objects; one lookup each instead of a row of isinstance checks).
+_TENSOR, _ATOM, _MAPPING, _SEQUENCE, _MODULE, _SKIPPED, _LIBRARY, _PLAIN = range(8)
+_KINDS: dict[type, int] = {}
+
+
+def _kind(cls: type) -> int:
+    import collections
+
+    import torch
+
+    if issubclass(cls, torch.Tensor):
+        kind = _TENSOR
+    elif issubclass(cls, _ATOMS):
+        kind = _ATOM
+    elif issubclass(cls, dict):
+        kind = _MAPPING
+    elif issubclass(cls, (list, tuple, set, frozenset, collections.deque)):
+        kind = _SEQUENCE
+    elif issubclass(cls, torch.nn.Module):
+        kind = _MODULE
+    elif issubclass(cls, torch.optim.Optimizer):
+        kind = _SKIPPED
+    else:  # a library's object is walked into only as a root
+        kind = _LIBRARY if _library_class(cls) else _PLAIN
+    _KINDS[cls] = kind
+    return kind
 
 
 _ROOT, _KEY, _INDEX, _ATTR = range(4)
@@ -94,7 +122,11 @@ def _spelled(node) -> str:
 
 
 def _library_object(obj) -> bool:
-    module = type(obj).__module__ or ""
+    return _library_class(type(obj))
+
+
+def _library_class(cls: type) -> bool:
+    module = cls.__module__ or ""
     return module.split(".")[0] in _SKIP_MODULES and not module.startswith("transformers.trainer")
 
 
