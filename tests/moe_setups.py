@@ -79,11 +79,15 @@ def sft_trainer(tmp_path, model, tok, *, callbacks=(), n: int = 32, peft_config=
 
 class BiasRouter:
     """A TrainerCallback that, at ``step``, biases one row of every router towards the mean of the tokens it
-    routes, so that expert ``expert`` takes one of each token's two slots: a router collapsing mid-run."""
+    routes, so that expert ``expert`` takes one of each token's two slots: a router collapsing mid-run. The mean
+    is the one of the step's own tokens, read at each router's input (a fixed direction would depend on where
+    the trained model's hidden states happen to point)."""
 
     def __init__(self, step: int = 4, expert: int = 0, scale: float = 50.0) -> None:
         self.step, self.expert, self.scale = step, expert, scale
         self.done = False
+        self.means: dict[str, object] = {}  # router name -> the mean input of its latest training forward
+        self.hooks: list = []
 
     def __call__(self):  # a TrainerCallback built lazily (transformers imported by the caller)
         from transformers import TrainerCallback
@@ -91,12 +95,33 @@ class BiasRouter:
         planter = self
 
         class Plant(TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                planter.watch(model)
+                return control
+
             def on_step_end(self, args, state, control, model=None, **kwargs):
                 if state.global_step == planter.step and not planter.done:
                     planter.plant(model)
                 return control
 
+            def on_train_end(self, args, state, control, **kwargs):
+                for hook in planter.hooks:
+                    hook.remove()
+                return control
+
         return Plant()
+
+    def watch(self, model) -> None:
+        from hf_sanity.measure.moe import routers_of
+
+        for name, router in routers_of(model).modules:
+
+            def keep(module, args, _name=name):
+                if module.training:
+                    hidden = args[0].detach()
+                    self.means[_name] = hidden.reshape(-1, hidden.shape[-1]).mean(0)
+
+            self.hooks.append(router.register_forward_pre_hook(keep))
 
     def plant(self, model) -> None:
         import torch
@@ -104,8 +129,9 @@ class BiasRouter:
         from hf_sanity.measure.moe import routers_of
 
         with torch.no_grad():
-            for _, router in routers_of(model).modules:
+            for name, router in routers_of(model).modules:
                 row = router.weight[self.expert]
-                direction = torch.ones_like(row) / row.numel() ** 0.5
-                row.add_(self.scale * direction)
+                mean = self.means.get(name)
+                direction = torch.ones_like(row) if mean is None else mean.to(row.dtype)
+                row.add_(self.scale * direction / direction.norm())
         self.done = True

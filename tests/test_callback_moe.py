@@ -242,3 +242,19 @@ def test_the_load_balancing_facts_fire_once():
     assert monitor.update(1, {"routing": facts}) == []
     assert RouterMonitor().update(1, {"routing": {**facts, "enabled": True}}) == []
     assert RouterMonitor().update(1, {"routing": None}) == []  # a dense model
+
+
+def test_an_expert_overloaded_past_4x_is_the_cause_of_the_few_it_starves():
+    """One expert taking a slot of most tokens leaves two of 16 without a token (as the biased router does on
+    the tiny MoE): the overload is named. A quarter of the experts gone quiet is a collapse of its own."""
+    overload = RouterMonitor()
+    (finding,) = fed(
+        overload, (1, {"router_load": START}), *[(s, probe([0.125, 0.1875], [6.8, 7.7])) for s in (5, 10)]
+    )
+    assert finding.evidence["cause"] == "overloaded-expert"
+    assert [h["dead_experts"] for h in finding.evidence["layers"]] == [2, 3]
+    collapse = RouterMonitor()
+    (finding,) = fed(
+        collapse, (1, {"router_load": START}), *[(s, probe([0.0, 0.375], [3.0, 6.5])) for s in (5, 10)]
+    )
+    assert finding.evidence["cause"] == "dead-experts"

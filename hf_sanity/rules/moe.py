@@ -65,10 +65,11 @@ EXPERT_COLLAPSE = define(
     "trains a fraction of its experts, and the model loses what the others knew.",
     detects="Per MoE layer, where the router sends the tokens of a fixed probe batch (the first batch's first "
     "rows), at the first step and at each probe of the predictions probe's cadence: the share of experts that get "
-    "no token, and the busiest expert's load over its equal share. Dead experts above 10% and up by 5 points "
-    "(and one expert) since the first step (cause `dead-experts`), or the busiest expert above 4x its share and "
-    "1.5x its first-step load (`overloaded-expert`). Judged where the probe batch gives each expert 4 "
-    "assignments or more on average.",
+    "no token, and the busiest expert's load over its equal share. Dead experts above 10% and up by 10 points "
+    "(and two experts) since the first step (cause `dead-experts`), or the busiest expert above 4x its share and "
+    "1.5x its first-step load (`overloaded-expert`; also where it starves up to a quarter of the layer's experts "
+    "with it). Judged where the probe batch gives each expert 4 assignments or more on average, at two probes "
+    "in a row.",
     fix="Turn the load-balancing loss on (see `moe-aux-loss-off`) or raise `router_aux_loss_coef`; lower the "
     "learning rate, or keep the router out of the adapter (no LoRA on `mlp.gate`).",
 )

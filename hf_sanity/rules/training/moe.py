@@ -22,6 +22,9 @@ DEAD_SHARE = 0.10  # experts with no token of the probe batch: above 10% of a la
 DEAD_RISE = 0.10  # ... and 10 points (and two experts) more than at the first step
 PEAK = 4.0  # the busiest expert's load over its equal share: above 4x ...
 PEAK_RISE = 1.5  # ... and 1.5x what it was at the first step
+# An expert overloaded past PEAK takes the slots of others: up to a quarter of a layer's experts going quiet with
+# it is its consequence (the cause named is the overload); more is a collapse of its own (dead-experts).
+STARVED = 0.25
 MIN_IDEAL = 4.0  # assignments per expert on the probe batch, on average, below which a dead expert is chance
 # A layer is judged collapsing at two probes in a row: one expert of a few tokens going quiet at one probe, on a
 # fixed batch of a few hundred tokens, is noise (a clean fine-tune of the tiny MoE shows 1 -> 2 of 16).
@@ -70,8 +73,10 @@ class RouterMonitor(Monitor):
             start["layers"], start["dead"], load["dead"], start["peak"], load["peak"], strict=True
         ):
             dead_up = dead > DEAD_SHARE and dead - dead0 >= rise
-            if not (dead_up or (peak > PEAK and peak >= PEAK_RISE * peak0)):
+            overloaded = peak > PEAK and peak >= PEAK_RISE * peak0
+            if not (dead_up or overloaded):
                 continue
+            starved = dead_up and not (overloaded and dead - dead0 < STARVED)
             first, probes = self.streak.get(name, (step, 0))
             streak[name] = since = (first, probes + 1)
             if since[1] >= CONFIRMING:
@@ -84,7 +89,7 @@ class RouterMonitor(Monitor):
                         "peak_start": peak0,
                         "peak_now": peak,
                         "dead_experts": round(dead * experts),
-                        "cause": "dead-experts" if dead_up else "overloaded-expert",
+                        "cause": "dead-experts" if starved else "overloaded-expert",
                     }
                 )
         self.streak = streak  # a layer that recovered starts over

@@ -32,7 +32,9 @@ REWARD_ZERO_ADVANTAGE = define(
     symptom="The reward is flat for hours with `loss 0.0` and `grad_norm 0.0`: every group of completions got "
     "the same reward, so every advantage is 0 and nothing trains.",
     detects="`frac_reward_zero_std` >= 0.95 with the gradient norm under 1e-8 for 3 logged steps in a row "
-    "(error), or a mean of 0.8 over 10 logged steps (warning), with the cause measured on the run: "
+    "(error; where every reward function varied on the dry run's completions, for at least 8 groups: a graded "
+    "reward leaves a group without a spread by chance, 3 groups of one a step say nothing yet), or a mean of 0.8 "
+    "over 10 logged steps (warning), with the cause measured on the run: "
     "`completions-truncated` (`completions/clipped_ratio` >= 0.9), `completion-type` (the dry run at train begin "
     "found a reward function constant on messages and varying on strings), `sampling-cold` (the completions of "
     "most uninformative groups are identical: temperature under 0.5, or `entropy` under 0.1 nat/token), "
@@ -41,7 +43,8 @@ REWARD_ZERO_ADVANTAGE = define(
     "completions differ: read from the per-completion rewards in group order), `group-too-small` (a binary "
     "reward whose measured pass rate p makes p^G + (1-p)^G about the share observed, or a sparse one that the dry "
     "run saw read its completions and that gave the whole batch one value: the message gives the rate and the "
-    "group size that would give signal), `unknown`.",
+    "group size that would give signal; or a reward that varied on the dry run's completions and scores the "
+    "completions of each group alike), `unknown`.",
     fix="Follow evidence.cause: raise `max_completion_length` or set `mask_truncated_completions=True` "
     "(completions-truncated); fix the reward function (completion-type, reward-constant, reward-prompt-only: see "
     "reward-function-broken); temperature >= 0.7 (sampling-cold); raise `num_generations`, use prompts the model "
@@ -122,6 +125,10 @@ ADVANTAGE_NOISE = define(
 ZERO_STD_ERROR, ZERO_STD_WARN = 0.95, 0.8
 ZERO_GRAD = 1e-8
 ERROR_LOGS, WARN_LOGS = 3, 10
+# Groups without a spread, in a row, before an error where the reward is known to vary (the dry run): a healthy
+# run has a third to a half of such groups (a confident model, a length-graded reward); 8 in a row by chance is
+# under 0.4% at a half.
+ERROR_GROUPS = 8
 COLD_TEMPERATURE, COLD_ENTROPY = 0.5, 0.1
 TRUNCATED = 0.9
 GROUP_TOLERANCE = 0.15
@@ -259,6 +266,23 @@ def _batch_constant(dry, rollouts, reward, group_size, numbers) -> tuple[str, st
                 ),
                 {**numbers, **_bound_numbers(completions)},
             )
+    varied = [check.get("distinct") or 0 for check in dry.values() if check.get("constant") is False]
+    if (
+        dry
+        and len(varied) == len(dry)
+        and not any(check.get("cause") or check.get("sparse") for check in dry.values())
+    ):
+        # Graded, and seen to vary: the policy's completions of a group score alike (short, confident answers).
+        numbers["reward_varies"] = True
+        return (
+            "group-too-small",
+            (
+                f"every reward function varied on the dry run's completions (at least {min(varied)} values) but "
+                f"scores the G={group_size} completions of each group alike: they are too few, or too much alike, "
+                "to differ in reward"
+            ),
+            numbers,
+        )
     if dry and all(check.get("reads_completions") and not check.get("cause") for check in dry.values()):
         # Sparse, not constant: the dry run saw every function read its completions.
         value = fmt(seen[0][0]) if len(seen) == 1 and seen[0] else "one value"
@@ -321,6 +345,7 @@ class ZeroAdvantageMonitor(Monitor):
         self.window: list[dict[str, float]] = []  # the last logged steps (their RL numbers)
         self.seen: list[dict[str, Any]] = []  # the rollouts read at them
         self.zero_run: list[int] = []
+        self.zero_groups = 0  # the groups behind the logged steps of zero_run
         self.dry: dict[str, dict[str, Any]] = {}
 
     @classmethod
@@ -332,7 +357,18 @@ class ZeroAdvantageMonitor(Monitor):
         dry = values.get("reward_dry_run")
         if dry:
             self.dry = {
-                name: {key: check.get(key) for key in ("cause", "why", "values", "reads_completions")}
+                name: {
+                    key: check.get(key)
+                    for key in (
+                        "cause",
+                        "why",
+                        "values",
+                        "reads_completions",
+                        "constant",
+                        "distinct",
+                        "sparse",
+                    )
+                }
                 for name, check in dry.get("functions", {}).items()
             }
         if values.get("rollouts"):
@@ -356,9 +392,19 @@ class ZeroAdvantageMonitor(Monitor):
         grad = logs.get("grad_norm")
         dead = frac >= ZERO_STD_ERROR and grad is not None and grad < ZERO_GRAD
         self.zero_run = [*self.zero_run, step] if dead else []
+        # The groups behind this log: those of the rollouts read at it (a generation's), one where none were.
+        groups = int((values.get("rollouts") or {}).get("groups") or 1)
+        self.zero_groups = self.zero_groups + groups if dead else 0
         fracs = [w["frac_reward_zero_std"] for w in self.window]
+        found = None
         if len(self.zero_run) >= ERROR_LOGS:
-            severity, window = "error", self.window[-ERROR_LOGS:]
+            window = self.window[-min(len(self.zero_run), WARN_LOGS) :]
+            found = zero_advantage_cause(window, self.seen[-len(window) :], self.dry, self.temperature,
+                                         self.group_size)  # fmt: skip
+            if found[2].get("reward_varies") and self.zero_groups < ERROR_GROUPS:
+                found = None  # too few groups yet to tell a reward that never separates them from chance
+        if found is not None:
+            severity = "error"
             said = (
                 f"frac_reward_zero_std >= {ZERO_STD_ERROR} and grad_norm < {ZERO_GRAD:g} for "
                 f"{len(self.zero_run)} logged steps since step {self.zero_run[0]}"
@@ -366,11 +412,12 @@ class ZeroAdvantageMonitor(Monitor):
         elif len(fracs) >= WARN_LOGS and sum(fracs) / len(fracs) >= ZERO_STD_WARN:
             severity, window = "warning", self.window
             said = f"{sum(fracs) / len(fracs):.0%} of the groups had one reward over the last {len(fracs)} logged steps"
+            found = zero_advantage_cause(
+                window, self.seen[-len(window) :], self.dry, self.temperature, self.group_size
+            )
         else:
             return []
-        cause, why, numbers = zero_advantage_cause(
-            window, self.seen[-len(window) :], self.dry, self.temperature, self.group_size
-        )
+        cause, why, numbers = found
         fix = ZERO_ADVANTAGE_FIX.get(cause)
         needed = numbers.get("group_size_for_signal") or numbers.get("group_size_for_signal_at_bound")
         if cause == "group-too-small":  # the measured rate and the group size that would give signal, said
