@@ -228,6 +228,7 @@ def test_a_graded_reward_without_a_spread_in_a_few_groups_is_not_yet_an_error():
     (error,) = fed(monitor, 8, {**dead, "rewards/length_reward/std": 0.0})
     assert error.severity == "error" and error.evidence["cause"] == "group-too-small"
     assert error.evidence["reward_varies"] and "varied on the dry run" in error.message
+    assert "sample hotter" in error.fix and "graded reward" not in error.fix
     recovers = ZeroAdvantageMonitor(temperature=1.2, group_size=4)
     fed(recovers, 1, {**dead, "rewards/length_reward/std": 0.0}, {"functions": graded})
     steps = [fed(recovers, s, {**dead, "rewards/length_reward/std": 0.0}) for s in range(2, 6)]

@@ -129,6 +129,8 @@ ERROR_LOGS, WARN_LOGS = 3, 10
 # run has a third to a half of such groups (a confident model, a length-graded reward); 8 in a row by chance is
 # under 0.4% at a half.
 ERROR_GROUPS = 8
+# What the cause reads of each function's dry-run verdict.
+DRY_RUN_KEYS = ("cause", "why", "values", "reads_completions", "constant", "distinct", "sparse")
 COLD_TEMPERATURE, COLD_ENTROPY = 0.5, 0.1
 TRUNCATED = 0.9
 GROUP_TOLERANCE = 0.15
@@ -147,6 +149,11 @@ ZERO_ADVANTAGE_FIX = {
     "score the completion.",
     "group-too-small": "Raise num_generations, keep prompts the model sometimes passes, or use a graded reward.",
 }
+# group-too-small where the reward is graded already (it varied on the dry run) and a group's completions score alike.
+GRADED_FIX = (
+    "Raise num_generations, or sample hotter (temperature ~1.0, top_k/top_p off), so that the completions of a "
+    "group differ in what the reward scores."
+)
 
 
 def zero_advantage_cause(
@@ -357,18 +364,7 @@ class ZeroAdvantageMonitor(Monitor):
         dry = values.get("reward_dry_run")
         if dry:
             self.dry = {
-                name: {
-                    key: check.get(key)
-                    for key in (
-                        "cause",
-                        "why",
-                        "values",
-                        "reads_completions",
-                        "constant",
-                        "distinct",
-                        "sparse",
-                    )
-                }
+                name: {key: check.get(key) for key in DRY_RUN_KEYS}
                 for name, check in dry.get("functions", {}).items()
             }
         if values.get("rollouts"):
@@ -420,6 +416,8 @@ class ZeroAdvantageMonitor(Monitor):
         cause, why, numbers = found
         fix = ZERO_ADVANTAGE_FIX.get(cause)
         needed = numbers.get("group_size_for_signal") or numbers.get("group_size_for_signal_at_bound")
+        if numbers.get("reward_varies"):  # graded already: what makes a group's completions differ
+            fix = GRADED_FIX
         if cause == "group-too-small":  # the measured rate and the group size that would give signal, said
             said += f"; {why}"
             if needed:
