@@ -36,7 +36,7 @@ test: install
 # `make test` (CI) stays serial: its torchrun and subprocess runs share ports and cores.
 WORKERS ?= 2
 THREADS ?= $(shell $(PYTHON) -c 'import os; print(max(1, (os.cpu_count() or 1) // $(WORKERS)))')
-WORKER_ENV := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS)
+WORKER_ENV = OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS)
 test-fast: install
 	$(WORKER_ENV) $(BIN)/python -m pytest -m "not slow" -n $(WORKERS)
 

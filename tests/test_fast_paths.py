@@ -218,7 +218,7 @@ def _reference_graph_tensors(roots, *, depth=4, limit=200_000):
 
     import torch
 
-    from hf_sanity.training.memory import _ATOMS, _library_object
+    from hf_sanity.training.memory import _ATOMS, _library_class
 
     found, seen, counted = {}, set(), set()
     stack = [(name, obj, 0) for name, obj in roots]
@@ -247,7 +247,7 @@ def _reference_graph_tensors(roots, *, depth=4, limit=200_000):
             stack.extend((f"{path}.{k}", v, level) for k, v in obj.named_children())
         elif isinstance(obj, torch.optim.Optimizer):
             continue
-        elif hasattr(obj, "__dict__") and (level == 0 or not _library_object(obj)):
+        elif hasattr(obj, "__dict__") and (level == 0 or not _library_class(type(obj))):
             stack.extend((f"{path}.{k}", v, level + 1) for k, v in vars(obj).items())
     return found
 

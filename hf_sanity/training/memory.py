@@ -121,10 +121,6 @@ def _spelled(node) -> str:
     return "".join(reversed(parts))
 
 
-def _library_object(obj) -> bool:
-    return _library_class(type(obj))
-
-
 def _library_class(cls: type) -> bool:
     module = cls.__module__ or ""
     return module.split(".")[0] in _SKIP_MODULES and not module.startswith("transformers.trainer")

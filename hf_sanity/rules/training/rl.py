@@ -360,6 +360,12 @@ class ZeroAdvantageMonitor(Monitor):
         details = setup.objective.details
         return cls(details.get("temperature"), details.get("num_generations"))
 
+    def _cause(self, window: list[dict[str, float]]) -> tuple[str, str, dict[str, Any]]:
+        """(cause, why, numbers) of the logged steps of ``window``, with the rollouts read at them."""
+        return zero_advantage_cause(
+            window, self.seen[-len(window) :], self.dry, self.temperature, self.group_size
+        )
+
     def update(self, step: int, values: Mapping[str, Any]) -> list[Finding]:
         dry = values.get("reward_dry_run")
         if dry:
@@ -394,24 +400,19 @@ class ZeroAdvantageMonitor(Monitor):
         fracs = [w["frac_reward_zero_std"] for w in self.window]
         found = None
         if len(self.zero_run) >= ERROR_LOGS:
-            window = self.window[-min(len(self.zero_run), WARN_LOGS) :]
-            found = zero_advantage_cause(window, self.seen[-len(window) :], self.dry, self.temperature,
-                                         self.group_size)  # fmt: skip
-            if found[2].get("reward_varies") and self.zero_groups < ERROR_GROUPS:
-                found = None  # too few groups yet to tell a reward that never separates them from chance
-        if found is not None:
-            severity = "error"
+            severity, window = "error", self.window[-min(len(self.zero_run), WARN_LOGS) :]
             said = (
                 f"frac_reward_zero_std >= {ZERO_STD_ERROR} and grad_norm < {ZERO_GRAD:g} for "
                 f"{len(self.zero_run)} logged steps since step {self.zero_run[0]}"
             )
-        elif len(fracs) >= WARN_LOGS and sum(fracs) / len(fracs) >= ZERO_STD_WARN:
+            found = self._cause(window)
+            if found[2].get("reward_varies") and self.zero_groups < ERROR_GROUPS:
+                found = None  # too few groups yet to tell a reward that never separates them from chance
+        if found is None and len(fracs) >= WARN_LOGS and sum(fracs) / len(fracs) >= ZERO_STD_WARN:
             severity, window = "warning", self.window
             said = f"{sum(fracs) / len(fracs):.0%} of the groups had one reward over the last {len(fracs)} logged steps"
-            found = zero_advantage_cause(
-                window, self.seen[-len(window) :], self.dry, self.temperature, self.group_size
-            )
-        else:
+            found = self._cause(window)
+        if found is None:
             return []
         cause, why, numbers = found
         fix = ZERO_ADVANTAGE_FIX.get(cause)
