@@ -76,7 +76,8 @@ class RouterMonitor(Monitor):
             overloaded = peak > PEAK and peak >= PEAK_RISE * peak0
             if not (dead_up or overloaded):
                 continue
-            starved = dead_up and not (overloaded and dead - dead0 < STARVED)
+            # up to a quarter, inclusive (4 of 16 experts), is the overload's consequence
+            starved = dead_up and not (overloaded and dead - dead0 <= STARVED + 1e-9)
             first, probes = self.streak.get(name, (step, 0))
             streak[name] = since = (first, probes + 1)
             if since[1] >= CONFIRMING:
