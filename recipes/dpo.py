@@ -26,7 +26,7 @@ from pathlib import Path
 import datasets
 import torch
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from trl import DPOConfig, DPOTrainer
 
 import hf_sanity
@@ -51,6 +51,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    # The LoRA weights are drawn before the Trainer seeds the run, and torch seeds each process differently:
+    # without this, two runs of the same command train different adapters.
+    set_seed(0)
     if args.model is None:  # a tiny model already fine-tuned on the demo chats: it answers and stops
         from hf_sanity.testing import trained_model_dir
 

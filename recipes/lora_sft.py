@@ -33,7 +33,7 @@ from pathlib import Path
 import datasets
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
 import hf_sanity
 
@@ -136,6 +136,9 @@ def stop_on_errors(report, args, what):
 
 def main(argv=None):
     args = parse_args(argv)
+    # The LoRA weights are drawn before the Trainer seeds the run, and torch seeds each process differently:
+    # without this, two runs of the same command train different adapters.
+    set_seed(0)
     out = Path(args.output_dir)
     model, tokenizer, train_rows, eval_rows = load(args)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import datasets
 import torch
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 from trl import SFTConfig, SFTTrainer
 
 import hf_sanity
@@ -55,6 +55,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    # The LoRA weights are drawn before the Trainer seeds the run, and torch seeds each process differently:
+    # without this, two runs of the same command train different adapters.
+    set_seed(0)
     if args.model is None:
         from hf_sanity.testing import tiny_model_dir
 
