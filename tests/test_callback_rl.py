@@ -291,6 +291,27 @@ def test_a_sparse_reward_beside_a_graded_one_is_not_broken(tmp_path):
     assert monitor.flat["boxed_answer"] == [1, 2, 3, 4, 5, 6]  # flat at every logged step, and not flagged
 
 
+def format_credit(completions, **kwargs):
+    """A graded format reward: a quarter for any answer, all of it for the <think>/<answer> format, which the
+    fine-tuned model never writes (the dry run's reasoning-format completion gets it)."""
+    texts = [setups.text_of(c).strip() for c in completions]
+    return [0.0 if not t else 1.0 if "<think>" in t and "<answer>" in t else 0.25 for t in texts]
+
+
+@pytest.mark.planted("reward-zero-advantage")
+def test_a_graded_reward_that_scores_every_answer_alike_is_an_error_after_eight_groups(tmp_path):
+    """One group a step (batch 4, G=4): the reward varied on the dry run (3 values), then gives every completion
+    the policy writes 0.25. Not an error at 3 groups (a graded reward leaves a few groups flat by chance): at 8."""
+    cb = watch("reward-zero-advantage")
+    trainer = setups.grpo(tmp_path, rows(), [format_credit], callbacks=[cb], max_steps=9)
+    trainer.train()
+    assert set(logged(trainer, "rewards/format_credit/std")) == {0.0}
+    (zero,) = found(cb, "reward-zero-advantage")
+    assert zero.severity == "error" and zero.step == 8
+    assert zero.evidence["cause"] == "group-too-small" and zero.evidence["reward_varies"] is True
+    assert "varied on the dry run" in zero.message and "sample hotter" in zero.fix
+
+
 # -- completions-truncated ------------------------------------------------------------------------------------------
 @pytest.mark.planted("completions-truncated")
 def test_completions_that_never_end_because_the_trainer_does_not_stop_on_the_end_of_turn(tmp_path):
