@@ -180,6 +180,21 @@ def pytest_runtest_call(item):
 
 
 @pytest.fixture(autouse=True)
+def _seeded():
+    """Each test starts from one RNG state: torch seeds every process differently, so a test that draws weights
+    (a LoRA's A matrices, a fresh layer) without seeding them saw other weights at every run and in every order
+    of the suite."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def _no_user_config(monkeypatch, tmp_path):
     """Run each test from an empty folder, so no pyproject.toml [tool.hf-sanity] leaks into it."""
     monkeypatch.chdir(tmp_path)
