@@ -13,6 +13,7 @@ TRL's internal tallies (``_metrics``, ``_buffered_inputs``, ``_logs``) are read 
 from __future__ import annotations
 
 import functools
+import re
 from importlib import metadata
 
 DISTRIBUTION = "hf-sanity"
@@ -30,26 +31,43 @@ AT_RISK = {
 }
 
 
+# A requirement line of the installed metadata: the name, its extras, then the specifier before any marker
+# (`trl<2,>=0.24; extra == "trl"`, `name (>=1.0)` in older metadata). Read here, not by packaging.requirements,
+# whose grammar took ~20 ms to import at the first train begin of every process; the markers are not needed.
+_REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*\(?([^;()]*)\)?")
+
+
+def canonical(name: str) -> str:
+    """A distribution's name as PEP 503 compares them (what ``packaging.utils.canonicalize_name`` returns)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement(line: str) -> tuple[str, str] | None:
+    """(canonical name, specifier) of one requirement line; None where its specifier does not parse (a URL)."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    match = _REQUIREMENT.match(line)
+    if match is None:
+        return None
+    try:
+        return canonical(match.group(1)), str(SpecifierSet(match.group(2).strip()))
+    except InvalidSpecifier:
+        return None
+
+
 @functools.cache
 def declared() -> dict[str, str]:
     """Each checked library's supported range (a specifier such as ``>=5.6,<6``), as hf-sanity's installed
     metadata declares it; {} when hf-sanity runs from a source tree that is not installed."""
-    from packaging.requirements import InvalidRequirement, Requirement
-    from packaging.utils import canonicalize_name
-
     try:
         requires = metadata.requires(DISTRIBUTION) or []
     except metadata.PackageNotFoundError:
         return {}
     ranges: dict[str, str] = {}
     for line in requires:
-        try:
-            requirement = Requirement(line)
-        except InvalidRequirement:
-            continue
-        name = canonicalize_name(requirement.name)
-        if name in AT_RISK and str(requirement.specifier):
-            ranges.setdefault(name, str(requirement.specifier))
+        parsed = requirement(line)
+        if parsed is not None and parsed[0] in AT_RISK and parsed[1]:
+            ranges.setdefault(*parsed)
     return ranges
 
 
