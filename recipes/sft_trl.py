@@ -55,8 +55,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    # The LoRA weights are drawn before the Trainer seeds the run, and torch seeds each process differently:
-    # without this, two runs of the same command train different adapters.
+    # The LoRA weights are random and torch seeds each process differently: TRL 1.16 seeds the run before it
+    # builds the adapter from peft_config, TRL 0.24 (the oldest supported) after. Seeded here for both.
     set_seed(0)
     if args.model is None:
         from hf_sanity.testing import tiny_model_dir

@@ -106,9 +106,10 @@ def test_lora_recipe_with_no_arguments_trains_serves_and_passes(tmp_path):
 
 @pytest.mark.parametrize("recipe", ["lora_sft.py", "sft_trl.py"])
 def test_a_recipe_run_twice_trains_the_same_adapter(recipe, tmp_path):
-    """The same command on the same machine gives the same adapter, bit for bit: the LoRA weights are drawn
-    before the Trainer seeds the run, and torch seeds each process differently (the recipes did not seed them,
-    and two runs of `lora_sft.py` opened 8 and 10 of 12 answers in the style it teaches)."""
+    """The same command on the same machine gives the same adapter, bit for bit. `lora_sft.py` builds its LoRA
+    before the Trainer seeds the run, and torch seeds each process differently: unseeded, two runs of it opened 8
+    and 10 of 12 answers in the style it teaches. TRL 1.16 seeds before it builds the adapter (`sft_trl.py`), TRL
+    0.24 after: the recipes seed first either way."""
     adapters = []
     for run in ("first", "second"):
         out = tmp_path / run
