@@ -402,6 +402,25 @@ def test_different_recorded_seeds_are_meant_to_differ(tmp_path):
     assert "same seed 1" in finding.message and "full_determinism=True" in finding.fix
 
 
+@pytest.mark.planted("seed-unfixed")
+def test_same_seed_runs_that_trained_an_adapter_name_its_weights_drawn_before_the_seed(tmp_path):
+    """Both runs saved a PEFT adapter beside their state: the cause named first is its LoRA weights, drawn when it
+    is built, before Trainer seeds the run; one run without an adapter config gets the message as before."""
+    a = write_run(tmp_path / "a", series(seed=1), args={"seed": 0})
+    b = write_run(tmp_path / "b", series(seed=2), args={"seed": 0})
+    for run in (a, b):
+        (run / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8}))
+    (finding,) = doctor([a, b], use_config=False).by_rule("seed-unfixed")
+    assert finding.evidence["adapter"] is True and "same seed 0" in finding.message
+    assert "LoRA weights are drawn when it is built" in finding.message
+    assert (
+        finding.fix.startswith("Seed before the adapter is built") and "full_determinism=True" in finding.fix
+    )
+    (b / "adapter_config.json").unlink()
+    (finding,) = doctor([a, b], use_config=False).by_rule("seed-unfixed")
+    assert finding.evidence["adapter"] is False and "LoRA" not in finding.message
+
+
 def test_model_configs_that_differ_anywhere_are_different_setups(tmp_path):
     """Two checkpoints of one architecture told apart by their token ids only; dtype and dropout are not
     the model's identity."""
@@ -550,6 +569,55 @@ def test_real_trainer_run(real_run):
         {**f.to_dict(), "evidence": {**f.evidence, "run": same.stats["runs"][0]["run"]}}
         for f in report.findings
     ]
+
+
+def lora_runs(root: Path, *, seeded: bool) -> list[Path]:
+    """Two LoRA runs of one command on the fine-tuned tiny model (a plain Trainer, the adapter built with
+    get_peft_model before it, as most scripts do), each with a checkpoint; ``seeded``: transformers.set_seed(0) right before get_peft_model. Between
+    them the process's generator moves on, as a new process's differs."""
+    import torch
+    from dist import tinytrain as tt
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+
+    from hf_sanity.testing import trained_model_dir
+
+    folder = trained_model_dir("clean")  # a model that already answers: the adapter moves its loss
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    outs = []
+    try:
+        for name in ("first", "second"):
+            model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+            if seeded:
+                set_seed(0)
+            model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+            out = root / name
+            trainer = tt.trainer(out, model=model, tok=tok, max_steps=30, logging_steps=1, learning_rate=2e-2,
+                                 save_strategy="steps", save_steps=30, save_only_model=True)  # fmt: skip
+            trainer.train()
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    return outs
+
+
+@pytest.mark.planted("seed-unfixed")
+def test_two_lora_runs_of_one_command_differ_when_the_adapter_is_built_unseeded(tmp_path):
+    first, second = lora_runs(tmp_path, seeded=False)
+    (finding,) = doctor([first, second], use_config=False).by_rule("seed-unfixed")
+    assert finding.evidence["adapter"] is True and finding.evidence["seeds"] == {
+        str(first): 0,
+        str(second): 0,
+    }
+    assert "LoRA weights are drawn when it is built" in finding.message
+
+
+@pytest.mark.clean("seed-unfixed")
+def test_two_lora_runs_seeded_before_the_adapter_is_built_agree(tmp_path):
+    first, second = lora_runs(tmp_path, seeded=True)
+    report = doctor([first, second], use_config=False)
+    assert report.by_rule("seed-unfixed") == [] and all(read_run(r).adapter for r in (first, second))
 
 
 def test_real_trainer_run_records_its_arguments(real_run):

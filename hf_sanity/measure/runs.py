@@ -28,6 +28,9 @@ STATE = "trainer_state.json"
 ARGS_FILES = ("training_args.json", "args.json")
 ARGS_BIN = "training_args.bin"
 CALLBACK_REPORT = Path("hf-sanity") / "report.json"  # where SanityCallback writes its report in output_dir
+ADAPTER_CONFIG = (
+    "adapter_config.json"  # a PEFT adapter saved beside the state (Trainer's checkpoint of a PeftModel)
+)
 RUN_HELP = "pass a trainer_state.json, a checkpoint folder or a Trainer output_dir"
 
 
@@ -45,6 +48,7 @@ class Run:
     callback_report: Path | None = None  # SanityCallback's report.json, when it watched this run
     callback_findings: list[FindingRecord] = field(default_factory=list)  # the findings it holds, as written
     missing: str | None = None  # what could not be read and so was not analysed, in one line
+    adapter: bool = False  # a PEFT adapter's config is saved beside the state: the run trained an adapter
 
     @property
     def has_loss(self) -> bool:
@@ -211,6 +215,8 @@ def read_run(path: str | Path) -> Run:
             if isinstance(data, dict):
                 model_config = data
                 files.append(str(config_path))
+    adapters = [str(side / ADAPTER_CONFIG) for side in folders if (side / ADAPTER_CONFIG).is_file()]
+    files += adapters[:1]
     args = _read_args(folders, files)
     callback_report, callback_record = _read_callback_report(folders)
     if callback_report is not None:
@@ -235,7 +241,7 @@ def read_run(path: str | Path) -> Run:
     return Run(
         str(path), state_path, state, curves, model_config, args, files, callback_report,
         callback_record.findings if callback_record is not None else [],
-        missing,
+        missing, bool(adapters),
     )  # fmt: skip
 
 
@@ -382,6 +388,7 @@ class RunDescription:
     hyperparameters: dict[str, Any]
     curves: Curves
     objective: str = "sft"  # the objective's kind (`measure.objective`): runs are compared within one kind
+    adapter: bool = False  # it trained a PEFT adapter (its config saved beside the state)
 
     @property
     def learning_rate(self) -> tuple[float | None, str | None]:
@@ -409,7 +416,7 @@ def canonical(value: Any) -> Any:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def describe(run: Any, objective: str = "sft") -> RunDescription:
+def describe(run: Run, objective: str = "sft") -> RunDescription:
     """Split what a run records (``run.state``, ``run.model_config``, ``run.args``, ``run.curves``) into
     setup and hyperparameters; ``objective``: the kind of objective it trained for."""
     setup: dict[str, Any] = {}
@@ -430,7 +437,7 @@ def describe(run: Any, objective: str = "sft") -> RunDescription:
     lrs = [lr for lr in run.curves.lr if math.isfinite(lr)]
     if lrs:
         hyper["peak_learning_rate"] = float(f"{max(lrs):.6g}")
-    return RunDescription(run.label, setup, hyper, run.curves, objective)
+    return RunDescription(run.label, setup, hyper, run.curves, objective, adapter=run.adapter)
 
 
 @dataclass

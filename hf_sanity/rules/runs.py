@@ -69,8 +69,10 @@ SEED_UNFIXED = define(
     "are read from training_args.bin (inert: no code of the file runs) and a training_args.json / args.json; "
     "runs whose recorded seeds differ are not compared, runs whose model configs differ are different setups. "
     "The message says whether the seed was the same (then the cause is unrecorded data or weights, or "
-    "nondeterministic kernels) or is unknown.",
-    fix="Set the seed (TrainingArguments(seed=..., data_seed=...)) and enable full determinism when comparing runs.",
+    "nondeterministic kernels) or is unknown; where both runs saved a PEFT adapter (adapter_config.json beside "
+    "the state), it names the adapter's weights drawn before the trainer seeds the run (`evidence.adapter`).",
+    fix="Set the seed (TrainingArguments(seed=..., data_seed=...)) and enable full determinism when comparing runs; "
+    "with an adapter, seed before it is built (transformers.set_seed before get_peft_model).",
 )
 
 HYPERPARAMETER_CHURN = define(
@@ -263,6 +265,19 @@ def _curve_gap(a: Curves, b: Curves) -> dict[str, float] | None:
     return {"gap": gap, "level": level, "noise": spread, "common_steps": len(common), "differs": differs}
 
 
+# Both runs trained a PEFT adapter: its weights are drawn when it is built, and built before the trainer seeds the
+# run (get_peft_model before Trainer(...): Trainer seeds in its __init__) they come from torch's generator as the
+# process left it, which torch seeds differently in every process.
+ADAPTER_CAUSE = (
+    "both trained an adapter, whose LoRA weights are drawn when it is built: built before the trainer seeds the "
+    "run (get_peft_model before Trainer(...), or TRL 0.24's peft_config), they differ from process to process"
+)
+ADAPTER_FIX = (
+    "Seed before the adapter is built: transformers.set_seed(seed) before get_peft_model, or "
+    "Trainer(model_init=...)."
+)
+
+
 def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
     """Runs with one configuration (the same readable setup and hyperparameters, every field recorded by
     one recorded by the other) whose train curves differ beyond noise. Runs whose recorded seeds differ
@@ -289,23 +304,27 @@ def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
         differ = f"their train losses differ by {gap['gap'] / gap['level']:.1%} of the level at the median common step"
         if gap["noise"] > 0:
             differ += f" ({gap['gap'] / gap['noise']:.1f}x the step-to-step noise)"
+        adapter = a.adapter and b.adapter
         if seed is not None:
             message = (
                 f"{a.label} and {b.label} have one readable configuration and the same seed {seed}, yet {differ}: "
-                "something the files do not record differs (the data, the initial weights) or the kernels "
+                + (ADAPTER_CAUSE + "; else " if adapter else "")
+                + "something the files do not record differs (the data, the initial weights) or the kernels "
                 "are not deterministic"
             )
             fix = (
                 f"The seed is fixed ({seed}): set TrainingArguments(full_determinism=True) for deterministic "
                 "kernels, and check that both runs read the same data and start from the same weights."
             )
+            if adapter:
+                fix = f"{ADAPTER_FIX} {fix}"
         else:
             message = (
                 f"{a.label} and {b.label} have one readable configuration but {differ}; their seeds are unknown "
                 f"(none of {', '.join(ARGS_NAMES)} beside the state records one), so an unfixed seed is one "
-                "possible cause"
+                "possible cause" + (f"; {ADAPTER_CAUSE}" if adapter else "")
             )
-            fix = None
+            fix = ADAPTER_FIX if adapter else None
         findings.append(
             SEED_UNFIXED.finding(
                 message,
@@ -319,6 +338,7 @@ def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
                     "common_steps": gap["common_steps"],
                     "seeds": seeds,
                     "differing_pairs": len(pairs),
+                    "adapter": adapter,
                 },
             )
         )
