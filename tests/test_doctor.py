@@ -571,15 +571,18 @@ def test_real_trainer_run(real_run):
     ]
 
 
-def lora_runs(root: Path, *, seeded: bool) -> list[Path]:
+def lora_runs(root: Path, *, seeded: bool, watched: bool = False, reordered: bool = False) -> list[Path]:
     """Two LoRA runs of one command on the fine-tuned tiny model (a plain Trainer, the adapter built with
-    get_peft_model before it, as most scripts do), each with a checkpoint; ``seeded``: transformers.set_seed(0) right before get_peft_model. Between
-    them the process's generator moves on, as a new process's differs."""
+    get_peft_model before it, as most scripts do), each with a checkpoint. ``seeded``: transformers.set_seed(0)
+    right before get_peft_model (between the runs the process's generator moves on, as a new process's differs);
+    ``watched``: a SanityCallback on each; ``reordered``: the second reads the same rows in another order (the
+    files record nothing of the data)."""
     import torch
     from dist import tinytrain as tt
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
 
+    from hf_sanity.callback import SanityCallback
     from hf_sanity.testing import trained_model_dir
 
     folder = trained_model_dir("clean")  # a model that already answers: the adapter moves its loss
@@ -592,9 +595,14 @@ def lora_runs(root: Path, *, seeded: bool) -> list[Path]:
             if seeded:
                 set_seed(0)
             model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+            data = tt.rows(tok)
+            if reordered and name == "second":
+                data = data[16:] + data[:16]
+            callbacks = [SanityCallback(use_config=False, print_findings=False)] if watched else []
             out = root / name
-            trainer = tt.trainer(out, model=model, tok=tok, max_steps=30, logging_steps=1, learning_rate=2e-2,
-                                 save_strategy="steps", save_steps=30, save_only_model=True)  # fmt: skip
+            trainer = tt.trainer(out, model=model, tok=tok, data=data, callbacks=callbacks, max_steps=30,
+                                 logging_steps=1, learning_rate=2e-2, save_strategy="steps", save_steps=30,
+                                 save_only_model=True)  # fmt: skip
             trainer.train()
             outs.append(out)
     finally:
@@ -611,13 +619,36 @@ def test_two_lora_runs_of_one_command_differ_when_the_adapter_is_built_unseeded(
         str(second): 0,
     }
     assert "LoRA weights are drawn when it is built" in finding.message
+    assert finding.evidence["start_weights"] == {
+        str(first): None,
+        str(second): None,
+    }  # not watched: not measured
+
+
+@pytest.mark.planted("seed-unfixed")
+def test_watched_runs_say_whether_they_started_from_the_same_weights(tmp_path):
+    """SanityCallback's digest of the trainable weights at step 0 turns the likely cause into a measured one:
+    unseeded adapters start apart; seeded ones start alike, and a second run that reads the rows in another
+    order still differs, with the data named."""
+    first, second = lora_runs(tmp_path / "unseeded", seeded=False, watched=True)
+    (finding,) = doctor([first, second], use_config=False).by_rule("seed-unfixed")
+    starts = finding.evidence["start_weights"]
+    assert None not in starts.values() and len(set(starts.values())) == 2
+    assert "their trainable weights differed at step 0" in finding.message and "LoRA" in finding.message
+    assert finding.fix.startswith("Seed before the adapter is built")
+    first, second = lora_runs(tmp_path / "reordered", seeded=True, watched=True, reordered=True)
+    (finding,) = doctor([first, second], use_config=False).by_rule("seed-unfixed")
+    assert len(set(finding.evidence["start_weights"].values())) == 1
+    assert "started from the same trainable weights" in finding.message and "LoRA" not in finding.message
+    assert "same data in the same order" in finding.fix
 
 
 @pytest.mark.clean("seed-unfixed")
 def test_two_lora_runs_seeded_before_the_adapter_is_built_agree(tmp_path):
-    first, second = lora_runs(tmp_path, seeded=True)
+    first, second = lora_runs(tmp_path, seeded=True, watched=True)
     report = doctor([first, second], use_config=False)
     assert report.by_rule("seed-unfixed") == [] and all(read_run(r).adapter for r in (first, second))
+    assert read_run(first).start_weights == read_run(second).start_weights is not None
 
 
 def test_real_trainer_run_records_its_arguments(real_run):

@@ -49,6 +49,9 @@ class Run:
     callback_findings: list[FindingRecord] = field(default_factory=list)  # the findings it holds, as written
     missing: str | None = None  # what could not be read and so was not analysed, in one line
     adapter: bool = False  # a PEFT adapter's config is saved beside the state: the run trained an adapter
+    start_weights: str | None = (
+        None  # SanityCallback's digest of the trainable weights at step 0, where it watched
+    )
 
     @property
     def has_loss(self) -> bool:
@@ -241,8 +244,13 @@ def read_run(path: str | Path) -> Run:
     return Run(
         str(path), state_path, state, curves, model_config, args, files, callback_report,
         callback_record.findings if callback_record is not None else [],
-        missing, bool(adapters),
+        missing, bool(adapters), _start_weights(callback_record),
     )  # fmt: skip
+
+
+def _start_weights(record: ReportRecord | None) -> str | None:
+    value = record.stats.get("start_weights") if record is not None else None
+    return value if isinstance(value, str) else None
 
 
 def _counted(state: dict[str, Any]) -> bool:
@@ -389,6 +397,7 @@ class RunDescription:
     curves: Curves
     objective: str = "sft"  # the objective's kind (`measure.objective`): runs are compared within one kind
     adapter: bool = False  # it trained a PEFT adapter (its config saved beside the state)
+    start_weights: str | None = None  # the digest of its trainable weights at step 0 (SanityCallback's)
 
     @property
     def learning_rate(self) -> tuple[float | None, str | None]:
@@ -437,7 +446,7 @@ def describe(run: Run, objective: str = "sft") -> RunDescription:
     lrs = [lr for lr in run.curves.lr if math.isfinite(lr)]
     if lrs:
         hyper["peak_learning_rate"] = float(f"{max(lrs):.6g}")
-    return RunDescription(run.label, setup, hyper, run.curves, objective, adapter=run.adapter)
+    return RunDescription(run.label, setup, hyper, run.curves, objective, run.adapter, run.start_weights)
 
 
 @dataclass

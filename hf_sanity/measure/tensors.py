@@ -140,3 +140,33 @@ def logits_of(output):
     if logits is None and isinstance(output, torch.Tensor):
         logits = output
     return logits
+
+
+FINGERPRINT_ELEMENTS = 16  # elements of each trainable tensor sampled, evenly spaced
+
+
+def start_fingerprint(model) -> str | None:
+    """A short digest of the trainable weights as they are (evenly spaced elements of each and its last one, in
+    parameter order; the last catches rows appended to an embedding):
+    two runs whose digests at step 0 differ started from different weights (a LoRA drawn before the seed, new
+    embedding rows). None where a trainable tensor is not a plain local one (sharded, quantized, on the meta
+    device): no digest rather than one of part of the weights."""
+    import hashlib
+
+    import torch
+
+    samples = []
+    for parameter in model.parameters():
+        if not parameter.requires_grad:
+            continue
+        if type(parameter) is not torch.nn.Parameter or type(parameter.data) is not torch.Tensor:
+            return None
+        if parameter.is_meta or parameter.numel() == 0:
+            return None
+        flat = parameter.detach().reshape(-1)
+        samples.append(flat[:: max(1, flat.numel() // FINGERPRINT_ELEMENTS)][:FINGERPRINT_ELEMENTS].float())
+        samples.append(flat[-1:].float())
+    if not samples:
+        return None
+    values = torch.cat([s.to(samples[0].device) for s in samples]).cpu().numpy().tobytes()
+    return hashlib.blake2b(values, digest_size=8).hexdigest()

@@ -70,7 +70,9 @@ SEED_UNFIXED = define(
     "runs whose recorded seeds differ are not compared, runs whose model configs differ are different setups. "
     "The message says whether the seed was the same (then the cause is unrecorded data or weights, or "
     "nondeterministic kernels) or is unknown; where both runs saved a PEFT adapter (adapter_config.json beside "
-    "the state), it names the adapter's weights drawn before the trainer seeds the run (`evidence.adapter`).",
+    "the state), it names the adapter's weights drawn before the trainer seeds the run (`evidence.adapter`). Where "
+    "SanityCallback watched both runs from step 0, its digest of their trainable weights then says which: "
+    "different starting weights, or the same start and so the data or the kernels (`evidence.start_weights`).",
     fix="Set the seed (TrainingArguments(seed=..., data_seed=...)) and enable full determinism when comparing runs; "
     "with an adapter, seed before it is built (transformers.set_seed before get_peft_model).",
 )
@@ -305,7 +307,32 @@ def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
         if gap["noise"] > 0:
             differ += f" ({gap['gap'] / gap['noise']:.1f}x the step-to-step noise)"
         adapter = a.adapter and b.adapter
-        if seed is not None:
+        starts = {a.start_weights, b.start_weights}
+        if None not in starts:  # SanityCallback watched both from step 0: where they started is measured
+            same_start = len(starts) == 1
+            message = (
+                f"{a.label} and {b.label} have one readable configuration"
+                + (f" and the same seed {seed}" if seed is not None else "")
+                + f", yet {differ}: "
+                + (
+                    "they started from the same trainable weights (SanityCallback's digest at step 0), so the "
+                    "data they read, its order, or nondeterministic kernels differ"
+                    if same_start
+                    else "their trainable weights differed at step 0 (SanityCallback's digests "
+                    f"{a.start_weights} and {b.start_weights}): they started from different weights"
+                    + (f"; {ADAPTER_CAUSE}" if adapter else "")
+                )
+            )
+            fix = (
+                "Check that both runs read the same data in the same order (data_seed), and set "
+                "TrainingArguments(full_determinism=True) for deterministic kernels."
+                if same_start
+                else ADAPTER_FIX
+                if adapter
+                else "Seed before any weight is drawn (transformers.set_seed before building an adapter, a new "
+                "head or new embedding rows), or load the same starting weights in both runs."
+            )
+        elif seed is not None:
             message = (
                 f"{a.label} and {b.label} have one readable configuration and the same seed {seed}, yet {differ}: "
                 + (ADAPTER_CAUSE + "; else " if adapter else "")
@@ -339,6 +366,7 @@ def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
                     "seeds": seeds,
                     "differing_pairs": len(pairs),
                     "adapter": adapter,
+                    "start_weights": {run.label: run.start_weights for run in (a, b)},
                 },
             )
         )

@@ -40,6 +40,11 @@ def watch(callback, args, state, model=None, optimizer=None) -> None:
         callback.model = getattr(callback.trainer, "model", None) or model
         sink.output_dir = Path(args.output_dir or ".") / "hf-sanity"
         sink.annotate = lambda finding: callback.held.attach(finding, sink.save_batch)
+    with sink.guard("callback-setup"):  # what the run starts from: doctor tells two runs' starts apart by it
+        if sink.is_main and state.global_step == 0 and callback.model is not None:
+            from hf_sanity.measure.tensors import start_fingerprint
+
+            sink.report.stats["start_weights"] = start_fingerprint(callback.model)
     with sink.guard("callback-sampler"):  # the model-side measurements: the rest runs without them
         callback.sampler = StepSampler(
             callback.trainer, callback.model, optimizer or getattr(callback.trainer, "optimizer", None), args,
