@@ -651,6 +651,23 @@ def test_two_lora_runs_seeded_before_the_adapter_is_built_agree(tmp_path):
     assert read_run(first).start_weights == read_run(second).start_weights is not None
 
 
+def test_the_start_weights_digest_tells_weights_apart_and_never_digests_part_of_them():
+    import torch
+
+    from hf_sanity.measure.tensors import start_fingerprint
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(1000, 8)
+    same = torch.nn.Embedding(1000, 8)
+    same.load_state_dict(embedding.state_dict())
+    assert start_fingerprint(embedding) == start_fingerprint(same) is not None
+    with torch.no_grad():
+        same.weight[-1, -1] += 1.0  # a row appended at the end, as resize_token_embeddings draws it
+    assert start_fingerprint(same) != start_fingerprint(embedding)
+    assert start_fingerprint(torch.nn.Linear(4, 3, device="meta")) is None  # not materialised
+    assert start_fingerprint(torch.nn.Linear(4, 3).requires_grad_(False)) is None  # nothing trainable
+
+
 def test_real_trainer_run_records_its_arguments(real_run):
     run = read_run(real_run)
     assert str(real_run / "checkpoint-12" / "training_args.bin") in run.files

@@ -163,7 +163,9 @@ def start_fingerprint(model) -> str | None:
             return None
         if parameter.is_meta or parameter.numel() == 0:
             return None
-        flat = parameter.detach().reshape(-1)
+        # A view, never a copy of a large tensor: a non-contiguous one (rare) is sampled along its first row.
+        flat = parameter.detach()
+        flat = flat.view(-1) if flat.is_contiguous() else flat[(0,) * (flat.dim() - 1)]
         samples.append(flat[:: max(1, flat.numel() // FINGERPRINT_ELEMENTS)][:FINGERPRINT_ELEMENTS].float())
         samples.append(flat[-1:].float())
     if not samples:
