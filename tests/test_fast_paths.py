@@ -620,7 +620,8 @@ def test_the_strided_sample_of_a_large_tensor_reads_its_update_ratio():
     trained: a sample of the first rows would read no update at all)."""
     import torch
 
-    from hf_sanity.training.measures import UPDATE_SAMPLE_ELEMENTS, strided, update_ratio, update_squares
+    from hf_sanity.measure.tensors import strided
+    from hf_sanity.training.measures import UPDATE_SAMPLE_ELEMENTS, update_ratio, update_squares
 
     gen = torch.Generator().manual_seed(0)
     weights = torch.randn(1024, 256, generator=gen) * 0.02  # 8x the sample

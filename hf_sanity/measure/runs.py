@@ -28,9 +28,8 @@ STATE = "trainer_state.json"
 ARGS_FILES = ("training_args.json", "args.json")
 ARGS_BIN = "training_args.bin"
 CALLBACK_REPORT = Path("hf-sanity") / "report.json"  # where SanityCallback writes its report in output_dir
-ADAPTER_CONFIG = (
-    "adapter_config.json"  # a PEFT adapter saved beside the state (Trainer's checkpoint of a PeftModel)
-)
+# A PEFT adapter saved beside the state (Trainer's checkpoint of a PeftModel).
+ADAPTER_CONFIG = "adapter_config.json"
 RUN_HELP = "pass a trainer_state.json, a checkpoint folder or a Trainer output_dir"
 
 
@@ -49,9 +48,8 @@ class Run:
     callback_findings: list[FindingRecord] = field(default_factory=list)  # the findings it holds, as written
     missing: str | None = None  # what could not be read and so was not analysed, in one line
     adapter: bool = False  # a PEFT adapter's config is saved beside the state: the run trained an adapter
-    start_weights: str | None = (
-        None  # SanityCallback's digest of the trainable weights at step 0, where it watched
-    )
+    # SanityCallback's digest of the trainable weights at step 0, where it watched the run from its start.
+    start_weights: str | None = None
 
     @property
     def has_loss(self) -> bool:

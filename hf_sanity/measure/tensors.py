@@ -142,15 +142,23 @@ def logits_of(output):
     return logits
 
 
+def strided(tensor, most: int):
+    """``tensor`` itself, or an evenly strided view of at most ``most`` of its elements (a contiguous one)."""
+    n = tensor.numel()
+    if n <= most or not tensor.is_contiguous():
+        return tensor
+    return tensor.detach().view(-1)[:: -(-n // most)]
+
+
 FINGERPRINT_ELEMENTS = 16  # elements of each trainable tensor sampled, evenly spaced
 
 
 def start_fingerprint(model) -> str | None:
     """A short digest of the trainable weights as they are (evenly spaced elements of each and its last one, in
-    parameter order; the last catches rows appended to an embedding):
-    two runs whose digests at step 0 differ started from different weights (a LoRA drawn before the seed, new
-    embedding rows). None where a trainable tensor is not a plain local one (sharded, quantized, on the meta
-    device): no digest rather than one of part of the weights."""
+    parameter order; the last catches rows appended to an embedding): two runs whose digests at step 0 differ
+    started from different weights (a LoRA drawn before the seed, new embedding rows). None where a trainable
+    tensor is not a plain local one (sharded, quantized, on the meta device): no digest rather than one of part
+    of the weights."""
     import hashlib
 
     import torch
@@ -166,8 +174,7 @@ def start_fingerprint(model) -> str | None:
         # A view, never a copy of a large tensor: a non-contiguous one (rare) is sampled along its first row.
         flat = parameter.detach()
         flat = flat.view(-1) if flat.is_contiguous() else flat[(0,) * (flat.dim() - 1)]
-        samples.append(flat[:: max(1, flat.numel() // FINGERPRINT_ELEMENTS)][:FINGERPRINT_ELEMENTS].float())
-        samples.append(flat[-1:].float())
+        samples += [strided(flat, FINGERPRINT_ELEMENTS).float(), flat[-1:].float()]
     if not samples:
         return None
     values = torch.cat([s.to(samples[0].device) for s in samples]).cpu().numpy().tobytes()

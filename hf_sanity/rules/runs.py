@@ -323,15 +323,18 @@ def seed_unfixed(runs: list[RunDescription]) -> list[Finding]:
                     + (f"; {ADAPTER_CAUSE}" if adapter else "")
                 )
             )
-            fix = (
-                "Check that both runs read the same data in the same order (data_seed), and set "
-                "TrainingArguments(full_determinism=True) for deterministic kernels."
-                if same_start
-                else ADAPTER_FIX
-                if adapter
-                else "Seed before any weight is drawn (transformers.set_seed before building an adapter, a new "
-                "head or new embedding rows), or load the same starting weights in both runs."
-            )
+            if same_start:
+                fix = (
+                    "Check that both runs read the same data in the same order (data_seed), and set "
+                    "TrainingArguments(full_determinism=True) for deterministic kernels."
+                )
+            elif adapter:
+                fix = ADAPTER_FIX
+            else:
+                fix = (
+                    "Seed before any weight is drawn (transformers.set_seed before building an adapter, a new "
+                    "head or new embedding rows), or load the same starting weights in both runs."
+                )
         elif seed is not None:
             message = (
                 f"{a.label} and {b.label} have one readable configuration and the same seed {seed}, yet {differ}: "

@@ -16,6 +16,7 @@ from typing import Any
 
 from hf_sanity.constants import IGNORE_INDEX
 from hf_sanity.measure.objective import SFT_OBJECTIVE
+from hf_sanity.measure.tensors import strided
 from hf_sanity.training import shards
 from hf_sanity.training.shards import full_numel, local_tensor, squares
 
@@ -56,14 +57,6 @@ def spread(items: Sequence[Any], n: int) -> list[Any]:
     if len(items) <= n:
         return list(items)
     return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)]
-
-
-def strided(tensor, most: int):
-    """``tensor`` itself, or an evenly strided view of at most ``most`` of its elements (a contiguous one)."""
-    n = tensor.numel()
-    if n <= most or not tensor.is_contiguous():
-        return tensor
-    return tensor.detach().view(-1)[:: -(-n // most)]
 
 
 def snapshot(parts: Sequence[Any], into: Sequence[Any] | None = None) -> list[Any]:
